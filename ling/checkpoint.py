@@ -1,0 +1,307 @@
+"""Checkpoint I/O: hub-layout safetensors in, orbax out and back.
+
+The hub layout is described once, as a plan from each model parameter to the hub tensors it is
+built from (`hub_plan`). Loading reads tensor by tensor (safetensors maps the files; each
+parameter is assembled in one host buffer and handed to the device before the next one is
+read), checks every name and shape first, and fails naming the tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from tqdm import tqdm
+
+from ling.config import DENSE, KDA, ModelConfig
+
+
+class CheckpointError(ValueError):
+    """A tensor is missing, unexpected or mis-shaped; the message names it."""
+
+
+Path = tuple  # a parameter path in the model, e.g. ("layers", 0, "attention", "q_proj", "kernel")
+
+
+@dataclasses.dataclass
+class Source:
+    """How one model parameter is built from hub tensors: their names and hub shapes, and a
+    function of a reader (name -> np.ndarray) that assembles the parameter."""
+
+    shapes: dict[str, tuple[int, ...]]
+    build: Callable[[Callable[[str], np.ndarray]], np.ndarray]
+
+
+class _Names:
+    """Resolves a hub tensor name among alternatives (real checkpoints differ in a few names)."""
+
+    def __init__(self, available: set[str]):
+        self.available = available
+
+    def __call__(self, *alternatives: str) -> str:
+        for name in alternatives:
+            if name in self.available:
+                return name
+        return alternatives[0]  # reported as missing
+
+
+def _linear(name: str, d_in: int, d_out: int) -> Source:  # torch [out, in] -> kernel [in, out]
+    return Source({name: (d_out, d_in)}, lambda read: read(name).T)
+
+
+def _vector(name: str, n: int, hub_shape=None) -> Source:
+    return Source({name: hub_shape or (n,)}, lambda read: read(name).reshape(n))
+
+
+def _conv(names: list[str], c: int, w: int) -> Source:  # three [C, 1, W] -> [3C, W]
+    return Source({n: (c, 1, w) for n in names}, lambda read: np.concatenate([read(n)[:, 0] for n in names]))
+
+
+def _experts_w13(gate: list[str], up: list[str], d: int, inter: int) -> Source:
+    """Per-expert gate/up [I, D] -> w13 [E, D, 2I], gate and up interleaved column by column."""
+
+    def build(read):
+        out = None
+        for e, (g, u) in enumerate(zip(gate, up)):
+            pair = np.stack([read(g).T, read(u).T], axis=-1).reshape(d, 2 * inter)
+            if out is None:
+                out = np.empty((len(gate), d, 2 * inter), pair.dtype)
+            out[e] = pair
+        return out
+
+    return Source({n: (inter, d) for n in gate + up}, build)
+
+
+def _experts_w2(down: list[str], d: int, inter: int) -> Source:
+    def build(read):
+        out = None
+        for e, n in enumerate(down):
+            w = read(n).T  # [I, D]
+            if out is None:
+                out = np.empty((len(down), inter, d), w.dtype)
+            out[e] = w
+        return out
+
+    return Source({n: (d, inter) for n in down}, build)
+
+
+def _layer_plan(cfg: ModelConfig, i: int, name: _Names, nextn: bool) -> dict[Path, Source]:
+    kimi = cfg.model_type == "kimi_linear"
+    pre = f"model.layers.{i}."
+    attn = pre + ("self_attn." if kimi else "attention.")
+    d, c, h = cfg.hidden_size, cfg.kda_dim, cfg.kda_num_heads
+    me = ("layers", i) if not nextn else ("nextn", "layer")
+    plan: dict[Path, Source] = {
+        me + ("input_layernorm", "weight"): _vector(pre + "input_layernorm.weight", d),
+        me + ("post_attention_layernorm", "weight"): _vector(pre + "post_attention_layernorm.weight", d),
+    }
+    a = me + ("attention",)
+    out_proj = name(attn + "dense.weight", attn + "o_proj.weight")
+    kind = "mla" if nextn else cfg.layer_types[i]
+    if kind == KDA:
+        for p in ("q_proj", "k_proj", "v_proj"):
+            plan[a + (p, "kernel")] = _linear(attn + p + ".weight", d, c)
+        plan[a + ("conv_weight",)] = _conv([attn + f"{p}_conv1d.weight" for p in "qkv"], c, cfg.conv_size)
+        if kimi:
+            kd = cfg.kda_head_dim
+            plan[a + ("f_a_proj", "kernel")] = _linear(attn + "f_a_proj.weight", d, kd)
+            plan[a + ("f_b_proj", "kernel")] = _linear(attn + "f_b_proj.weight", kd, c)
+            plan[a + ("g_a_proj", "kernel")] = _linear(attn + "g_a_proj.weight", d, kd)
+            plan[a + ("g_b_proj", "kernel")] = _linear(attn + "g_b_proj.weight", kd, c)
+            plan[a + ("A_log",)] = _vector(attn + "A_log", h, (1, 1, h, 1))
+        else:
+            plan[a + ("f_proj", "kernel")] = _linear(attn + "f_proj.weight", d, c)
+            plan[a + ("g_proj", "kernel")] = _linear(attn + "g_proj.weight", d, c)
+            plan[a + ("A_log",)] = _vector(attn + "A_log", h)
+        plan[a + ("dt_bias",)] = _vector(attn + "dt_bias", c)
+        plan[a + ("b_proj", "kernel")] = _linear(attn + "b_proj.weight", d, h)
+        plan[a + ("o_norm",)] = _vector(attn + "o_norm.weight", cfg.kda_head_dim)
+        plan[a + ("o_proj", "kernel")] = _linear(out_proj, c, d)
+    else:
+        nh = cfg.num_attention_heads
+        plan[a + ("q_proj", "kernel")] = _linear(attn + "q_proj.weight", d, nh * cfg.qk_head_dim)
+        plan[a + ("kv_a_proj_with_mqa", "kernel")] = _linear(
+            attn + "kv_a_proj_with_mqa.weight", d, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        plan[a + ("kv_a_layernorm", "weight")] = _vector(attn + "kv_a_layernorm.weight", cfg.kv_lora_rank)
+        plan[a + ("kv_b_proj", "kernel")] = _linear(
+            attn + "kv_b_proj.weight", cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        if cfg.mla_output_gate:
+            plan[a + ("g_proj", "kernel")] = _linear(attn + "g_proj.weight", d, nh)
+        plan[a + ("o_proj", "kernel")] = _linear(out_proj, nh * cfg.v_head_dim, d)
+
+    m = me + ("mlp",)
+    if not nextn and cfg.mlp_types[i] == DENSE:
+        mlp = name(pre + "mlp.gate_proj.weight", pre + "block_sparse_moe.gate_proj.weight")[: -len("gate_proj.weight")]
+        for p, (di, do) in {"gate_proj": (d, cfg.intermediate_size), "up_proj": (d, cfg.intermediate_size),
+                            "down_proj": (cfg.intermediate_size, d)}.items():
+            plan[m + (p, "kernel")] = _linear(mlp + p + ".weight", di, do)
+        return plan
+    mlp = name(pre + "mlp.gate.weight", pre + "block_sparse_moe.gate.weight")[: -len("gate.weight")]
+    e, inter = cfg.num_experts, cfg.moe_intermediate_size
+    plan[m + ("gate_weight",)] = Source({mlp + "gate.weight": (e, d)}, lambda read, n=mlp + "gate.weight": read(n))
+    plan[m + ("expert_bias",)] = _vector(name(mlp + "gate.expert_bias", mlp + "gate.e_score_correction_bias"), e)
+    gate_n, up_n, down_n = ("w1", "w3", "w2") if kimi else ("gate_proj", "up_proj", "down_proj")
+    ex = [f"{mlp}experts.{j}." for j in range(e)]
+    plan[m + ("w13",)] = _experts_w13([p + gate_n + ".weight" for p in ex], [p + up_n + ".weight" for p in ex], d, inter)
+    plan[m + ("w2",)] = _experts_w2([p + down_n + ".weight" for p in ex], d, inter)
+    if cfg.num_shared_experts:
+        si = inter * cfg.num_shared_experts
+        for p, (di, do) in {"gate_proj": (d, si), "up_proj": (d, si), "down_proj": (si, d)}.items():
+            plan[m + ("shared_experts", p, "kernel")] = _linear(f"{mlp}shared_experts.{p}.weight", di, do)
+    return plan
+
+
+def hub_plan(cfg: ModelConfig, available: set[str], with_nextn: bool) -> dict[Path, Source]:
+    """Every model parameter's source in a hub checkpoint holding the names `available`."""
+    name = _Names(available)
+    d, v = cfg.hidden_size, cfg.vocab_size
+    plan: dict[Path, Source] = {
+        ("embed_tokens",): Source({(n := name("model.word_embeddings.weight", "model.embed_tokens.weight")): (v, d)},
+                                  lambda read: read(n)),
+        ("norm", "weight"): _vector("model.norm.weight", d),
+    }
+    if not cfg.tie_word_embeddings:
+        plan[("lm_head",)] = _linear("lm_head.weight", d, v)
+    for i in range(cfg.num_hidden_layers):
+        plan.update(_layer_plan(cfg, i, name, nextn=False))
+    if with_nextn:
+        pre = f"model.layers.{cfg.num_hidden_layers}."
+        for p in ("enorm", "hnorm", "final_layernorm"):
+            plan[("nextn", p, "weight")] = _vector(pre + p + ".weight", d)
+        plan[("nextn", "eh_proj", "kernel")] = _linear(pre + "eh_proj.weight", 2 * d, d)
+        plan.update(_layer_plan(cfg, cfg.num_hidden_layers, name, nextn=True))
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading hub safetensors
+
+
+class SafetensorsIndex:
+    """The tensors of a hub directory (one model.safetensors or shards with an index), opened lazily."""
+
+    def __init__(self, directory: str):
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.files = {k: os.path.join(directory, v) for k, v in weight_map.items()}
+        else:
+            files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+            if not files:
+                raise CheckpointError(f"{directory}: no *.safetensors files and no model.safetensors.index.json")
+            self.files = {}
+            for fname in files:
+                with safe_open(os.path.join(directory, fname), "numpy") as f:
+                    self.files.update({k: os.path.join(directory, fname) for k in f.keys()})
+        self._open: dict[str, object] = {}
+
+    def _handle(self, name: str):
+        path = self.files[name]
+        if path not in self._open:
+            if not os.path.exists(path):
+                raise CheckpointError(f"tensor {name!r}: its shard {path} does not exist")
+            self._open[path] = safe_open(path, "numpy")
+        return self._open[path]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str) -> np.ndarray:
+        return self._handle(name).get_tensor(name)
+
+
+def has_nextn_weights(cfg: ModelConfig, names: set[str]) -> bool:
+    return cfg.num_nextn_layers > 0 and any(n.startswith(f"model.layers.{cfg.num_hidden_layers}.") for n in names)
+
+
+def load_hub(directory: str, cfg: ModelConfig, *, dtype=jnp.bfloat16, progress: bool = True):
+    """Builds the model from a hub directory. Checks every name and shape before reading any data."""
+    from ling.model import LingModel
+
+    index = SafetensorsIndex(directory)
+    available = set(index.files)
+    with_nextn = has_nextn_weights(cfg, available)
+    plan = hub_plan(cfg, available, with_nextn)
+    errors = []
+    for path, src in plan.items():
+        for n, want in src.shapes.items():
+            if n not in available:
+                errors.append(f"missing tensor {n!r} (for parameter {'.'.join(map(str, path))}, shape {want})")
+            elif index.shape(n) != tuple(want):
+                errors.append(f"tensor {n!r} has shape {index.shape(n)}, expected {tuple(want)}")
+    used = {n for src in plan.values() for n in src.shapes}
+    unexpected = sorted(available - used)
+    errors += [f"unexpected tensor {n!r} (shape {index.shape(n)})" for n in unexpected]
+    if errors:
+        raise CheckpointError(f"{directory}: {len(errors)} problem(s):\n  " + "\n  ".join(errors[:20]))
+
+    abstract = nnx.eval_shape(lambda: LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(0), nextn=with_nextn))
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    if set(flat) != set(plan):  # the plan and the model must describe the same parameters
+        raise AssertionError(f"plan/model mismatch: {sorted(set(flat) ^ set(plan), key=str)[:10]}")
+    for path in tqdm(plan, desc=f"loading {os.path.basename(os.path.normpath(directory))}", unit="param",
+                     disable=not progress):
+        var = flat[path]
+        host = plan[path].build(index.read)
+        assert host.shape == var.shape, (path, host.shape, var.shape)
+        var.set_value(jnp.asarray(host, dtype=var.dtype))
+        del host
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+# ----------------------------------------------------------------------------------------------
+# Orbax: the converted format (`ling_config.json` + `params/`)
+
+CONFIG_FILE = "ling_config.json"
+
+
+def is_converted(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, CONFIG_FILE))
+
+
+def save_converted(model, directory: str) -> None:
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    _, state = nnx.split(model)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(os.path.join(directory, "params"), nnx.to_pure_dict(state), force=True)
+    meta = {"config": model.cfg.to_json(), "nextn": model.nextn is not None}
+    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
+        json.dump(meta, f, indent=1)
+
+
+def load_converted(directory: str, *, dtype=None):
+    """Reads a converted checkpoint; dtype None keeps the stored dtypes."""
+    import orbax.checkpoint as ocp
+
+    from ling.model import LingModel
+
+    directory = os.path.abspath(directory)
+    with open(os.path.join(directory, CONFIG_FILE)) as f:
+        meta = json.load(f)
+    from ling.config import ModelConfig
+
+    cfg = ModelConfig.from_json(meta["config"])
+    with ocp.StandardCheckpointer() as ckpt:
+        stored = ckpt.metadata(os.path.join(directory, "params"))
+    stored = getattr(stored, "item_metadata", stored)
+    first = jax.tree_util.tree_leaves(stored)[0]
+    model_dtype = dtype or (first.dtype if hasattr(first, "dtype") else jnp.bfloat16)
+    abstract = nnx.eval_shape(lambda: LingModel(cfg, dtype=model_dtype, rngs=nnx.Rngs(0), nextn=meta["nextn"]))
+    graphdef, state = nnx.split(abstract)
+    target = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
+    with ocp.StandardCheckpointer() as ckpt:
+        params = ckpt.restore(os.path.join(directory, "params"), target)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,53 @@
+"""Norms and rotary embeddings."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe.nn import param
+
+
+def rms_normalize(x, eps: float):
+    """x / rms(x) over the last axis, in fp32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, d: int, eps: float, *, dtype, rngs: nnx.Rngs, axis_name: str = "norm"):
+        self.weight = param(rngs, (d,), (axis_name,), dtype, init="ones")
+        self.eps = eps
+
+    def __call__(self, x):
+        # As transformers: normalise in fp32, round to the input dtype, then scale.
+        return self.weight[...].astype(x.dtype) * rms_normalize(x, self.eps).astype(x.dtype)
+
+
+def gated_rms_norm(x, gate, weight, eps: float):
+    """rmsnorm(x) * weight * sigmoid(gate), all in fp32, rounded once to x's dtype (KDA's output norm)."""
+    y = rms_normalize(x, eps) * weight.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
+    return y.astype(x.dtype)
+
+
+def rope_angles(positions, dim: int, theta: float):
+    """positions [B, T] -> (cos, sin) [B, T, dim // 2] in fp32."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope_interleaved(x, cos, sin):
+    """Rotates interleaved pairs (x0, x1), (x2, x3), ... of x [B, T, ..., P].
+
+    The result is written de-interleaved, [rotated evens | rotated odds], as transformers does: the
+    same permutation applies to queries and keys, so every q.k product equals the interleaved
+    rotation's. cos, sin [B, T, P/2] broadcast over the middle (head) axes.
+    """
+    extra = x.ndim - cos.ndim
+    cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[2:])
+    sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[2:])
+    x1, x2 = x[..., 0::2].astype(jnp.float32), x[..., 1::2].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)

@@ -1,0 +1,94 @@
+"""Multi-head latent attention (MLA) with a latent cache.
+
+  q = W_q x -> [H, nope | rope];  [c | k_r] = W_kva x;  c = rmsnorm(c)  (the latent, R)
+  [k_nope | v]_h = W_kvb,h c;   q_r, k_r rotated (Ling; Kimi uses no RoPE)
+  o_h = softmax(scale (q_nope·k_nope + q_r·k_r)) v;   Ling: o_h *= σ(W_g x)_h;   y = W_o o
+The cache holds, per position, only the normalised latent c [R] and the rotated k_r [P].
+Two forms that agree: `plain` expands the cached latents to keys and values (prefill); `absorbed`
+folds W_UK into the query and W_UV into the output so attention runs over the latent itself
+(decode: R + P numbers read per cached position, shared by all heads).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ling.config import ModelConfig
+from ling.layers import RMSNorm, apply_rope_interleaved, rope_angles
+from moe.nn import Linear
+
+LATENT_NORM_EPS = 1e-6
+
+
+def write_cache(cache, new, lengths):
+    """Writes new [B, T, X] into cache [B, L, X] at positions lengths[b] .. lengths[b] + T - 1."""
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, axis=0))(
+        cache, new, lengths)
+
+
+def causal_mask(positions, cache_len: int):
+    """[B, T, L]: query at positions[b, t] sees cache slots 0..positions[b, t]."""
+    return jnp.arange(cache_len)[None, None, :] <= positions[:, :, None]
+
+
+class MLAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        self.h, self.nope, self.rope, self.vd = h, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.r = cfg.kv_lora_rank
+        self.use_rope, self.theta, self.scale = cfg.mla_rope, cfg.rope_theta, cfg.softmax_scale
+        self.q_proj = Linear(d, h * cfg.qk_head_dim, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(d, self.r + self.rope, ("embed", "kv_lora"), dtype=dtype, rngs=rngs)
+        # The latent norm's eps is 1e-6 in both families, whatever rms_norm_eps says (as transformers).
+        self.kv_a_layernorm = RMSNorm(self.r, LATENT_NORM_EPS, dtype=dtype, rngs=rngs, axis_name="kv_lora")
+        self.kv_b_proj = Linear(self.r, h * (self.nope + self.vd), ("kv_lora", "heads"), dtype=dtype, rngs=rngs)
+        self.g_proj = Linear(d, h, ("embed", "heads"), dtype=dtype, rngs=rngs) if cfg.mla_output_gate else None
+        self.o_proj = Linear(h * self.vd, d, ("heads", "embed"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, latent_cache, rope_cache, lengths, *, form: str):
+        """x [B, T, D]; positions [B, T] = lengths[:, None] + arange(T); caches [B, L, R], [B, L, P].
+        Returns (y [B, T, D], latent_cache, rope_cache) with the T new entries written."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.h, self.nope + self.rope)
+        q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
+        kv = self.kv_a_proj_with_mqa(x)
+        latent, k_rope = self.kv_a_layernorm(kv[..., : self.r]), kv[..., self.r :]  # [B, T, R], [B, T, P]
+        if self.use_rope:
+            cos, sin = rope_angles(positions, self.rope, self.theta)
+            q_rope = apply_rope_interleaved(q_rope, cos, sin)
+            k_rope = apply_rope_interleaved(k_rope, cos, sin)
+        latent_cache = write_cache(latent_cache, latent, lengths)
+        rope_cache = write_cache(rope_cache, k_rope, lengths)
+        mask = causal_mask(positions, latent_cache.shape[1])  # [B, T, L]
+
+        w_kvb = self.kv_b_proj.kernel[...].reshape(self.r, self.h, self.nope + self.vd)
+        w_uk, w_uv = w_kvb[..., : self.nope], w_kvb[..., self.nope :]  # [R, H, nope], [R, H, V]
+        c = latent_cache.astype(x.dtype)
+        if form == "plain":
+            k_nope = jnp.einsum("blr,rhn->blhn", c, w_uk.astype(x.dtype))
+            v = jnp.einsum("blr,rhv->blhv", c, w_uv.astype(x.dtype))
+            scores = (jnp.einsum("bthn,blhn->bhtl", q_nope, k_nope, preferred_element_type=jnp.float32)
+                      + jnp.einsum("bthp,blp->bhtl", q_rope, rope_cache.astype(x.dtype),
+                                   preferred_element_type=jnp.float32))
+            p = _softmax(scores * self.scale, mask).astype(x.dtype)
+            o = jnp.einsum("bhtl,blhv->bthv", p, v, preferred_element_type=jnp.float32)
+        else:
+            q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk.astype(x.dtype), preferred_element_type=jnp.float32)
+            scores = (jnp.einsum("bthr,blr->bhtl", q_lat.astype(x.dtype), c, preferred_element_type=jnp.float32)
+                      + jnp.einsum("bthp,blp->bhtl", q_rope, rope_cache.astype(x.dtype),
+                                   preferred_element_type=jnp.float32))
+            p = _softmax(scores * self.scale, mask).astype(x.dtype)
+            o_lat = jnp.einsum("bhtl,blr->bthr", p, c, preferred_element_type=jnp.float32)
+            o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(x.dtype), w_uv.astype(x.dtype),
+                           preferred_element_type=jnp.float32)
+        o = o.astype(x.dtype)
+        if self.g_proj is not None:
+            o = o * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)).astype(x.dtype)[..., None]
+        return self.o_proj(o.reshape(b, t, self.h * self.vd)), latent_cache, rope_cache
+
+
+def _softmax(scores, mask):  # scores [B, H, T, L] fp32, mask [B, T, L]
+    scores = jnp.where(mask[:, None], scores, -jnp.inf)
+    return jax.nn.softmax(scores, axis=-1)

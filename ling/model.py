@@ -1,0 +1,147 @@
+"""The hybrid decoder: KDA or MLA attention by layer, dense or MoE MLP by layer, and the NEXTN
+draft layer.
+
+A forward takes tokens [B, T] and the state of B slots and returns logits, the final hidden states
+and the new state; prefilling a prompt and then stepping token by token gives the logits of one
+prefill of the whole sequence. `form` picks the algorithm, not the result: "prefill" (chunked KDA,
+plain MLA) or "decode" (recurrent KDA, absorbed MLA); "auto" takes decode up to DECODE_MAX_T tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ling.config import DENSE, KDA, ModelConfig
+from ling.kda import KDAttention
+from ling.layers import RMSNorm
+from ling.mla import MLAttention
+from ling.state import KDAState, MLACache, State
+from moe.block import MoE
+from moe.nn import Linear, SwiGLUMLP, param
+
+DECODE_MAX_T = 16
+
+
+def pick_form(form: str, t: int) -> str:
+    if form == "auto":
+        return "decode" if t <= DECODE_MAX_T else "prefill"
+    if form not in ("prefill", "decode"):
+        raise ValueError(f"form must be 'auto', 'prefill' or 'decode', got {form!r}")
+    return form
+
+
+class DecoderLayer(nnx.Module):
+    """x + attn(norm(x)), then + mlp(norm(x)). `index` selects the attention and MLP kinds and the
+    SwiGLU limits; the NEXTN layer is index num_hidden_layers (MLA + MoE)."""
+
+    def __init__(self, cfg: ModelConfig, index: int, *, dtype, rngs: nnx.Rngs):
+        nextn = index >= cfg.num_hidden_layers
+        self.kind = "mla" if nextn else cfg.layer_types[index]
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+        self.attention = (KDAttention(cfg, dtype=dtype, rngs=rngs) if self.kind == KDA
+                          else MLAttention(cfg, dtype=dtype, rngs=rngs))
+        if not nextn and cfg.mlp_types[index] == DENSE:
+            self.mlp = SwiGLUMLP(d, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = MoE(d, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                           inter=cfg.moe_intermediate_size, num_shared=cfg.num_shared_experts, n_group=cfg.n_group,
+                           topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
+                           norm_topk_prob=cfg.norm_topk_prob, swiglu_limit=cfg.swiglu_limit(index, False),
+                           shared_swiglu_limit=cfg.swiglu_limit(index, True), dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, lengths, cache, *, form: str):
+        h = self.input_layernorm(x)
+        if self.kind == KDA:
+            h, conv, rec = self.attention(h, cache.conv, cache.recurrent,
+                                          form="chunked" if form == "prefill" else "recurrent")
+            cache = KDAState(conv=conv, recurrent=rec)
+        else:
+            h, latent, k_rope = self.attention(h, positions, cache.latent, cache.k_rope, lengths,
+                                               form="plain" if form == "prefill" else "absorbed")
+            cache = MLACache(latent=latent, k_rope=k_rope)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class NextN(nnx.Module):
+    """The NEXTN (MTP) draft layer: h = eh_proj([enorm(emb(tok_{i+1})), hnorm(h_i)]), one decoder
+    layer (MLA + MoE), final_layernorm; the target's embedding and lm_head. Its MLA cache slot and
+    RoPE position for the pair (h_i, tok_{i+1}) is i, the position of h_i."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+        self.hnorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+        self.eh_proj = Linear(2 * d, d, ("embed", "embed"), dtype=dtype, rngs=rngs)
+        self.layer = DecoderLayer(cfg, cfg.num_hidden_layers, dtype=dtype, rngs=rngs)
+        self.final_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+
+    def __call__(self, hidden, next_embeds, cache: MLACache, lengths, *, form: str = "auto"):
+        """hidden [B, T, D] (target final hidden states, after its norm) at positions lengths[b] + t;
+        next_embeds [B, T, D] (embeddings of the tokens one position later). Returns the draft hidden
+        states [B, T, D] (before lm_head) and the new cache."""
+        t = hidden.shape[1]
+        positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+        x = self.eh_proj(jnp.concatenate([self.enorm(next_embeds), self.hnorm(hidden)], axis=-1))
+        x, cache = self.layer(x, positions, lengths, cache, form=pick_form(form, t))
+        return self.final_layernorm(x), cache
+
+
+class LingModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None, nextn: bool | None = None):
+        rngs = rngs or nnx.Rngs(0)
+        self.cfg = cfg
+        self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype))
+        with_nextn = cfg.num_nextn_layers > 0 if nextn is None else nextn
+        self.nextn = NextN(cfg, dtype=dtype, rngs=rngs) if with_nextn else None
+
+    def embed(self, tokens):
+        return jnp.take(self.embed_tokens[...], tokens, axis=0)
+
+    def logits(self, hidden):
+        """hidden [B, T, D] -> logits [B, T, V] in fp32."""
+        w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        return jnp.dot(hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens, state: State, *, form: str = "auto"):
+        """tokens [B, T] appended to every slot. Returns (logits [B, T, V] fp32, hidden [B, T, D], state)."""
+        t = tokens.shape[1]
+        form = pick_form(form, t)
+        positions = state.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+        x = self.embed(tokens)
+        caches = []
+        for layer, cache in zip(self.layers, state.layers):
+            x, cache = layer(x, positions, state.lengths, cache, form=form)
+            caches.append(cache)
+        hidden = self.norm(x)
+        state = state.replace(layers=tuple(caches), lengths=state.lengths + t)
+        return self.logits(hidden), hidden, state
+
+    def draft(self, hidden, next_tokens, cache: MLACache, lengths, *, form: str = "auto"):
+        """One NEXTN step: logits [B, T, V] for the tokens two positions after `hidden`'s, the draft
+        hidden states and the new NEXTN cache."""
+        if self.nextn is None:
+            raise ValueError("this model has no NEXTN layer (the checkpoint holds none)")
+        h, cache = self.nextn(hidden, self.embed(next_tokens), cache, lengths, form=form)
+        return self.logits(h), h, cache
+
+
+def jit_forward(model: LingModel, *, form: str = "auto"):
+    """A pure jitted step (params, tokens, state) -> (logits, hidden, state); the state is donated."""
+    graphdef, params = nnx.split(model)
+
+    @functools.partial(jax.jit, donate_argnums=2)
+    def step(params, tokens, state):
+        return nnx.merge(graphdef, params)(tokens, state, form=form)
+
+    return step, params

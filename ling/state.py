@@ -1,0 +1,60 @@
+"""The per-sequence decoding state: B slots, allocated once and carried through every step.
+
+- KDA layer: conv state [B, W-1, 3C] (the last W-1 projected q|k|v inputs) and the recurrent state
+  [B, H, K, V] in fp32.
+- MLA layer (and the NEXTN layer, which has its own MLA): the latent cache [B, L, R] and the rotated
+  rope-key cache [B, L, P], L = max_seq_len.
+- lengths [B]: tokens already in the state of each slot (the position of the next token).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import struct
+
+from ling.config import ModelConfig
+
+
+@struct.dataclass
+class KDAState:
+    conv: jnp.ndarray  # [B, W-1, 3C]
+    recurrent: jnp.ndarray  # [B, H, K, V] fp32
+
+
+@struct.dataclass
+class MLACache:
+    latent: jnp.ndarray  # [B, L, R]
+    k_rope: jnp.ndarray  # [B, L, P]
+
+
+@struct.dataclass
+class State:
+    layers: tuple  # KDAState or MLACache, one per decoder layer
+    lengths: jnp.ndarray  # [B] int32
+    nextn: MLACache | None = None
+
+    @property
+    def max_len(self) -> int:
+        for layer in self.layers:
+            if isinstance(layer, MLACache):
+                return layer.latent.shape[1]
+        return 1 << 30  # a pure-KDA stack has no length limit
+
+
+def kda_state(cfg: ModelConfig, batch: int, dtype) -> KDAState:
+    return KDAState(
+        conv=jnp.zeros((batch, cfg.conv_size - 1, 3 * cfg.kda_dim), dtype),
+        recurrent=jnp.zeros((batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32),
+    )
+
+
+def mla_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> MLACache:
+    return MLACache(latent=jnp.zeros((batch, max_len, cfg.kv_lora_rank), dtype),
+                    k_rope=jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dtype))
+
+
+def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *, nextn: bool = False) -> State:
+    layers = tuple(kda_state(cfg, batch, dtype) if t == "kda" else mla_cache(cfg, batch, max_len, dtype)
+                   for t in cfg.layer_types)
+    return State(layers=layers, lengths=jnp.zeros((batch,), jnp.int32),
+                 nextn=mla_cache(cfg, batch, max_len, dtype) if nextn else None)

@@ -1,0 +1,63 @@
+"""The MoE block: router, routed experts and the shared expert.
+
+Expert weights are stacked per layer: w13 [E, D, 2I] with gate and up interleaved column by column
+(column 2j is gate j, column 2j+1 is up j, so a fused kernel forms silu(gate) * up from adjacent
+columns), and w2 [E, I, D]. The routed experts run here in plain jnp (`experts_reference`); GPU
+kernels plug in behind the same signature.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe.nn import SwiGLUMLP, param, swiglu
+from moe.router import route
+
+
+def experts_reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None):
+    """y [M, D] = sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x), fp32 accumulation.
+
+    x [M, D]; topk_ids, topk_weights [M, k]; w13 [E, D, 2I] (interleaved); w2 [E, I, D].
+    Pairs (token, slot) are sorted by expert and run as one grouped matmul (`lax.ragged_dot`).
+    """
+    m, k = topk_ids.shape
+    e = w13.shape[0]
+    flat_ids = topk_ids.reshape(-1)  # [M*k]
+    order = jnp.argsort(flat_ids, stable=True)
+    rows = x[order // k]  # [M*k, D] sorted by expert
+    group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
+    h = jax.lax.ragged_dot(rows, w13.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)  # [M*k, 2I]
+    h = swiglu(h[:, 0::2], h[:, 1::2], swiglu_limit).astype(x.dtype)  # [M*k, I]
+    out = jax.lax.ragged_dot(h, w2.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)  # [M*k, D]
+    out = out * topk_weights.reshape(-1)[order, None].astype(jnp.float32)
+    y = jnp.zeros((m, x.shape[1]), jnp.float32).at[order // k].add(out)
+    return y.astype(x.dtype)
+
+
+class MoE(nnx.Module):
+    def __init__(self, d: int, *, num_experts: int, top_k: int, inter: int, num_shared: int, n_group: int,
+                 topk_group: int, routed_scaling_factor: float, norm_topk_prob: bool,
+                 swiglu_limit: float | None, shared_swiglu_limit: float | None, dtype, rngs: nnx.Rngs):
+        # The router stays fp32 (as the checkpoints store it): bf16 scores reorder near-ties.
+        self.gate_weight = param(rngs, (num_experts, d), ("experts", "embed"), jnp.float32)
+        self.expert_bias = param(rngs, (num_experts,), ("experts",), jnp.float32, init="zeros")
+        self.w13 = param(rngs, (num_experts, d, 2 * inter), ("experts", "embed", "mlp"), dtype)
+        self.w2 = param(rngs, (num_experts, inter, d), ("experts", "mlp", "embed"), dtype)
+        self.shared_experts = (SwiGLUMLP(d, inter * num_shared, limit=shared_swiglu_limit, dtype=dtype, rngs=rngs)
+                               if num_shared else None)
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
+        self.swiglu_limit = swiglu_limit
+
+    def __call__(self, x):  # x [B, T, D]
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)
+        weights, ids = route(flat, self.gate_weight[...], self.expert_bias[...], top_k=self.top_k,
+                             n_group=self.n_group, topk_group=self.topk_group,
+                             routed_scaling_factor=self.routed_scaling_factor, norm_topk_prob=self.norm_topk_prob)
+        y = experts_reference(flat, ids, weights, self.w13[...], self.w2[...], swiglu_limit=self.swiglu_limit)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        return y.reshape(b, t, d)

@@ -1,0 +1,64 @@
+"""Parameter-holding building blocks shared by the model (`ling`) and the MoE block.
+
+Every weight is declared once, here or in the module that owns it, with its logical axis names
+(`logical_axes` metadata on the `nnx.Param`), so that an expert-parallel or tensor-parallel layout
+is a table of rules from these names to mesh axes, not a rewrite.
+Logical axes: "vocab", "embed" (hidden D), "mlp" (dense/expert intermediate), "heads" (a flattened
+heads x head-dim projection axis), "kv_lora" (MLA latent), "experts", "norm" (a small per-channel
+vector), "conv" (conv taps).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def param(rngs: nnx.Rngs, shape, axes: tuple[str, ...], dtype, *, init: str = "normal", std: float = 0.02) -> nnx.Param:
+    assert len(axes) == len(shape), (shape, axes)
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=axes)
+
+
+def dot(x, w):
+    """x @ w with fp32 accumulation, rounded once to x's dtype."""
+    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel, kernel [d_in, d_out] (the transpose of a torch Linear weight), no bias."""
+
+    def __init__(self, d_in: int, d_out: int, axes: tuple[str, str], *, dtype, rngs: nnx.Rngs):
+        self.kernel = param(rngs, (d_in, d_out), axes, dtype)
+
+    def __call__(self, x):
+        return dot(x, self.kernel[...])
+
+
+def swiglu(gate, up, limit: float | None = None):
+    """silu(gate) * up, with the optional clamp `min(silu(g), L) * clamp(u, -L, L)`; fp32 inside."""
+    g = jax.nn.silu(gate.astype(jnp.float32))
+    u = up.astype(jnp.float32)
+    if limit is not None:
+        g = jnp.minimum(g, limit)
+        u = jnp.clip(u, -limit, limit)
+    return (g * u).astype(gate.dtype)
+
+
+class SwiGLUMLP(nnx.Module):
+    """down(swiglu(gate(x), up(x))): the dense MLP of the first layers and the shared expert."""
+
+    def __init__(self, d: int, inter: int, *, limit: float | None = None, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(d, inter, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d, inter, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(inter, d, ("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.limit = limit
+
+    def __call__(self, x):
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
