@@ -13,10 +13,10 @@ import numpy as np
 from flax import nnx
 
 from ling.config import ConfigError, ModelConfig, load_config, preset
-from ling.model import LingModel
+from ling.model import LingModel, apply
 from ling.state import State, init_state
 
-__all__ = ["ConfigError", "LingModel", "ModelConfig", "State", "forward", "init_state", "load", "load_config", "preset"]
+__all__ = ["ConfigError", "LingModel", "ModelConfig", "State", "apply", "forward", "init_state", "load", "load_config", "preset"]
 
 
 def _dtype(dtype):
@@ -46,5 +46,5 @@ def forward(model: LingModel, token_ids) -> np.ndarray:
     tokens = jnp.asarray(np.asarray(token_ids, np.int32).reshape(1, -1))
     dtype = model.embed_tokens[...].dtype
     state = init_state(model.cfg, 1, tokens.shape[1], dtype)
-    logits, _, _ = model(tokens, state)
+    logits, _, _ = apply(model, tokens, state)
     return np.asarray(logits[0])

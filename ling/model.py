@@ -136,6 +136,12 @@ class LingModel(nnx.Module):
         return self.logits(h), h, cache
 
 
+@functools.partial(nnx.jit, static_argnames="form")
+def apply(model: LingModel, tokens, state: State, form: str = "auto"):
+    """model(tokens, state) compiled once per (shapes, form): the convenient entry for tests and tools."""
+    return model(tokens, state, form=form)
+
+
 def jit_forward(model: LingModel, *, form: str = "auto"):
     """A pure jitted step (params, tokens, state) -> (logits, hidden, state); the state is donated."""
     graphdef, params = nnx.split(model)

@@ -1,0 +1,37 @@
+"""Convert a hub checkpoint (config.json + safetensors) into the project's orbax format.
+
+    python -m ling.convert --hf /path/to/Ling-3.0-flash --out /path/to/ling-3-flash-orbax [--dtype bfloat16]
+
+The output directory holds `ling_config.json` and `params/`; `ling.load(out)` reads it back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ling import checkpoint, load
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ling.convert", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hf", required=True, help="hub checkpoint directory (config.json + *.safetensors)")
+    ap.add_argument("--out", required=True, help="output directory for the converted checkpoint")
+    ap.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16; router, gate "
+                    "and KDA decay parameters stay float32)")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        model = load(args.hf, dtype=args.dtype)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    checkpoint.save_converted(model, args.out)
+    print(f"wrote {args.out} ({model.cfg.model_type}, {model.cfg.num_hidden_layers} layers"
+          f"{', NEXTN' if model.nextn is not None else ''}) in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
