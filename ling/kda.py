@@ -27,14 +27,20 @@ def causal_conv(x, conv_state, weight):
     """Depthwise causal conv + SiLU over new tokens, continuing from the conv state.
 
     x [B, T, C]; conv_state [B, W-1, C] (the last W-1 inputs, oldest first); weight [C, W].
-    Returns (y [B, T, C] in x's dtype, new conv_state [B, W-1, C]).
+    Returns (y [B, T, C] in x's dtype, window [B, W-1+T, C]): the conv state after the first n
+    new tokens is window[:, n : n + W-1] (`conv_state_after`).
     """
     w = weight.shape[1]
-    xs = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
+    window = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
     t = x.shape[1]
-    xf = xs.astype(jnp.float32)
+    xf = window.astype(jnp.float32)
     y = sum(xf[:, j : j + t] * weight[:, j].astype(jnp.float32) for j in range(w))
-    return jax.nn.silu(y).astype(x.dtype), xs[:, t:].astype(conv_state.dtype)
+    return jax.nn.silu(y).astype(x.dtype), window.astype(conv_state.dtype)
+
+
+def conv_state_after(window, n, state_len: int):
+    """window [B, W-1+T, C], n [B] new tokens kept -> conv state [B, W-1, C] (state_len = W-1)."""
+    return jax.vmap(lambda w, i: jax.lax.dynamic_slice_in_dim(w, i, state_len, axis=0))(window, n)
 
 
 def l2_normalize(x, eps: float = 1e-6):
@@ -151,13 +157,17 @@ class KDAttention(nnx.Module):
         self.o_norm = param(rngs, (kd,), ("norm",), dtype, init="ones")
         self.o_proj = Linear(c, d, ("heads", "embed"), dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, conv_state, rec_state, *, form: str):
-        """x [B, T, D]; conv_state [B, W-1, 3C]; rec_state [B, H, K, V] fp32; form "recurrent" or "chunked".
-        Returns (y [B, T, D], new conv_state, new rec_state)."""
+    def __call__(self, x, conv_state, rec_state, valid, *, form: str):
+        """x [B, T, D]; conv_state [B, W-1, 3C]; rec_state [B, H, K, V] fp32; valid [B]: tokens of each
+        slot that are real (the rest is padding and must not touch the state).
+        form "recurrent" / "chunked": returns (y [B, T, D], conv window [B, W-1+T, 3C], the recurrent
+        state after the valid tokens). form "verify" (recurrent): the last item is the state after
+        each prefix instead, [B, T+1, H, K, V] (index 0: before any token), so that the engine
+        commits any accepted length without recomputation."""
         b, t, _ = x.shape
         h, kd = self.num_heads, self.head_dim
         qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)  # [B, T, 3C]
-        qkv, conv_state = causal_conv(qkv, conv_state, self.conv_weight[...])
+        qkv, window = causal_conv(qkv, conv_state, self.conv_weight[...])
         q, k, v = (a.reshape(b, t, h, kd) for a in jnp.split(qkv, 3, axis=-1))
         q = l2_normalize(q) * kd**-0.5
         k = l2_normalize(k)
@@ -165,11 +175,15 @@ class KDAttention(nnx.Module):
         g = decay_gate(f.reshape(b, t, h, kd), self.A_log[...], self.dt_bias[...], kind=self.gate_kind,
                        lower_bound=self.lower_bound)
         beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))  # [B, T, H]
-        if form == "recurrent":
-            o, states = recurrent(q, k, v, g, beta, rec_state)
-            rec_state = states[:, -1]
+        # Padding positions: no decay (g = 0) and no write (β = 0) leave the state as it was.
+        real = jnp.arange(t)[None, :] < valid[:, None]  # [B, T]
+        g = jnp.where(real[..., None, None], g, 0.0)
+        beta = jnp.where(real[..., None], beta, 0.0)
+        if form == "chunked":
+            o, rec = chunked(q, k, v, g, beta, rec_state)
         else:
-            o, rec_state = chunked(q, k, v, g, beta, rec_state)
+            o, states = recurrent(q, k, v, g, beta, rec_state)
+            rec = states[:, -1] if form == "recurrent" else jnp.concatenate([rec_state[:, None], states], axis=1)
         gate = self.g_proj(x) if self.gate_kind == "safe" else self.g_b_proj(self.g_a_proj(x))
         o = gated_rms_norm(o.astype(x.dtype), gate.reshape(b, t, h, kd), self.o_norm[...], self.eps)
-        return self.o_proj(o.reshape(b, t, h * kd)), conv_state, rec_state
+        return self.o_proj(o.reshape(b, t, h * kd)), window, rec

@@ -23,9 +23,13 @@ LATENT_NORM_EPS = 1e-6
 
 
 def write_cache(cache, new, lengths):
-    """Writes new [B, T, X] into cache [B, L, X] at positions lengths[b] .. lengths[b] + T - 1."""
-    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, axis=0))(
-        cache, new, lengths)
+    """Writes new [B, T, X] into cache [B, L, X] at positions lengths[b] .. lengths[b] + T - 1.
+    Writes past L are dropped (a scatter, not a clamped slice that would overwrite earlier entries);
+    padding and rejected draft positions land past the slot's length, where the causal mask hides
+    them until real tokens overwrite them."""
+    b, t = new.shape[:2]
+    pos = lengths[:, None] + jnp.arange(t)  # [B, T]
+    return cache.at[jnp.arange(b)[:, None], pos].set(new.astype(cache.dtype), mode="drop")
 
 
 def causal_mask(positions, cache_len: int):

@@ -5,6 +5,8 @@ A forward takes tokens [B, T] and the state of B slots and returns logits, the f
 and the new state; prefilling a prompt and then stepping token by token gives the logits of one
 prefill of the whole sequence. `form` picks the algorithm, not the result: "prefill" (chunked KDA,
 plain MLA) or "decode" (recurrent KDA, absorbed MLA); "auto" takes decode up to DECODE_MAX_T tokens.
+"verify" is decode that keeps the KDA state after every position and leaves the state uncommitted:
+`commit(pending, n)` then keeps any number of the tokens without recomputation.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ling.config import DENSE, KDA, ModelConfig
 from ling.kda import KDAttention
 from ling.layers import RMSNorm
 from ling.mla import MLAttention
-from ling.state import KDAState, MLACache, State
+from ling.state import KDAPending, MLACache, State, commit
 from moe.block import MoE
 from moe.nn import Linear, SwiGLUMLP, param
 
@@ -29,8 +31,8 @@ DECODE_MAX_T = 16
 def pick_form(form: str, t: int) -> str:
     if form == "auto":
         return "decode" if t <= DECODE_MAX_T else "prefill"
-    if form not in ("prefill", "decode"):
-        raise ValueError(f"form must be 'auto', 'prefill' or 'decode', got {form!r}")
+    if form not in ("prefill", "decode", "verify"):
+        raise ValueError(f"form must be 'auto', 'prefill', 'decode' or 'verify', got {form!r}")
     return form
 
 
@@ -55,12 +57,13 @@ class DecoderLayer(nnx.Module):
                            norm_topk_prob=cfg.norm_topk_prob, swiglu_limit=cfg.swiglu_limit(index, False),
                            shared_swiglu_limit=cfg.swiglu_limit(index, True), dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, lengths, cache, *, form: str):
+    def __call__(self, x, positions, lengths, valid, cache, *, form: str):
+        """Returns the new x and the layer's uncommitted state (KDAPending or the written MLACache)."""
         h = self.input_layernorm(x)
         if self.kind == KDA:
-            h, conv, rec = self.attention(h, cache.conv, cache.recurrent,
-                                          form="chunked" if form == "prefill" else "recurrent")
-            cache = KDAState(conv=conv, recurrent=rec)
+            kda_form = {"prefill": "chunked", "decode": "recurrent", "verify": "verify"}[form]
+            h, window, rec = self.attention(h, cache.conv, cache.recurrent, valid, form=kda_form)
+            cache = KDAPending(window=window, recurrent=rec, conv_len=cache.conv.shape[1])
         else:
             h, latent, k_rope = self.attention(h, positions, cache.latent, cache.k_rope, lengths,
                                                form="plain" if form == "prefill" else "absorbed")
@@ -89,7 +92,8 @@ class NextN(nnx.Module):
         t = hidden.shape[1]
         positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
         x = self.eh_proj(jnp.concatenate([self.enorm(next_embeds), self.hnorm(hidden)], axis=-1))
-        x, cache = self.layer(x, positions, lengths, cache, form=pick_form(form, t))
+        valid = jnp.full(lengths.shape, t, jnp.int32)  # the MLA layer needs no commit: lengths are the caller's
+        x, cache = self.layer(x, positions, lengths, valid, cache, form=pick_form(form, t))
         return self.final_layernorm(x), cache
 
 
@@ -113,19 +117,24 @@ class LingModel(nnx.Module):
         w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         return jnp.dot(hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens, state: State, *, form: str = "auto"):
-        """tokens [B, T] appended to every slot. Returns (logits [B, T, V] fp32, hidden [B, T, D], state)."""
-        t = tokens.shape[1]
+    def __call__(self, tokens, state: State, *, valid=None, form: str = "auto", logits: bool = True):
+        """tokens [B, T] appended to every slot; valid [B] (default T): how many are real, the rest
+        being padding that leaves the slot's state untouched. Returns (logits [B, T, V] fp32,
+        hidden [B, T, D], new state) — for form "verify", the uncommitted state for `commit`.
+        logits=False skips the lm_head (None in its place): prefill needs logits at one position."""
+        b, t = tokens.shape
         form = pick_form(form, t)
+        valid = jnp.full((b,), t, jnp.int32) if valid is None else valid.astype(jnp.int32)
         positions = state.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
         x = self.embed(tokens)
         caches = []
         for layer, cache in zip(self.layers, state.layers):
-            x, cache = layer(x, positions, state.lengths, cache, form=form)
+            x, cache = layer(x, positions, state.lengths, valid, cache, form=form)
             caches.append(cache)
         hidden = self.norm(x)
-        state = state.replace(layers=tuple(caches), lengths=state.lengths + t)
-        return self.logits(hidden), hidden, state
+        pending = state.replace(layers=tuple(caches))
+        out = self.logits(hidden) if logits else None
+        return out, hidden, pending if form == "verify" else commit(pending, valid)
 
     def draft(self, hidden, next_tokens, cache: MLACache, lengths, *, form: str = "auto"):
         """One NEXTN step: logits [B, T, V] for the tokens two positions after `hidden`'s, the draft
@@ -137,9 +146,9 @@ class LingModel(nnx.Module):
 
 
 @functools.partial(nnx.jit, static_argnames="form")
-def apply(model: LingModel, tokens, state: State, form: str = "auto"):
+def apply(model: LingModel, tokens, state: State, valid=None, form: str = "auto"):
     """model(tokens, state) compiled once per (shapes, form): the convenient entry for tests and tools."""
-    return model(tokens, state, form=form)
+    return model(tokens, state, valid=valid, form=form)
 
 
 def jit_forward(model: LingModel, *, form: str = "auto"):

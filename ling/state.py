@@ -58,3 +58,29 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *
                    for t in cfg.layer_types)
     return State(layers=layers, lengths=jnp.zeros((batch,), jnp.int32),
                  nextn=mla_cache(cfg, batch, max_len, dtype) if nextn else None)
+
+
+@struct.dataclass
+class KDAPending:
+    """A KDA layer's state after a forward, before the number of tokens to keep is known."""
+
+    window: jnp.ndarray  # [B, W-1+T, 3C]: the old conv state followed by the T new inputs
+    recurrent: jnp.ndarray  # [B, H, K, V] after the valid tokens, or [B, T+1, H, K, V] after each prefix
+    conv_len: int = struct.field(pytree_node=False, default=3)
+
+
+def commit(pending: State, n) -> State:
+    """Keeps the first n[b] tokens of the last forward in each slot: KDA conv and recurrent state
+    taken at that position, MLA entries past it left behind the slot's length (masked, then
+    overwritten), lengths advanced by n."""
+    from ling.kda import conv_state_after
+
+    layers = []
+    for c in pending.layers:
+        if isinstance(c, KDAPending):
+            rec = c.recurrent
+            if rec.ndim == 5:  # per-prefix states: pick prefix n[b]
+                rec = jnp.take_along_axis(rec, n[:, None, None, None, None], axis=1)[:, 0]
+            c = KDAState(conv=conv_state_after(c.window, n, c.conv_len), recurrent=rec)
+        layers.append(c)
+    return pending.replace(layers=tuple(layers), lengths=pending.lengths + n)

@@ -1,0 +1,187 @@
+"""Prefill, plain decode and NEXTN chain speculative decoding over B slots, as pure functions of
+(model, slots) that compile into one program each.
+
+Invariant between steps, per slot: the target state holds tokens 0..n-1 (n = lengths); `last_token`
+is token n, already emitted but not yet in the target state; `last_hidden` is the target's final
+hidden state at position n-1; the NEXTN cache holds the pairs (h_i, token_{i+1}) for i < n-1.
+
+A speculative step (num_steps = S):
+  draft    S chained NEXTN steps from (h_{n-1}, token_n), each feeding its own hidden state forward;
+  verify   one target forward over [token_n, d_1 .. d_S] that keeps the KDA state after each position;
+  accept   greedy: while d_j equals the target's argmax; sampled: rejection sampling, so the output
+           distribution is the target's; then one bonus token from the target;
+  commit   KDA state taken at the accepted position, MLA entries past it left behind the length;
+  extend   the NEXTN layer over the true pairs (h_{n-1+j}, token_{n+j}) of the verified positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ling.model import LingModel
+from ling.state import KDAState, State, commit, init_state
+from spec.sampling import SamplingParams, key_for, probs, sample
+
+# RNG purposes: one stream per use, so no two draws share a key.
+_SAMPLE, _DRAFT, _ACCEPT, _BONUS = 0, 100, 200, 300
+
+
+@struct.dataclass
+class Slots:
+    """The device-side state of B decoding slots."""
+
+    model: State  # target layers (+ NEXTN cache), lengths [B]
+    last_token: jnp.ndarray  # [B] int32
+    last_hidden: jnp.ndarray  # [B, D]
+    params: SamplingParams
+    out: jnp.ndarray  # [B, N] int32 generated tokens
+    n_out: jnp.ndarray  # [B] int32
+    max_new: jnp.ndarray  # [B] int32
+    eos: jnp.ndarray  # [B] int32, -1 for none
+    done: jnp.ndarray  # [B] bool
+    steps: jnp.ndarray  # [B] int32 decode/verify steps the slot was live in
+    produced: jnp.ndarray  # [B] int32 tokens those steps emitted (mean accepted length = produced / steps)
+
+
+def new_slots(model: LingModel, batch: int, max_len: int, max_out: int) -> Slots:
+    cfg, dtype = model.cfg, model.embed_tokens[...].dtype
+    z = lambda: jnp.zeros((batch,), jnp.int32)  # distinct buffers: the slots are donated
+    return Slots(
+        model=init_state(cfg, batch, max_len, dtype, nextn=model.nextn is not None),
+        last_token=z(), last_hidden=jnp.zeros((batch, cfg.hidden_size), dtype),
+        params=SamplingParams.make(batch), out=jnp.zeros((batch, max_out), jnp.int32), n_out=z(),
+        max_new=z(), eos=z() - 1, done=jnp.ones((batch,), bool), steps=z(), produced=z())
+
+
+def reset(slots: Slots, which, params: SamplingParams, max_new, eos) -> Slots:
+    """Empties the slots selected by `which` [B] bool for new requests (KDA state zeroed, lengths 0;
+    MLA entries need no clearing: the causal mask hides everything past a slot's length)."""
+    sel = lambda new, old: jnp.where(which.reshape(which.shape + (1,) * (old.ndim - 1)), new, old)
+    layers = tuple(KDAState(conv=sel(0, c.conv), recurrent=sel(0, c.recurrent)) if isinstance(c, KDAState) else c
+                   for c in slots.model.layers)
+    z = jnp.zeros_like(slots.n_out)
+    return slots.replace(
+        model=slots.model.replace(layers=layers, lengths=sel(z, slots.model.lengths)),
+        params=jax.tree.map(sel, params, slots.params), n_out=sel(z, slots.n_out),
+        max_new=sel(max_new, slots.max_new), eos=sel(eos, slots.eos), done=sel(False, slots.done),
+        steps=sel(z, slots.steps), produced=sel(z, slots.produced))
+
+
+def _emit(slots: Slots, tokens, count, live) -> Slots:
+    """Appends tokens [B, E] (the first count[b] of them) to live slots, stopping at EOS and max_new."""
+    e = tokens.shape[1]
+    idx = jnp.arange(e)[None]
+    is_eos = (tokens == slots.eos[:, None]) & (idx < count[:, None])
+    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1) + 1, e + 1)
+    count = jnp.minimum(jnp.minimum(count, first_eos), slots.max_new - slots.n_out)
+    count = jnp.where(live, jnp.maximum(count, 0), 0)
+    pos = jnp.where(idx < count[:, None], slots.n_out[:, None] + idx, slots.out.shape[1])  # out of range: dropped
+    out = slots.out.at[jnp.arange(tokens.shape[0])[:, None], pos].set(tokens, mode="drop")
+    n_out = slots.n_out + count
+    done = slots.done | (live & ((first_eos <= count) | (n_out >= slots.max_new)))
+    return slots.replace(out=out, n_out=n_out, done=done)
+
+
+def _last(x, n):
+    """x [B, T, ...] at index n[b] - 1 (n >= 1) -> [B, ...]."""
+    idx = jnp.maximum(n - 1, 0).reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.take_along_axis(x, idx, axis=1)[:, 0]
+
+
+def prefill_chunk(model: LingModel, slots: Slots, tokens, next_tokens, valid, ends) -> Slots:
+    """One chunk of the prompts: tokens [B, C], next_tokens [B, C] (each token's successor in its
+    prompt), valid [B] real tokens in this chunk (0 leaves a slot untouched), ends [B] whether a
+    slot's prompt ends in this chunk: those sample their first token."""
+    lengths = slots.model.lengths
+    _, hidden, state = model(tokens, slots.model, valid=valid, form="prefill", logits=False)
+    if model.nextn is not None:  # NEXTN pairs (h_i, token_{i+1}); the final pair waits for the sampled token
+        _, _, cache = model.draft(hidden, next_tokens, state.nextn, lengths, form="prefill")
+        state = state.replace(nextn=cache)
+    last_hidden = _last(hidden, valid)  # [B, D]
+    first, _ = sample(model.logits(last_hidden), slots.params, key_for(slots.params, slots.n_out, _SAMPLE))
+    slots = slots.replace(model=state, last_hidden=jnp.where(ends[:, None], last_hidden, slots.last_hidden),
+                          last_token=jnp.where(ends, first, slots.last_token))
+    return _emit(slots, first[:, None], jnp.ones_like(valid), ends & ~slots.done)
+
+
+def decode_step(model: LingModel, slots: Slots) -> Slots:
+    """One token per live slot: the target over last_token, then sample."""
+    live = ~slots.done
+    logits, hidden, state = model(slots.last_token[:, None], slots.model, valid=live.astype(jnp.int32),
+                                  form="decode")
+    nxt, _ = sample(logits[:, 0], slots.params, key_for(slots.params, slots.n_out, _SAMPLE))
+    slots = slots.replace(model=state, last_token=jnp.where(live, nxt, slots.last_token),
+                          last_hidden=jnp.where(live[:, None], hidden[:, 0], slots.last_hidden))
+    before = slots.n_out
+    slots = _emit(slots, nxt[:, None], jnp.ones_like(before), live)
+    return slots.replace(steps=slots.steps + live, produced=slots.produced + slots.n_out - before)
+
+
+Drafter = Callable[[LingModel, Slots, int], tuple]
+
+
+def nextn_chain(model: LingModel, slots: Slots, num_steps: int):
+    """num_steps chained NEXTN steps from (last_hidden, last_token). Returns (drafts [B, S] int32,
+    draft probabilities [B, S, V] (for rejection sampling), the NEXTN cache)."""
+    h, tok = slots.last_hidden[:, None], slots.last_token[:, None]
+    cache, pos = slots.model.nextn, slots.model.lengths - 1
+    drafts, qs = [], []
+    for j in range(num_steps):
+        logits, h, cache = model.draft(h, tok, cache, pos + j, form="decode")
+        d, q = sample(logits[:, 0], slots.params, key_for(slots.params, slots.n_out, _DRAFT + j))
+        tok = d[:, None]
+        drafts.append(d)
+        qs.append(q)
+    return jnp.stack(drafts, 1), jnp.stack(qs, 1), cache
+
+
+def accept(logits, drafts, q, params: SamplingParams, keys_accept, keys_bonus):
+    """logits [B, S+1, V] of the verify pass, drafts [B, S], draft probabilities q [B, S, V].
+    Returns (accepted [B] in 0..S, bonus [B]): greedy slots accept while the draft equals the
+    target's argmax; sampled slots accept d_j with probability min(1, p_j(d_j) / q_j(d_j)) and draw
+    the bonus from the residual max(p - q, 0), or from p after a full acceptance."""
+    b, s = drafts.shape
+    greedy_ok = drafts == jnp.argmax(logits[:, :s], axis=-1)
+    p = probs(logits, params)  # [B, S+1, V]
+    p_d = jnp.take_along_axis(p[:, :s], drafts[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    u = jax.vmap(lambda k: jax.random.uniform(k, (s,)))(keys_accept)
+    sampled_ok = u * q_d <= p_d
+    ok = jnp.where(params.greedy[:, None], greedy_ok, sampled_ok)
+    accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+    p_a = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]  # [B, V]
+    q_a = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), accepted[:, None, None], axis=1)[:, 0]
+    residual = jnp.maximum(p_a - q_a, 0.0)  # q is padded with zeros at S: a full acceptance draws from p
+    residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_a)
+    drawn = jax.vmap(lambda k, r: jax.random.categorical(k, jnp.log(r)))(keys_bonus, residual)
+    target_argmax = jnp.argmax(jnp.take_along_axis(logits, accepted[:, None, None], axis=1)[:, 0], axis=-1)
+    bonus = jnp.where(params.greedy, target_argmax, drawn).astype(jnp.int32)
+    return accepted, bonus
+
+
+def spec_step(model: LingModel, slots: Slots, num_steps: int, drafter: Drafter = nextn_chain) -> Slots:
+    """One draft -> verify -> accept -> commit -> extend step for every live slot."""
+    live = ~slots.done
+    drafts, q, cache = drafter(model, slots, num_steps)
+    verify_tokens = jnp.concatenate([slots.last_token[:, None], drafts], axis=1)  # [B, S+1]
+    logits, hidden, pending = model(verify_tokens, slots.model, form="verify")
+    accepted, bonus = accept(logits, drafts, q, slots.params, key_for(slots.params, slots.n_out, _ACCEPT),
+                             key_for(slots.params, slots.n_out, _BONUS))
+    kept = jnp.where(live, accepted + 1, 0)  # last_token and the accepted drafts enter the state
+    state = commit(pending, kept)
+    if model.nextn is not None:
+        pairs_h = jnp.concatenate([slots.last_hidden[:, None], hidden[:, :-1]], axis=1)  # h_{n-1} .. h_{n+S-1}
+        _, _, cache = model.draft(pairs_h, verify_tokens, cache, slots.model.lengths - 1, form="decode")
+        state = state.replace(nextn=cache)
+    emitted = jnp.concatenate([drafts, bonus[:, None]], axis=1)  # d_1 .. d_a, then the bonus at index a
+    emitted = jnp.where(jnp.arange(num_steps + 1)[None] == accepted[:, None], bonus[:, None], emitted)
+    slots = slots.replace(model=state, last_token=jnp.where(live, bonus, slots.last_token),
+                          last_hidden=jnp.where(live[:, None], _last(hidden, accepted + 1), slots.last_hidden))
+    before = slots.n_out
+    slots = _emit(slots, emitted, accepted + 1, live)
+    return slots.replace(steps=slots.steps + live, produced=slots.produced + slots.n_out - before)
+

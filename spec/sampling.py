@@ -1,0 +1,65 @@
+"""Per-slot sampling: temperature, top-k, top-p and a per-request seed; greedy at temperature 0.
+
+Every slot carries its own parameters as arrays, so one compiled step serves a batch of requests
+with different settings. Randomness is a pure function of (seed, tokens generated so far, purpose),
+so a request's output does not depend on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class SamplingParams:
+    temperature: jnp.ndarray  # [B] fp32; 0 = greedy
+    top_k: jnp.ndarray  # [B] int32; 0 = off
+    top_p: jnp.ndarray  # [B] fp32; 1 = off
+    seed: jnp.ndarray  # [B] uint32
+
+    @classmethod
+    def make(cls, batch: int, temperature=0.0, top_k=0, top_p=1.0, seed=0) -> "SamplingParams":
+        full = lambda v, dt: jnp.array(np.broadcast_to(np.asarray(v), (batch,)), dt)  # own buffers: donated
+        return cls(full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
+                   full(seed, jnp.uint32))
+
+    @property
+    def greedy(self):
+        return self.temperature <= 0.0
+
+
+def probs(logits, p: SamplingParams):
+    """The distribution a slot samples from: logits [B, ..., V] fp32 -> probabilities [B, ..., V].
+    Temperature first, then top-k, then top-p (nucleus over the top-k-filtered distribution)."""
+    per = lambda a: a.reshape(a.shape + (1,) * (logits.ndim - 1))  # [B] -> [B, 1, ..., 1]
+    x = logits / per(jnp.maximum(p.temperature, 1e-6))
+    v = x.shape[-1]
+    sorted_x = -jnp.sort(-x, axis=-1)  # descending
+    k = jnp.where(p.top_k > 0, jnp.minimum(p.top_k, v), v)
+    kth = jnp.take_along_axis(sorted_x, jnp.broadcast_to(per(k - 1), sorted_x.shape[:-1] + (1,)), axis=-1)
+    x = jnp.where(x >= kth, x, -jnp.inf)
+    sorted_x = jnp.where(jnp.arange(v) < per(k), sorted_x, -jnp.inf)
+    sorted_p = jax.nn.softmax(sorted_x, axis=-1)
+    before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each sorted entry
+    keep = before < per(p.top_p)
+    cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
+    x = jnp.where(x >= cutoff, x, -jnp.inf)
+    return jax.nn.softmax(x, axis=-1)
+
+
+def key_for(p: SamplingParams, counter, purpose: int):
+    """[B] keys from (seed, counter [B], purpose)."""
+    def one(seed, c):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), c), purpose)
+
+    return jax.vmap(one)(p.seed, counter.astype(jnp.uint32))
+
+
+def sample(logits, p: SamplingParams, keys):
+    """logits [B, V] -> (tokens [B] int32, probs [B, V]); argmax for greedy slots."""
+    pr = probs(logits, p)
+    drawn = jax.vmap(lambda k, q: jax.random.categorical(k, jnp.log(q)))(keys, pr)
+    return jnp.where(p.greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32), pr

@@ -1,0 +1,132 @@
+"""The engine: greedy speculative decoding equals plain greedy decoding token for token, forced
+drafts exercise every acceptance length, slots are reusable, sampling is the target's distribution."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ling
+from spec.engine import accept, new_slots
+from spec.loop import decode, generate, generate_batch, mean_accepted_length, prefill
+from spec.sampling import SamplingParams, probs
+
+S = 5  # draft steps
+
+
+@pytest.fixture(scope="module", params=[1, 2])
+def model(request):
+    return ling.load("ling-tiny", dtype="float32", seed=request.param)
+
+
+def prompts(seed, lengths, vocab):
+    r = np.random.default_rng(seed)
+    return [r.integers(2, vocab, n).tolist() for n in lengths]
+
+
+def test_greedy_speculative_equals_plain_greedy(model):
+    """256 new tokens; three slots of different prompt lengths (one spans KDA chunks)."""
+    ps = prompts(0, (70, 5, 131), model.cfg.vocab_size)
+    plain = generate_batch(model, ps, 256, speculative=False, prefill_chunk=128)
+    spec = generate_batch(model, ps, 256, speculative=True, num_steps=S, prefill_chunk=128)
+    assert all(len(p) == 256 for p in plain)
+    assert spec == plain
+    single = generate(model, ps[0], 256, speculative=True)  # batch of one, default chunking
+    assert single == plain[0]
+
+
+def forced(reference, mistake_at):
+    """A drafter proposing the target's own greedy continuation, wrong at draft index mistake_at."""
+    ref = jnp.asarray(reference)  # [B, N]
+
+    def drafter(model, slots, num_steps):
+        idx = slots.n_out[:, None] + jnp.arange(num_steps)[None]  # d_1 is the token after last_token
+        drafts = jnp.take_along_axis(ref, jnp.minimum(idx, ref.shape[1] - 1), axis=1)
+        if mistake_at is not None:
+            drafts = drafts.at[:, mistake_at].set((drafts[:, mistake_at] + 1) % model.cfg.vocab_size)
+        q = jax.nn.one_hot(drafts, model.cfg.vocab_size)
+        return drafts, q, slots.model.nextn
+
+    return drafter
+
+
+@pytest.mark.parametrize("mistake_at", [None, 0, 1, 2, 3, 4])
+def test_forced_drafts_accept_exactly_up_to_the_mistake(model, mistake_at):
+    ps = prompts(1, (66, 9), model.cfg.vocab_size)
+    n_new = 61
+    plain = generate_batch(model, ps, n_new + S + 1, speculative=False)
+    out, slots = generate_batch(model, ps, n_new, speculative=True, num_steps=S, return_slots=True,
+                                drafter=forced(np.asarray(plain), mistake_at))
+    assert out == [p[:n_new] for p in plain]
+    per_step = S + 1 if mistake_at is None else mistake_at + 1  # accepted drafts + the bonus
+    steps = np.asarray(slots.steps)
+    assert (steps == -(-(n_new - 1) // per_step)).all()  # the first token comes from the prefill
+    # The reported mean accepted length is committed tokens over verify steps.
+    assert mean_accepted_length(slots) == pytest.approx(2 * (n_new - 1) / steps.sum())
+
+
+def test_slot_reuse_greedy_sampled_greedy(model):
+    """Greedy, then a sampled request in the same slot, then greedy again: equal greedy outputs."""
+    p = prompts(2, (40,), model.cfg.vocab_size)
+    slots = new_slots(model, 1, 40 + 48 + S + 1, 48 + S + 1)
+    outs = []
+    for temperature in (0.0, 1.0, 0.0):
+        params = SamplingParams.make(1, temperature, 0, 1.0, 7)
+        slots = prefill(model, slots, p, [True], params, [48], [-1])
+        slots = decode(model, slots, speculative=True, num_steps=S, max_iters=48)
+        outs.append(np.asarray(slots.out[0, : slots.n_out[0]]).tolist())
+    assert outs[0] == outs[2] and len(outs[0]) == 48
+    assert outs[1] != outs[0]
+
+
+def test_sampling_is_reproducible_per_seed_and_stops_at_eos(model):
+    p = prompts(3, (30,), model.cfg.vocab_size)[0]
+    a = generate(model, p, 40, temperature=0.8, top_k=50, top_p=0.9, seed=11)
+    b = generate(model, p, 40, temperature=0.8, top_k=50, top_p=0.9, seed=11)
+    c = generate(model, p, 40, temperature=0.8, top_k=50, top_p=0.9, seed=12)
+    assert a == b and a != c
+    greedy = generate(model, p, 40, speculative=False)
+    eos = greedy[9]
+    cut = greedy[: greedy.index(eos) + 1]
+    assert generate(model, p, 40, eos_id=eos) == cut
+    assert generate(model, p, 40, speculative=False, eos_id=eos) == cut
+
+
+def test_rejection_sampling_gives_the_target_distribution():
+    """The first token a speculative step emits is distributed as the target's p_0, whatever the
+    draft distribution q."""
+    n, s, v = 40000, 3, 6
+    r = np.random.default_rng(0)
+    target_logits = jnp.asarray(np.broadcast_to(r.normal(size=(1, s + 1, v)) * 1.5, (n, s + 1, v)), jnp.float32)
+    q_rows = jax.nn.softmax(jnp.asarray(r.normal(size=(s, v)) * 1.5, jnp.float32))
+    q = jnp.broadcast_to(q_rows, (n, s, v))
+    keys = jax.random.split(jax.random.PRNGKey(0), (3, n))
+    drafts = jax.vmap(lambda k: jax.vmap(lambda kk, qq: jax.random.categorical(kk, jnp.log(qq)))(
+        jax.random.split(k, s), q_rows))(keys[0])
+    params = SamplingParams.make(n, temperature=1.0)
+    accepted, bonus = accept(target_logits, drafts, q, params, keys[1], keys[2])
+    first = np.where(np.asarray(accepted) > 0, np.asarray(drafts[:, 0]), np.asarray(bonus))
+    empirical = np.bincount(first, minlength=v) / n
+    p0 = np.asarray(probs(target_logits[:1, 0], SamplingParams.make(1, temperature=1.0)))[0]
+    assert np.abs(empirical - p0).max() < 0.01, (empirical, p0)
+    # Greedy rows accept exactly while the draft equals the argmax.
+    greedy = SamplingParams.make(n, temperature=0.0)
+    a, b = accept(target_logits, drafts, q, greedy, keys[1], keys[2])
+    best = np.asarray(jnp.argmax(target_logits[0], -1))
+    ok = np.asarray(drafts) == best[None, :s]
+    expect = np.cumprod(ok, axis=1).sum(1)
+    assert (np.asarray(a) == expect).all() and (np.asarray(b) == best[expect]).all()
+
+
+def test_top_k_top_p_filtering():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 3))
+    p = SamplingParams(jnp.ones(3), jnp.asarray([0, 2, 0]), jnp.asarray([1.0, 1.0, 0.7]), jnp.zeros(3, jnp.uint32))
+    np.testing.assert_allclose(probs(logits, p), [[0.5, 0.3, 0.15, 0.05], [0.625, 0.375, 0, 0], [0.625, 0.375, 0, 0]],
+                               atol=1e-6)
+
+
+def test_speculative_needs_a_nextn_layer():
+    m = ling.load("kimi-tiny", dtype="float32")
+    with pytest.raises(ValueError, match="NEXTN"):
+        generate(m, [1, 2, 3], 4)
+    assert len(generate(m, [1, 2, 3], 4, speculative=False)) == 4
