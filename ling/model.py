@@ -136,13 +136,13 @@ class LingModel(nnx.Module):
         out = self.logits(hidden) if logits else None
         return out, hidden, pending if form == "verify" else commit(pending, valid)
 
-    def draft(self, hidden, next_tokens, cache: MLACache, lengths, *, form: str = "auto"):
-        """One NEXTN step: logits [B, T, V] for the tokens two positions after `hidden`'s, the draft
-        hidden states and the new NEXTN cache."""
+    def draft(self, hidden, next_tokens, cache: MLACache, lengths, *, form: str = "auto", logits: bool = True):
+        """One NEXTN step: logits [B, T, V] for the tokens two positions after `hidden`'s (None with
+        logits=False), the draft hidden states and the new NEXTN cache."""
         if self.nextn is None:
             raise ValueError("this model has no NEXTN layer (the checkpoint holds none)")
         h, cache = self.nextn(hidden, self.embed(next_tokens), cache, lengths, form=form)
-        return self.logits(h), h, cache
+        return (self.logits(h) if logits else None), h, cache
 
 
 @functools.partial(nnx.jit, static_argnames="form")

@@ -22,7 +22,7 @@ def param(rngs: nnx.Rngs, shape, axes: tuple[str, ...], dtype, *, init: str = "n
     elif init == "zeros":
         value = jnp.zeros(shape, dtype)
     else:
-        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+        value = std * jax.random.normal(rngs.params(), shape, dtype)  # drawn in dtype: no fp32 copy of big weights
     return nnx.Param(value, logical_axes=axes)
 
 

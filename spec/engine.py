@@ -99,7 +99,7 @@ def prefill_chunk(model: LingModel, slots: Slots, tokens, next_tokens, valid, en
     lengths = slots.model.lengths
     _, hidden, state = model(tokens, slots.model, valid=valid, form="prefill", logits=False)
     if model.nextn is not None:  # NEXTN pairs (h_i, token_{i+1}); the final pair waits for the sampled token
-        _, _, cache = model.draft(hidden, next_tokens, state.nextn, lengths, form="prefill")
+        _, _, cache = model.draft(hidden, next_tokens, state.nextn, lengths, form="prefill", logits=False)
         state = state.replace(nextn=cache)
     last_hidden = _last(hidden, valid)  # [B, D]
     first, _ = sample(model.logits(last_hidden), slots.params, key_for(slots.params, slots.n_out, _SAMPLE))
@@ -175,7 +175,7 @@ def spec_step(model: LingModel, slots: Slots, num_steps: int, drafter: Drafter =
     state = commit(pending, kept)
     if model.nextn is not None:
         pairs_h = jnp.concatenate([slots.last_hidden[:, None], hidden[:, :-1]], axis=1)  # h_{n-1} .. h_{n+S-1}
-        _, _, cache = model.draft(pairs_h, verify_tokens, cache, slots.model.lengths - 1, form="decode")
+        _, _, cache = model.draft(pairs_h, verify_tokens, cache, slots.model.lengths - 1, form="decode", logits=False)
         state = state.replace(nextn=cache)
     emitted = jnp.concatenate([drafts, bonus[:, None]], axis=1)  # d_1 .. d_a, then the bonus at index a
     emitted = jnp.where(jnp.arange(num_steps + 1)[None] == accepted[:, None], bonus[:, None], emitted)

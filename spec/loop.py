@@ -134,23 +134,41 @@ def mean_accepted_length(slots: Slots) -> float:
 class Stepper:
     """Steps the slots one compiled step at a time, dispatching step k+1 before it reads step k's
     results (JAX dispatch is asynchronous, so the device never waits for the host between steps).
-    `step()` returns the previous step's (n_out [B], done [B]) as host arrays: one step late."""
+    `step()` returns the previous step's new tokens: a list per slot (empty for idle slots) and the
+    done flags [B], as host values — one step late."""
 
     def __init__(self, model: LingModel, slots: Slots, *, speculative: bool = True, num_steps: int = 5):
         check_model(model, speculative)
         self.graphdef, self.params = nnx.split(model)
         self.slots = slots
-        self._step = jax.jit(
-            lambda params, s: _step_fn(speculative, num_steps)(nnx.merge(self.graphdef, params), s),
-            donate_argnums=1)
+        self.width = num_steps + 1 if speculative else 1
+        step = _step_fn(speculative, num_steps)
+
+        def run(params, s):
+            before = s.n_out
+            s = step(nnx.merge(self.graphdef, params), s)
+            idx = jnp.minimum(before[:, None] + jnp.arange(self.width)[None], s.out.shape[1] - 1)
+            new = jnp.take_along_axis(s.out, idx, axis=1)
+            # One packed report [B, width + 2]: a fresh buffer, so donating the slots never frees it.
+            report = jnp.concatenate([new, (s.n_out - before)[:, None], s.done[:, None].astype(jnp.int32)], axis=1)
+            return s, report
+
+        self._step = jax.jit(run, donate_argnums=1)
         self._pending = None
 
+    def _unpack(self, report):
+        if report is None:
+            return None
+        r = np.asarray(jax.device_get(report))
+        tokens = [r[b, : r[b, self.width]].tolist() for b in range(r.shape[0])]
+        return tokens, r[:, self.width + 1].astype(bool)
+
     def step(self):
-        self.slots = self._step(self.params, self.slots)
-        previous, self._pending = self._pending, (self.slots.n_out, self.slots.done)
-        return None if previous is None else jax.device_get(previous)
+        self.slots, report = self._step(self.params, self.slots)
+        previous, self._pending = self._pending, report
+        return self._unpack(previous)
 
     def drain(self):
         """The results of the last dispatched step."""
         previous, self._pending = self._pending, None
-        return None if previous is None else jax.device_get(previous)
+        return self._unpack(previous)

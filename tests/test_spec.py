@@ -130,3 +130,55 @@ def test_speculative_needs_a_nextn_layer():
     with pytest.raises(ValueError, match="NEXTN"):
         generate(m, [1, 2, 3], 4)
     assert len(generate(m, [1, 2, 3], 4, speculative=False)) == 4
+
+
+def test_stepper_runs_one_step_ahead_and_matches_decode(model):
+    from spec.loop import Stepper
+
+    p = prompts(4, (20, 33), model.cfg.vocab_size)
+    params = SamplingParams.make(2)
+
+    def fresh():
+        slots = new_slots(model, 2, 33 + 30 + S + 1, 30 + S + 1)
+        return prefill(model, slots, p, [True, True], params, [30, 30], [-1, -1])
+
+    reference = decode(model, fresh(), speculative=True, num_steps=S, max_iters=30)
+    first = np.asarray(fresh().out[:, :1])  # the token each prefill sampled
+    stepper = Stepper(model, fresh(), speculative=True, num_steps=S)
+    assert stepper.step() is None  # nothing to report before the second dispatch
+    streamed = [list(first[b]) for b in range(2)]
+    while True:
+        tokens, done = stepper.step()
+        for b in range(2):
+            streamed[b] += tokens[b]
+        if done.all():
+            break
+    tokens, _ = stepper.drain()  # the last dispatched step ran on finished slots: nothing new
+    assert tokens == [[], []]
+    for b in range(2):
+        assert streamed[b] == np.asarray(reference.out[b, : reference.n_out[b]]).tolist()
+
+
+def test_roofline_counts_the_model_parameters():
+    """A decode step's weight bytes equal the model's own parameter bytes, less the embedding and
+    the experts a token does not route to."""
+    from flax import nnx
+
+    from ling.model import LingModel
+    from ling.roofline import distinct_experts, step_bytes
+
+    cfg = ling.preset("ling-3-flash")
+    abstract = nnx.eval_shape(lambda: LingModel(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), nextn=False))
+    total = experts = 0
+    for path, var in nnx.to_flat_state(nnx.split(abstract)[1]):
+        v = var.get_value()
+        nbytes = np.prod(v.shape) * jnp.dtype(v.dtype).itemsize
+        if path[-1] in ("w13", "w2"):
+            experts += nbytes
+        elif path[0] != "embed_tokens":
+            total += nbytes
+    expected = total + experts * cfg.num_experts_per_tok / cfg.num_experts
+    got = step_bytes(cfg, 1).weights
+    assert abs(got - expected) / expected < 1e-3  # norms and small vectors are left out of the count
+    assert distinct_experts(cfg, 1) == pytest.approx(8) and 45 < distinct_experts(cfg, 6) < 47
+    assert step_bytes(cfg, 1, weight_bits=4).weights < step_bytes(cfg, 1).weights / 3.5

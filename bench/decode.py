@@ -1,0 +1,155 @@
+"""Decode benchmark on the GPU: prefill, plain decode step, speculative step (draft / verify /
+extend), each against its roofline floor at the copy bandwidth measured in the same run.
+
+    python bench/decode.py --preset ling-3-flash --layers 16 [--prompt 1024] [--iters 32]
+
+Random weights (bf16), batch 1. `--layers N` keeps the first N decoder layers (and the NEXTN
+layer) so that the model fits one GPU. Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ling.config import preset
+from ling.model import LingModel
+from ling.roofline import step_bytes
+from spec.engine import nextn_chain, new_slots
+from spec.loop import decode, prefill
+from spec.sampling import SamplingParams
+
+
+def random_model(cfg, dtype, seed=0) -> LingModel:
+    """Random weights made on the device one parameter at a time (no host copy, no giant jit)."""
+    abstract = nnx.eval_shape(lambda: LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    key = jax.random.PRNGKey(seed)
+    make = jax.jit(lambda k, shape, dt: 0.02 * jax.random.normal(k, shape, dt), static_argnums=(1, 2))
+    for i, (_, var) in enumerate(flat):
+        v = var.get_value()
+        var.set_value(make(jax.random.fold_in(key, i), v.shape, v.dtype))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def copy_bandwidth(nbytes=2 << 30, iters=20) -> float:
+    """Read + write bytes/s of a large device copy (y = x + 1 over nbytes of bf16)."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda x: jax.lax.fori_loop(0, iters, lambda i, y: y + jnp.bfloat16(1), x))
+    jax.block_until_ready(f(x))
+    t = time.perf_counter()
+    jax.block_until_ready(f(x))
+    return 2 * nbytes * iters / (time.perf_counter() - t)
+
+
+def timed(fn, *args, repeat=2):
+    """Seconds of the fastest of `repeat` calls after one warm-up call (which compiles)."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="ling-3-flash")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=32)
+    ap.add_argument("--num-steps", type=int, default=5)
+    args = ap.parse_args()
+    full = preset(args.preset)
+    n = min(args.layers, full.num_hidden_layers)
+    cfg = full.replace(num_hidden_layers=n, layer_types=full.layer_types[:n], mlp_types=full.mlp_types[:n],
+                       expert_swiglu_limits=(), shared_swiglu_limits=())
+    s, k = args.num_steps, args.iters
+    print(f"device {jax.devices()[0].device_kind}; {args.preset} cut to {n} layers "
+          f"({cfg.layer_types.count('kda')} KDA, {cfg.layer_types.count('mla')} MLA) + NEXTN, bf16, batch 1", flush=True)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    t0 = time.perf_counter()
+    model = random_model(cfg, jnp.bfloat16)
+    jax.block_until_ready(jax.tree_util.tree_leaves(nnx.state(model)))
+    n_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model)))
+    print(f"weights {n_bytes / 1e9:.1f} GB made in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    max_new = k * (s + 1) + 8
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt).tolist()
+    params = SamplingParams.make(1)
+
+    def fresh():
+        slots = new_slots(model, 1, args.prompt + max_new + s + 2, max_new + s + 1)
+        return prefill(model, slots, [prompt], [True], params, [max_new], [-1])
+
+    t_prefill = timed(lambda: fresh().n_out)
+    rows = []
+    ctx = args.prompt
+    floor_decode = step_bytes(cfg, 1, ctx).floor_seconds(bw)
+    floor_verify = step_bytes(cfg, s + 1, ctx).floor_seconds(bw)
+    nextn_only = lambda t: step_bytes(cfg, t, ctx, nextn=True).total - step_bytes(cfg, t, ctx).total
+    lm_head = cfg.vocab_size * cfg.hidden_size * 2
+    floor_draft = s * (nextn_only(1) + lm_head) / bw
+    floor_extend = nextn_only(s + 1) / bw
+    rows.append((f"prefill {args.prompt}", None, t_prefill, None, args.prompt / t_prefill))
+
+    for spec_on in (False, True):
+        base = fresh()
+        t = timed(lambda: decode(model, jax.tree.map(jnp.copy, base), speculative=spec_on, num_steps=s,
+                                 max_iters=k).n_out)
+        out = decode(model, jax.tree.map(jnp.copy, base), speculative=spec_on, num_steps=s, max_iters=k)
+        steps, produced = int(out.steps[0]), int(out.produced[0])
+        step_t = t / k
+        name = f"spec step (S={s})" if spec_on else "decode step"
+        floor = floor_verify + floor_draft + floor_extend if spec_on else floor_decode
+        rows.append((name, produced / max(steps, 1), step_t, floor, produced / t))
+
+    # The parts of a speculative step, each repeated inside one jit on inputs that change per iteration.
+    base = fresh()
+    graphdef, p = nnx.split(model)
+
+    def loop(part):
+        def run(p, slots):
+            def body(i, acc):
+                return acc + part(nnx.merge(graphdef, p), slots.replace(last_token=(slots.last_token + i) % cfg.vocab_size))
+            return jax.lax.fori_loop(0, k, body, jnp.float32(0))
+        return jax.jit(run)
+
+    def draft_part(m, slots):
+        drafts, _, _ = nextn_chain(m, slots, s)
+        return drafts.sum().astype(jnp.float32)
+
+    def verify_part(m, slots):
+        toks = jnp.concatenate([slots.last_token[:, None]] * (s + 1), axis=1)
+        logits, _, _ = m(toks, slots.model, form="verify")
+        return logits[0, 0, 0]
+
+    def extend_part(m, slots):
+        toks = jnp.concatenate([slots.last_token[:, None]] * (s + 1), axis=1)
+        h = jnp.broadcast_to(slots.last_hidden[:, None], (1, s + 1, cfg.hidden_size))
+        _, hh, _ = m.draft(h, toks, slots.model.nextn, slots.model.lengths - 1, form="decode", logits=False)
+        return hh[0, 0, 0].astype(jnp.float32)
+
+    for name, part, floor in (("  draft (NEXTN x S)", draft_part, floor_draft),
+                              ("  verify (S+1 tokens)", verify_part, floor_verify),
+                              ("  extend (NEXTN, S+1)", extend_part, floor_extend)):
+        rows.append((name, None, timed(loop(part), p, base) / k, floor, None))
+
+    print(f"\n{'what':<22} {'tok/step':>8} {'time':>10} {'floor':>9} {'floor/time':>10} {'tok/s':>8}")
+    for name, tps, t, floor, rate in rows:
+        unit = f"{t * 1e3:.1f} ms" if name.startswith("prefill") else f"{t * 1e6:.0f} us"
+        print(f"{name:<22} {'' if tps is None else f'{tps:.2f}':>8} {unit:>10} "
+              f"{'' if floor is None else f'{floor * 1e6:.0f} us':>9} {'' if floor is None else f'{floor / t:.2f}':>10} "
+              f"{'' if rate is None else f'{rate:.0f}':>8}")
+
+
+if __name__ == "__main__":
+    main()
