@@ -1,0 +1,369 @@
+"""Fused KDA decode / verify step: conv update + gated delta rule + gated RMSNorm, T = 1..8 tokens.
+
+One call advances B sequences by T tokens through one KDA layer (between the projections and
+o_proj) and returns, besides the outputs, the recurrent state after *every* position and the raw
+conv inputs of the window, so that a speculative engine commits any accepted length n (1..T) by
+indexing (`commit`), with no recomputation.
+
+Per head h (K = V = head dim), token t, all math in fp32 (inputs are upcast on load):
+  q, k, v = SiLU(causal depthwise conv_W(x)) over the window [conv state (W-1 rows) | T new rows]
+  q̂ = K^-1/2 q / sqrt(Σq² + 1e-6),  k̂ = k / sqrt(Σk² + 1e-6)
+  g = lower_bound σ(exp(A_log_h) (g_in + dt_bias))        gate="safe"      (Ling, lower_bound -5)
+  g = -exp(A_log_h) softplus(g_in + dt_bias)               gate="softplus"  (Kimi)
+  β = σ(b_in)
+  S' = diag(exp g) S;  S = S' + β k̂ (v - S'ᵀ k̂)ᵀ;  o = Sᵀ q̂            S [K, V] fp32
+  y = o / sqrt(mean_V(o²) + eps) · w_norm · σ(gate_in)
+Rounding: the conv output is kept in fp32 (never rounded to the activation dtype) and the norm
+reads the fp32 o; y is rounded once, to q's dtype.
+
+Layouts (C = H*K; every array is its own buffer, nothing is sliced in front of the kernel):
+  q, k, v            [B, T, C]        pre-conv projections (bf16 or fp32)
+  g_in               [B, T, H, K]     raw f_proj output;  b_in [B, T, H];  gate_in [B, T, H*V]
+  conv_state_{q,k,v} [B, W-1, C]      the last W-1 pre-conv inputs, oldest first
+  conv_weight_{q,k,v} [C, W]          (PyTorch depthwise Conv1d weight squeezed; [:, W-1] hits the newest input)
+  A_log [H], dt_bias [H*K], o_norm_weight [V], recurrent [B, H, K, V] fp32
+Outputs (`KdaOut`):
+  o          [B, T, H, V]             q's dtype
+  states     [B, T, H, K, V] fp32     state after each position (all_states=True), or
+             [B, H, K, V]             the state after the last position (all_states=False: plain decode)
+  window_{q,k,v} [B, T+W-1, C]        concat(conv state, new inputs); the conv state after accepting
+                                      n tokens is window[:, n : n+W-1]
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+BACKENDS = ("pallas", "interpret", "reference", "auto")
+
+
+class KdaInputs(NamedTuple):
+    """Per-step activations (the projection outputs)."""
+    q: jax.Array  # [B, T, H*K]
+    k: jax.Array  # [B, T, H*K]
+    v: jax.Array  # [B, T, H*V]
+    g_in: jax.Array  # [B, T, H, K]
+    b_in: jax.Array  # [B, T, H]
+    gate_in: jax.Array  # [B, T, H*V]
+
+
+class KdaWeights(NamedTuple):
+    """Per-layer parameters the kernel reads."""
+    conv_q: jax.Array  # [H*K, W]
+    conv_k: jax.Array  # [H*K, W]
+    conv_v: jax.Array  # [H*V, W]
+    A_log: jax.Array  # [H]
+    dt_bias: jax.Array  # [H*K]
+    o_norm: jax.Array  # [V]
+
+
+class KdaState(NamedTuple):
+    """Per-sequence decoding state of one KDA layer."""
+    conv_q: jax.Array  # [B, W-1, H*K]
+    conv_k: jax.Array  # [B, W-1, H*K]
+    conv_v: jax.Array  # [B, W-1, H*V]
+    recurrent: jax.Array  # [B, H, K, V] fp32
+
+
+class KdaOut(NamedTuple):
+    o: jax.Array  # [B, T, H, V]
+    states: jax.Array  # [B, T, H, K, V] fp32 (or [B, H, K, V] with all_states=False)
+    window_q: jax.Array  # [B, T+W-1, H*K]
+    window_k: jax.Array  # [B, T+W-1, H*K]
+    window_v: jax.Array  # [B, T+W-1, H*V]
+
+
+def resolve_backend(backend: str) -> str:
+    """The one place that turns "auto" into a concrete backend: Pallas on GPU, jnp elsewhere."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return backend
+
+
+def default_bv(v: int, t: int) -> int:
+    """V-block from the H200 sweep in bench/attention.py (RESULTS.md, 2026-11-30): at T = 6,
+    BV 16 / 4 warps 10.2 µs, BV 32 / 4 11.4, BV 8 / 2 12.1, BV 4 / 2 22.6; at T = 1 only
+    BV 8 / 2 warps was measured (6.6 µs)."""
+    return min(v, 16 if t > 1 else 8)
+
+
+def default_num_warps(k: int, bv: int) -> int:
+    # One warp per 512 state elements (4 fp32 registers a thread), between 1 and 8.
+    return max(1, min(8, (k * bv) // 512))
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared elementwise pieces (used by the kernel and by the reference, so both compute the same
+# function; they are plain jnp on values of any shape).
+
+
+def _gate(z, a, *, gate: str, lower_bound: float):
+    """Log-decay from z = g_in + dt_bias and a = exp(A_log); ≤ 0."""
+    if gate == "safe":
+        return lower_bound * jax.nn.sigmoid(a * z)
+    # softplus(z) = max(z, 0) + log1p(exp(-|z|)): no overflow for large |z|.
+    return -a * (jnp.maximum(z, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(z))))
+
+
+def _silu(x):
+    return x * jax.nn.sigmoid(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference (plain jnp): the specification.
+
+
+def reference(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "safe", eps: float = 1e-6,
+              lower_bound: float = -5.0, all_states: bool = True) -> KdaOut:
+    """Plain-jnp KDA step; same signature and outputs as `kda_verify`. Reductions are written as
+    multiply + sum (not einsum) so that no backend rounds them through tf32."""
+    f32 = jnp.float32
+    b, t, c = x.q.shape
+    h = x.b_in.shape[2]
+    kd, vd = c // h, x.v.shape[2] // h
+    nw = w.conv_q.shape[1]
+
+    def conv(xs, cs, wt):  # [B, T, C], [B, W-1, C], [C, W] -> ([B, T, C] fp32, window [B, T+W-1, C])
+        win = jnp.concatenate([cs.astype(xs.dtype), xs], axis=1)
+        wf, wt = win.astype(f32), wt.astype(f32)
+        y = sum(wf[:, i:i + t] * wt[:, i] for i in range(nw))
+        return _silu(y), win
+
+    q, win_q = conv(x.q, state.conv_q, w.conv_q)
+    k, win_k = conv(x.k, state.conv_k, w.conv_k)
+    v, win_v = conv(x.v, state.conv_v, w.conv_v)
+    q = q.reshape(b, t, h, kd)
+    k = k.reshape(b, t, h, kd)
+    v = v.reshape(b, t, h, vd)
+    q = q / jnp.sqrt(jnp.sum(q * q, -1, keepdims=True) + 1e-6) * kd ** -0.5
+    k = k / jnp.sqrt(jnp.sum(k * k, -1, keepdims=True) + 1e-6)
+    z = x.g_in.astype(f32) + w.dt_bias.astype(f32).reshape(h, kd)
+    g = _gate(z, jnp.exp(w.A_log.astype(f32))[:, None], gate=gate, lower_bound=lower_bound)  # [B, T, H, K]
+    beta = jax.nn.sigmoid(x.b_in.astype(f32))  # [B, T, H]
+
+    s = state.recurrent.astype(f32)  # [B, H, K, V]
+    os, ss = [], []
+    for i in range(t):
+        s = s * jnp.exp(g[:, i])[..., None]
+        kv = jnp.sum(s * k[:, i, :, :, None], axis=2)  # S'ᵀ k̂  [B, H, V]
+        u = beta[:, i, :, None] * (v[:, i] - kv)
+        s = s + k[:, i, :, :, None] * u[:, :, None, :]
+        os.append(jnp.sum(s * q[:, i, :, :, None], axis=2))  # Sᵀ q̂  [B, H, V]
+        ss.append(s)
+    o = jnp.stack(os, axis=1)  # [B, T, H, V]
+    o = _gated_norm(o, x.gate_in.reshape(b, t, h, vd), w.o_norm, eps).astype(x.q.dtype)
+    states = jnp.stack(ss, axis=1) if all_states else s
+    return KdaOut(o, states, win_q, win_k, win_v)
+
+
+def _gated_norm(o, gate_in, weight, eps):
+    """o [..., V] fp32 -> rmsnorm(o) · weight · σ(gate_in), fp32."""
+    o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps)
+    return o * weight.astype(jnp.float32) * jax.nn.sigmoid(gate_in.astype(jnp.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# The Pallas (Triton lowering) kernel.
+
+
+def _kda_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, gate_ref, csq_ref, csk_ref, csv_ref,
+                wq_ref, wk_ref, wv_ref, alog_ref, dtb_ref, wn_ref, s0_ref,
+                o_ref, st_ref, winq_ref, wink_ref, winv_ref,
+                *, t_len: int, n_taps: int, gate: str, lower_bound: float, eps: float,
+                fuse_norm: bool, all_states: bool):
+    """One program = one (sequence b, head h, V-block j). Every tensor is [K], [BV] or [K, BV]:
+    the T loop is unrolled in Python, so no block ever needs a power-of-two T."""
+    f32 = jnp.float32
+    kd = q_ref.shape[1]
+    first_vblock = pl.program_id(2) == 0
+
+    s = s0_ref[...].astype(f32)  # [K, BV]: the largest load, issued first
+    # The window rows x[-(W-1)] .. x[T-1], loaded once, up front (independent loads in flight).
+    def window(cs_ref, x_ref):
+        return [cs_ref[i, :] for i in range(n_taps - 1)] + [x_ref[i, :] for i in range(t_len)]
+
+    xq, xk, xv = window(csq_ref, q_ref), window(csk_ref, k_ref), window(csv_ref, v_ref)
+    taps_q = [wq_ref[:, i].astype(f32) for i in range(n_taps)]  # [K] each
+    taps_k = [wk_ref[:, i].astype(f32) for i in range(n_taps)]
+    taps_v = [wv_ref[:, i].astype(f32) for i in range(n_taps)]  # [BV] each
+    a = jnp.exp(alog_ref[()].astype(f32))
+    dtb = dtb_ref[...].astype(f32)  # [K]
+    wn = wn_ref[...].astype(f32) if fuse_norm else None  # [V]
+
+    # The raw window is the engine's conv state source; q/k rows of head h are written once
+    # (by the first V-block), v rows by each V-block for its own channels.
+    @pl.when(first_vblock)
+    def _():
+        for i in range(t_len + n_taps - 1):
+            winq_ref[i, :] = xq[i]
+            wink_ref[i, :] = xk[i]
+
+    for i in range(t_len + n_taps - 1):
+        winv_ref[i, :] = xv[i]
+
+    def conv(rows, taps, i):
+        y = taps[0] * rows[i].astype(f32)
+        for tap in range(1, n_taps):
+            y = y + taps[tap] * rows[i + tap].astype(f32)
+        return _silu(y)
+
+    # Everything that does not depend on the state is computed (and its loads issued) before the
+    # recurrence, so the serial chain over t holds only the state update.
+    qs, ks, vs, gs, betas, gates = [], [], [], [], [], []
+    for i in range(t_len):
+        q = conv(xq, taps_q, i)  # [K]
+        k = conv(xk, taps_k, i)
+        qs.append(q * (jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * kd ** -0.5))
+        ks.append(k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6))
+        vs.append(conv(xv, taps_v, i))  # [BV]
+        gs.append(jnp.exp(_gate(g_ref[i, :].astype(f32) + dtb, a, gate=gate, lower_bound=lower_bound)))
+        betas.append(jax.nn.sigmoid(b_ref[i].astype(f32)))
+        if fuse_norm:
+            gates.append(wn * jax.nn.sigmoid(gate_ref[i, :].astype(f32)))  # [V]
+
+    for i in range(t_len):
+        s = s * gs[i][:, None]  # decay scales key rows
+        kv = jnp.sum(s * ks[i][:, None], axis=0)  # S'ᵀ k̂  [BV]
+        s = s + ks[i][:, None] * (betas[i] * (vs[i] - kv))[None, :]
+        o = jnp.sum(s * qs[i][:, None], axis=0)  # Sᵀ q̂  [BV]
+        if fuse_norm:  # BV == V: the whole row is here
+            o = o * jax.lax.rsqrt(jnp.sum(o * o) / o.shape[0] + eps) * gates[i]
+        o_ref[i, :] = o.astype(o_ref.dtype)
+        if all_states:
+            st_ref[i] = s
+    if not all_states:
+        st_ref[...] = s
+
+
+@functools.partial(jax.jit, static_argnames=("gate", "eps", "lower_bound", "bv", "num_warps",
+                                             "all_states", "interpret"))
+def _kda_pallas(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate, eps, lower_bound, bv,
+                num_warps, all_states, interpret) -> KdaOut:
+    b, t, c = x.q.shape
+    h = x.b_in.shape[2]
+    kd, vd = c // h, x.v.shape[2] // h
+    nw = w.conv_q.shape[1]
+    nv = vd // bv
+    fuse_norm = nv == 1
+    tw = t + nw - 1
+
+    def blk(shape, index_map):
+        return pl.BlockSpec(shape, index_map)
+
+    # Grid (B, H, V/BV). None = a squeezed (size-1) block dimension.
+    in_specs = [
+        blk((None, t, kd), lambda i, j, l: (i, 0, j)),  # q
+        blk((None, t, kd), lambda i, j, l: (i, 0, j)),  # k
+        blk((None, t, bv), lambda i, j, l: (i, 0, j * nv + l)),  # v
+        blk((None, t, None, kd), lambda i, j, l: (i, 0, j, 0)),  # g_in
+        blk((None, t, None), lambda i, j, l: (i, 0, j)),  # b_in
+        blk((None, t, bv), lambda i, j, l: (i, 0, j * nv + l)),  # gate_in
+        blk((None, nw - 1, kd), lambda i, j, l: (i, 0, j)),  # conv state q
+        blk((None, nw - 1, kd), lambda i, j, l: (i, 0, j)),  # conv state k
+        blk((None, nw - 1, bv), lambda i, j, l: (i, 0, j * nv + l)),  # conv state v
+        blk((kd, nw), lambda i, j, l: (j, 0)),  # conv weight q
+        blk((kd, nw), lambda i, j, l: (j, 0)),  # conv weight k
+        blk((bv, nw), lambda i, j, l: (j * nv + l, 0)),  # conv weight v
+        blk((None,), lambda i, j, l: (j,)),  # A_log
+        blk((kd,), lambda i, j, l: (j,)),  # dt_bias
+        blk((bv,), lambda i, j, l: (l,)),  # o_norm weight
+        blk((None, None, kd, bv), lambda i, j, l: (i, j, 0, l)),  # recurrent state
+    ]
+    if all_states:
+        st_shape, st_spec = (b, t, h, kd, vd), blk((None, t, None, kd, bv), lambda i, j, l: (i, 0, j, 0, l))
+    else:
+        st_shape, st_spec = (b, h, kd, vd), blk((None, None, kd, bv), lambda i, j, l: (i, j, 0, l))
+    out_specs = [
+        blk((None, t, None, bv), lambda i, j, l: (i, 0, j, l)),  # o
+        st_spec,
+        blk((None, tw, kd), lambda i, j, l: (i, 0, j)),  # window q
+        blk((None, tw, kd), lambda i, j, l: (i, 0, j)),  # window k
+        blk((None, tw, bv), lambda i, j, l: (i, 0, j * nv + l)),  # window v
+    ]
+    o_dtype = x.q.dtype if fuse_norm else jnp.float32  # unfused: fp32 o feeds the norm epilogue
+    out_shape = [
+        jax.ShapeDtypeStruct((b, t, h, vd), o_dtype),
+        jax.ShapeDtypeStruct(st_shape, jnp.float32),
+        jax.ShapeDtypeStruct((b, tw, c), x.q.dtype),
+        jax.ShapeDtypeStruct((b, tw, c), x.k.dtype),
+        jax.ShapeDtypeStruct((b, tw, h * vd), x.v.dtype),
+    ]
+    kernel = functools.partial(_kda_kernel, t_len=t, n_taps=nw, gate=gate, lower_bound=lower_bound,
+                               eps=eps, fuse_norm=fuse_norm, all_states=all_states)
+    o, states, wq, wk, wv = pl.pallas_call(
+        kernel,
+        grid=(b, h, nv),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_verify",
+    )(x.q, x.k, x.v, x.g_in, x.b_in, x.gate_in, state.conv_q, state.conv_k, state.conv_v,
+      w.conv_q, w.conv_k, w.conv_v, w.A_log, w.dt_bias, w.o_norm, state.recurrent)
+    if not fuse_norm:  # the norm needs the whole V row, spread over V-blocks: one XLA fusion
+        o = _gated_norm(o, x.gate_in.reshape(b, t, h, vd), w.o_norm, eps).astype(x.q.dtype)
+    return KdaOut(o, states, wq, wk, wv)
+
+
+def kda_verify(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "safe", eps: float = 1e-6,
+               lower_bound: float = -5.0, bv: int | None = None, num_warps: int | None = None,
+               all_states: bool = True, backend: str = "auto") -> KdaOut:
+    """KDA over T = 1..8 new tokens of B sequences; see the module docstring for layouts.
+
+    Pallas kernel: grid (B, H, V/BV), one program per (sequence, head, V-block of BV columns).
+    A program loads the q/k window of its head ((T+W-1)·K each: the q/k conv and L2 norm are
+    recomputed by every V-block, which is cheaper than serialising them), its BV v channels, the
+    [K, BV] fp32 state block, then runs the T steps in registers, storing o and each state.
+    With BV == V the gated RMSNorm is fused; with BV < V it runs as one XLA fusion after.
+    H200, Ling shapes, B 1: 10.2 µs at T = 6 (BV 16, both launches), 6.6 µs at T = 1 (BV 8).
+    Bytes that must move (fp32 state, e = activation bytes): 4·H·K·V (state in)
+    + 4·T·H·K·V (every state out; 4·H·K·V with all_states=False)
+    + e·T·(3C + H·K + H·V + H·V) (q, k, v, g_in, gate_in, o) + e·(T+2W-2)·3C (conv state in,
+    window out). At Ling shapes (H 32, K = V 128) the state dominates: 2 MiB in, T·2 MiB out.
+    """
+    b, t, c = x.q.shape
+    h = x.b_in.shape[2]
+    kd, vd = c // h, x.v.shape[2] // h
+    nw = w.conv_q.shape[1]
+    if gate not in ("safe", "softplus"):
+        raise ValueError(f"gate must be 'safe' or 'softplus', got {gate!r}")
+    if not 1 <= t <= 8:
+        raise ValueError(f"kda_verify takes T = 1..8 tokens, got T={t}")
+    assert x.k.shape == (b, t, c) and x.g_in.shape == (b, t, h, kd) and x.b_in.shape == (b, t, h)
+    assert x.v.shape == x.gate_in.shape == (b, t, h * vd)
+    assert state.conv_q.shape == state.conv_k.shape == (b, nw - 1, c)
+    assert state.conv_v.shape == (b, nw - 1, h * vd) and state.recurrent.shape == (b, h, kd, vd)
+    assert w.conv_k.shape == (c, nw) and w.conv_v.shape == (h * vd, nw)
+    assert w.A_log.shape == (h,) and w.dt_bias.shape == (c,) and w.o_norm.shape == (vd,)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return reference(x, w, state, gate=gate, eps=eps, lower_bound=lower_bound, all_states=all_states)
+    bv = default_bv(vd, t) if bv is None else bv
+    if vd % bv or bv & (bv - 1) or kd & (kd - 1):
+        raise ValueError(f"K={kd} and BV={bv} must be powers of two and BV must divide V={vd}")
+    num_warps = default_num_warps(kd, bv) if num_warps is None else num_warps
+    return _kda_pallas(x, w, state, gate=gate, eps=float(eps), lower_bound=float(lower_bound), bv=bv,
+                       num_warps=num_warps, all_states=all_states, interpret=backend == "interpret")
+
+
+def commit(out: KdaOut, n_accepted: jax.Array) -> KdaState:
+    """The state after accepting n_accepted[b] ∈ 1..T tokens of each sequence: a gather, no
+    recomputation. Needs out from all_states=True."""
+    nw1 = out.window_q.shape[1] - out.states.shape[1]  # W-1
+    n = n_accepted.astype(jnp.int32)
+    rec = jnp.take_along_axis(out.states, (n - 1)[:, None, None, None, None], axis=1)[:, 0]
+    idx = n[:, None] + jnp.arange(nw1)[None, :]  # [B, W-1]
+
+    def conv(win):
+        return jnp.take_along_axis(win, idx[:, :, None], axis=1)
+
+    return KdaState(conv(out.window_q), conv(out.window_k), conv(out.window_v), rec)

@@ -1,0 +1,236 @@
+"""MLA decode / verify attention over the latent cache, absorbed form, split along the cache.
+
+T query tokens of each of B sequences attend to that sequence's latent cache. W_UK is already
+folded into the query (q_lat = q_nope · W_UK, per head) and W_UV is applied after, so a cache row
+is one latent c_l [R] (shared by all heads, MQA-like) plus one rope key k_rope_l [P]:
+  s[t, h, l] = scale · (q_lat[t, h] · c_l + q_rope[t, h] · k_rope_l)
+  out[t, h]  = Σ_l softmax_l(s[t, h, l]) c_l            over l ≤ lengths[b] - T + t
+Query token t of sequence b sits at position lengths[b] - T + t (the T tokens are already in
+the cache), so it attends causally to its own position and everything before it. Requires
+T ≤ lengths[b] ≤ L. Softmax statistics and accumulation in fp32.
+
+Layouts: q_lat [B, T, H, R], q_rope [B, T, H, P], c [B, L, R], k_rope [B, L, P], lengths [B]
+int32; output [B, T, H, R] in q_lat's dtype. Ling: H 32, R 512, P 64.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+BACKENDS = ("pallas", "interpret", "reference", "auto")
+NUM_SMS = 132  # H200; only used to size the default split count
+_NEG = -1e30  # finite "minus infinity": a split that sees no valid position keeps l = 0, no NaN
+
+
+def resolve_backend(backend: str) -> str:
+    """The one place that turns "auto" into a concrete backend: Pallas on GPU, jnp elsewhere."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return backend
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def default_num_splits(batch: int, row_blocks: int, max_len: int, block_l: int) -> int:
+    """Splits per sequence: about two programs per SM, each with at least 4 cache blocks, at
+    most 128 (the fp32 partials grow with the split count). Power of two (the combine loads all
+    splits at once)."""
+    by_sms = 2 * NUM_SMS // max(1, batch * row_blocks)
+    by_len = max_len // (4 * block_l)
+    return _pow2_floor(max(1, min(by_sms, by_len, 128)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference (plain jnp): the specification.
+
+
+def reference(q_lat, q_rope, c, k_rope, lengths, *, scale: float):
+    """Absorbed MLA attention in plain jnp, fp32 softmax; cache rows at or past lengths[b] are
+    never read (they may hold anything, NaN included)."""
+    b, t, h, r = q_lat.shape
+    l_max = c.shape[1]
+    f32, hi = jnp.float32, lax.Precision.HIGHEST
+    pos = jnp.arange(l_max)
+    live = pos[None, :] < lengths[:, None]  # [B, L]
+    c = jnp.where(live[:, :, None], c, 0)
+    k_rope = jnp.where(live[:, :, None], k_rope, 0)
+    s = (jnp.einsum("bthr,blr->bthl", q_lat, c, precision=hi, preferred_element_type=f32)
+         + jnp.einsum("bthp,blp->bthl", q_rope, k_rope, precision=hi, preferred_element_type=f32))
+    s = s * scale
+    limit = lengths[:, None] - t + jnp.arange(t)[None, :]  # [B, T] last visible position
+    mask = pos[None, None, None, :] <= limit[:, :, None, None]
+    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+    out = jnp.einsum("bthl,blr->bthr", p, c.astype(f32), precision=hi)
+    return out.astype(q_lat.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pallas (Triton lowering): a split kernel and a combine kernel.
+
+
+def _split_kernel(len_ref, ql_ref, qr_ref, c_ref, kr_ref, acc_ref, m_ref, l_ref, *,
+                  t_len: int, heads: int, block_l: int, num_splits: int, scale: float):
+    """Program (row block r, split s, sequence b): rows = BM (token, head) pairs against the
+    s-th chunk of sequence b's cache. Chunks are sized at run time from lengths[b], so all
+    splits of a sequence get equal work whatever the cache capacity."""
+    f32 = jnp.float32
+    bm = ql_ref.shape[0]
+    r, s = pl.program_id(0), pl.program_id(1)
+    length = len_ref[()]
+    chunk = pl.cdiv(pl.cdiv(length, num_splits), block_l) * block_l
+    start = s * chunk
+    n_blocks = pl.cdiv(jnp.maximum(jnp.minimum(start + chunk, length) - start, 0), block_l)
+
+    row = r * bm + jnp.arange(bm)
+    limit = length - t_len + row // heads  # [BM] last position each row may see
+    q = ql_ref[...]  # [BM, R]
+    qp = qr_ref[...]  # [BM, P]
+    nt = (((1,), (1,)), ((), ()))  # contract the feature dims: a · bᵀ
+
+    def body(i, carry):
+        acc, m, l = carry
+        pos0 = start + i * block_l
+        pos = pos0 + jnp.arange(block_l)
+        live = pos < length  # rows past the length may hold anything: never read them
+        cb = pltriton.load(c_ref.at[pl.ds(pos0, block_l), :],
+                           mask=jnp.broadcast_to(live[:, None], (block_l, c_ref.shape[1])), other=0)
+        kb = pltriton.load(kr_ref.at[pl.ds(pos0, block_l), :],
+                           mask=jnp.broadcast_to(live[:, None], (block_l, kr_ref.shape[1])), other=0)
+        sc = (lax.dot_general(q, cb, nt, preferred_element_type=f32)
+              + lax.dot_general(qp, kb, nt, preferred_element_type=f32)) * scale  # [BM, BL]
+        vis = pos[None, :] <= limit[:, None]
+        sc = jnp.where(vis, sc, _NEG)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(vis, jnp.exp(sc - m_new[:, None]), 0.0)
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(cb.dtype), cb, preferred_element_type=f32)
+        return acc, m_new, l
+
+    init = (jnp.zeros((bm, c_ref.shape[1]), f32), jnp.full((bm,), _NEG, f32), jnp.zeros((bm,), f32))
+    acc, m, l = lax.fori_loop(0, n_blocks, body, init)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _combine_kernel(acc_ref, m_ref, l_ref, o_ref):
+    """Program (sequence b, BMc rows, BR latent columns): all S splits at once (one load each,
+    all in flight), out = Σ_s e^{m_s - m} acc_s / Σ_s e^{m_s - m} l_s."""
+    m_all = m_ref[...]  # [S, BMc]
+    m_max = jnp.max(m_all, axis=0)
+    wgt = jnp.exp(m_all - m_max[None, :])  # [S, BMc]; 0 for splits that saw nothing
+    den = jnp.sum(wgt * l_ref[...], axis=0)  # [BMc]
+    num = jnp.sum(wgt[:, :, None] * acc_ref[...], axis=0)  # [S, BMc, BR] -> [BMc, BR]
+    o_ref[...] = (num / den[:, None]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_rows", "block_l", "num_splits",
+                                             "num_warps", "num_stages", "interpret"))
+def _mla_pallas(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l, num_splits,
+                num_warps, num_stages, interpret):
+    b, t, h, r = q_lat.shape
+    p = q_rope.shape[-1]
+    l_max = c.shape[1]
+    rows = t * h
+    nr = pl.cdiv(rows, block_rows)
+    rows_pad = nr * block_rows
+    ql = q_lat.reshape(b, rows, r)  # free: (t, h) rows, contiguous
+    qr = q_rope.reshape(b, rows, p)
+    if rows_pad != rows:  # only when BM does not divide T*H (padded rows are discarded)
+        ql = jnp.pad(ql, ((0, 0), (0, rows_pad - rows), (0, 0)))
+        qr = jnp.pad(qr, ((0, 0), (0, rows_pad - rows), (0, 0)))
+    ns, bm = num_splits, block_rows
+
+    kernel = functools.partial(_split_kernel, t_len=t, heads=h, block_l=block_l, num_splits=ns,
+                               scale=scale)
+    # Grid (row block, split, sequence): row blocks of one chunk are adjacent in launch order,
+    # so a chunk read by several row blocks is served from L2 after the first.
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=(nr, ns, b),
+        in_specs=[
+            pl.BlockSpec((None,), lambda i, j, k: (k,)),  # lengths
+            pl.BlockSpec((None, bm, r), lambda i, j, k: (k, i, 0)),  # q_lat rows
+            pl.BlockSpec((None, bm, p), lambda i, j, k: (k, i, 0)),  # q_rope rows
+            pl.BlockSpec((None, l_max, r), lambda i, j, k: (k, 0, 0)),  # latent cache (sliced inside)
+            pl.BlockSpec((None, l_max, p), lambda i, j, k: (k, 0, 0)),  # rope-key cache
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, bm, r), lambda i, j, k: (k, j, i, 0)),
+            pl.BlockSpec((None, None, bm), lambda i, j, k: (k, j, i)),
+            pl.BlockSpec((None, None, bm), lambda i, j, k: (k, j, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, ns, rows_pad, r), jnp.float32),
+            jax.ShapeDtypeStruct((b, ns, rows_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, ns, rows_pad), jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="mla_decode_split",
+    )(lengths.astype(jnp.int32), ql, qr, c, k_rope)
+
+    # Combine tiles: S·BMc·BR ≤ 4096 fp32 (32 registers a thread at 4 warps), many programs.
+    br = min(r, 32)
+    bmc = max(1, min(bm, _pow2_floor(4096 // (ns * br))))
+    out = pl.pallas_call(
+        _combine_kernel,
+        grid=(b, rows_pad // bmc, r // br),
+        in_specs=[
+            pl.BlockSpec((None, ns, bmc, br), lambda i, j, k: (i, 0, j, k)),
+            pl.BlockSpec((None, ns, bmc), lambda i, j, k: (i, 0, j)),
+            pl.BlockSpec((None, ns, bmc), lambda i, j, k: (i, 0, j)),
+        ],
+        out_specs=pl.BlockSpec((None, bmc, br), lambda i, j, k: (i, j, k)),
+        out_shape=jax.ShapeDtypeStruct((b, rows_pad, r), q_lat.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="mla_decode_combine",
+    )(acc, m, l)
+    return out[:, :rows].reshape(b, t, h, r)
+
+
+def mla_decode(q_lat, q_rope, c, k_rope, lengths, *, scale: float, block_rows: int | None = None,
+               block_l: int = 32, num_splits: int | None = None, num_warps: int = 8,
+               num_stages: int = 3, backend: str = "auto"):
+    """Absorbed MLA attention of T query tokens over the latent cache; see the module docstring.
+
+    Pallas: (1) split kernel, grid (T·H/BM, S, B): each program takes BM (token, head) rows and
+    one of S chunks of its sequence's cache (chunk = lengths[b]/S rounded up to BL; blocks of BL
+    positions in a loop, scores by two tensor-core dots, online softmax), and writes fp32
+    partials acc [BM, R], m, l. (2) combine kernel, grid (B, T·H/BMc, R/32), every split of a
+    tile loaded at once. Bytes that must
+    move: lengths[b]·(R + P)·e (the cache, read once from HBM; further row blocks hit L2)
+    + T·H·(R + P + R)·e (queries in, output out), e = element bytes; the fp32 partials,
+    B·S·T·H·(R + 2)·4 written and read back, mostly stay in L2. At T = 6 the dots
+    (2·T·H·L·(2R + P) flops) also approach the tensor-core floor.
+    """
+    b, t, h, r = q_lat.shape
+    l_max = c.shape[1]
+    assert q_rope.shape[:3] == (b, t, h) and c.shape == (b, l_max, r)
+    assert k_rope.shape == (b, l_max, q_rope.shape[3]) and lengths.shape == (b,)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return reference(q_lat, q_rope, c, k_rope, lengths, scale=scale)
+    rows = t * h
+    if block_rows is None:  # 32 rows keep the fp32 accumulator [BM, 512] at 64 registers a thread
+        block_rows = min(32, max(16, 1 << (rows - 1).bit_length()))
+    if num_splits is None:
+        num_splits = default_num_splits(b, pl.cdiv(rows, block_rows), l_max, block_l)
+    for name, val in (("block_rows", block_rows), ("block_l", block_l), ("num_splits", num_splits)):
+        if val & (val - 1):
+            raise ValueError(f"{name} must be a power of two, got {val}")
+    return _mla_pallas(q_lat, q_rope, c, k_rope, lengths, scale=float(scale), block_rows=block_rows,
+                       block_l=block_l, num_splits=num_splits, num_warps=num_warps,
+                       num_stages=num_stages, interpret=backend == "interpret")

@@ -1,0 +1,153 @@
+"""The fused KDA verify kernel (interpret mode) against its jnp reference, and the reference against
+a plain per-token loop of the equations. Fresh random inputs every run (the seed is in the
+failure message). Interpret mode fills every output with NaN before the kernel runs (jax's
+`uninitialized_value`), so an element the kernel never writes fails the finiteness check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import kda
+
+H, K, W = 2, 16, 4  # heads, head dim (K = V), conv width
+
+
+def _seed() -> int:
+    return int(np.random.SeedSequence().entropy % (1 << 31))
+
+
+def make_inputs(seed, b, t, *, dtype=jnp.float32, h=H, kd=K, nw=W):
+    rng = np.random.default_rng(seed)
+    c = h * kd
+
+    def rnd(shape, scale=1.0, dt=dtype):
+        return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32).astype(dt)
+
+    x = kda.KdaInputs(q=rnd((b, t, c)), k=rnd((b, t, c)), v=rnd((b, t, c)), g_in=rnd((b, t, h, kd)),
+                      b_in=rnd((b, t, h)), gate_in=rnd((b, t, c)))
+    w = kda.KdaWeights(conv_q=rnd((c, nw), 0.5, jnp.float32), conv_k=rnd((c, nw), 0.5, jnp.float32),
+                       conv_v=rnd((c, nw), 0.5, jnp.float32), A_log=rnd((h,), 0.5, jnp.float32),
+                       dt_bias=rnd((c,), 0.5, jnp.float32), o_norm=rnd((kd,), 1.0, dtype))
+    s = kda.KdaState(conv_q=rnd((b, nw - 1, c)), conv_k=rnd((b, nw - 1, c)), conv_v=rnd((b, nw - 1, c)),
+                     recurrent=rnd((b, h, kd, kd), 0.3, jnp.float32))
+    return x, w, s
+
+
+def token_loop(x, w, s, *, gate, eps=1e-6, lower_bound=-5.0):
+    """The equations, one sequence, token and head at a time, in float64 numpy."""
+    f = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    q_in, k_in, v_in, g_in, b_in, gate_in = map(f, x)
+    cq, ck, cv, a_log, dt_bias, w_norm = map(f, w)
+    sq, sk, sv, rec = map(f, s)
+    b, t, c = q_in.shape
+    h = b_in.shape[2]
+    kd = c // h
+    sig = lambda z: 1.0 / (1.0 + np.exp(-z))  # noqa: E731
+    o = np.zeros((b, t, h, kd))
+    states = np.zeros((b, t, h, kd, kd))
+    for bi in range(b):
+        hist = [sq[bi].copy(), sk[bi].copy(), sv[bi].copy()]  # [W-1, C] each, oldest first
+        S = rec[bi].copy()  # [H, K, V]
+        for ti in range(t):
+            conv = []
+            for j, (xin, wt) in enumerate(((q_in, cq), (k_in, ck), (v_in, cv))):
+                win = np.concatenate([hist[j], xin[bi, ti][None]], 0)  # [W, C]
+                y = np.sum(win.T * wt, axis=1)  # [C]
+                conv.append(y * sig(y))
+                hist[j] = win[1:]
+            for hi in range(h):
+                sl = slice(hi * kd, (hi + 1) * kd)
+                qh, kh, vh = conv[0][sl], conv[1][sl], conv[2][sl]
+                qh = qh / np.sqrt(np.sum(qh * qh) + 1e-6) * kd ** -0.5
+                kh = kh / np.sqrt(np.sum(kh * kh) + 1e-6)
+                z = g_in[bi, ti, hi] + dt_bias[sl]
+                if gate == "safe":
+                    g = lower_bound * sig(np.exp(a_log[hi]) * z)
+                else:
+                    g = -np.exp(a_log[hi]) * np.log1p(np.exp(z))
+                beta = sig(b_in[bi, ti, hi])
+                Sp = np.exp(g)[:, None] * S[hi]
+                S[hi] = Sp + beta * np.outer(kh, vh - Sp.T @ kh)
+                oh = S[hi].T @ qh
+                oh = oh / np.sqrt(np.mean(oh * oh) + eps) * w_norm * sig(gate_in[bi, ti, sl])
+                o[bi, ti, hi] = oh
+            states[bi, ti] = S
+    return o, states
+
+
+def _close(a, b, tol, msg):
+    a, b = np.asarray(jnp.asarray(a, jnp.float32)), np.asarray(jnp.asarray(b, jnp.float32))
+    assert a.shape == b.shape, msg
+    assert np.all(np.isfinite(a)), f"non-finite (unwritten?) elements: {msg}"
+    err = np.max(np.abs(a - b)) / max(1.0, np.max(np.abs(b)))
+    assert err <= tol, f"{msg}: max error {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+def test_reference_matches_token_loop(gate):
+    seed = _seed()
+    x, w, s = make_inputs(seed, b=2, t=5)
+    out = kda.kda_verify(x, w, s, gate=gate, backend="reference")
+    o, states = token_loop(x, w, s, gate=gate)
+    _close(out.o, o, 2e-5, f"o, seed {seed}")
+    _close(out.states, states, 2e-5, f"states, seed {seed}")
+    for win, xin, cs in ((out.window_q, x.q, s.conv_q), (out.window_k, x.k, s.conv_k), (out.window_v, x.v, s.conv_v)):
+        np.testing.assert_array_equal(np.asarray(win), np.concatenate([np.asarray(cs), np.asarray(xin)], 1))
+
+
+# T = 1..8, each with a different gate / V-block / dtype mix; BV = V (16) takes the fused-norm path.
+CASES = [(1, "safe", 16, jnp.float32), (2, "softplus", 4, jnp.bfloat16), (3, "safe", 8, jnp.float32),
+         (4, "softplus", 16, jnp.bfloat16), (5, "safe", 4, jnp.bfloat16), (6, "softplus", 8, jnp.float32),
+         (7, "safe", 16, jnp.float32), (8, "softplus", 8, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("t,gate,bv,dtype", CASES)
+def test_interpret_matches_reference(t, gate, bv, dtype):
+    seed = _seed()
+    x, w, s = make_inputs(seed, b=3, t=t, dtype=dtype)
+    got = kda.kda_verify(x, w, s, gate=gate, bv=bv, backend="interpret")
+    want = kda.kda_verify(x, w, s, gate=gate, backend="reference")
+    msg = f"T={t} gate={gate} BV={bv} {jnp.dtype(dtype).name} seed {seed}"
+    # o is rounded once to the activation dtype: one bf16 ulp of slack there.
+    _close(got.o, want.o, 1e-5 if dtype == jnp.float32 else 1e-2, "o " + msg)
+    _close(got.states, want.states, 1e-5, "states " + msg)
+    for name in ("window_q", "window_k", "window_v"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name), np.float32),
+                                      np.asarray(getattr(want, name), np.float32), err_msg=name + " " + msg)
+
+
+def test_final_state_only():
+    seed = _seed()
+    x, w, s = make_inputs(seed, b=2, t=4)
+    got = kda.kda_verify(x, w, s, bv=8, all_states=False, backend="interpret")
+    want = kda.kda_verify(x, w, s, backend="reference")
+    assert got.states.shape == s.recurrent.shape
+    _close(got.states, want.states[:, -1], 1e-5, f"final state, seed {seed}")
+    _close(got.o, want.o, 1e-5, f"o, seed {seed}")
+
+
+def test_commit_equals_shorter_step():
+    """The state committed at n accepted tokens equals the state of a step over those n tokens."""
+    seed = _seed()
+    t = 6
+    x, w, s = make_inputs(seed, b=2, t=t)
+    out = kda.kda_verify(x, w, s, bv=8, backend="interpret")
+    n_acc = np.array([2, 6])
+    committed = kda.commit(out, jnp.asarray(n_acc))
+    for bi, n in enumerate(n_acc):
+        xb = kda.KdaInputs(*(a[bi:bi + 1, :n] for a in x))
+        sb = kda.KdaState(*(a[bi:bi + 1] for a in s))
+        ref = kda.kda_verify(xb, w, sb, backend="reference")
+        _close(committed.recurrent[bi:bi + 1], ref.states[:, -1], 1e-5, f"recurrent n={n} seed {seed}")
+        for got_c, win in ((committed.conv_q, ref.window_q), (committed.conv_k, ref.window_k),
+                           (committed.conv_v, ref.window_v)):
+            np.testing.assert_array_equal(np.asarray(got_c[bi:bi + 1]), np.asarray(win[:, n:]))
+
+
+def test_auto_is_reference_on_cpu():
+    assert jax.default_backend() != "cpu" or kda.resolve_backend("auto") == "reference"
+    with pytest.raises(ValueError):
+        kda.resolve_backend("xla")
