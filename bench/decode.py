@@ -100,6 +100,7 @@ def main():
     floor_draft = s * (nextn_only(1) + lm_head) / bw
     floor_extend = nextn_only(s + 1) / bw
     rows.append((f"prefill {args.prompt}", None, t_prefill, None, args.prompt / t_prefill))
+    print(f"prefill {t_prefill * 1e3:.1f} ms", flush=True)
 
     for spec_on in (False, True):
         base = fresh()
@@ -111,6 +112,7 @@ def main():
         name = f"spec step (S={s})" if spec_on else "decode step"
         floor = floor_verify + floor_draft + floor_extend if spec_on else floor_decode
         rows.append((name, produced / max(steps, 1), step_t, floor, produced / t))
+        print(f"{name}: {step_t * 1e6:.0f} us/step, floor {floor * 1e6:.0f} us", flush=True)
 
     # The parts of a speculative step, each repeated inside one jit on inputs that change per iteration.
     base = fresh()
@@ -142,6 +144,7 @@ def main():
                               ("  verify (S+1 tokens)", verify_part, floor_verify),
                               ("  extend (NEXTN, S+1)", extend_part, floor_extend)):
         rows.append((name, None, timed(loop(part), p, base) / k, floor, None))
+        print(f"{name.strip()}: {rows[-1][2] * 1e6:.0f} us", flush=True)
 
     print(f"\n{'what':<22} {'tok/step':>8} {'time':>10} {'floor':>9} {'floor/time':>10} {'tok/s':>8}")
     for name, tps, t, floor, rate in rows:
