@@ -1,0 +1,424 @@
+"""H200 benchmark of the fused dequantising matvec (pallas_kernels/qmatvec.py) against its peers.
+
+Run on the GPU machine from the repository root (gemlite carried as an sdist, see
+../shared/tools/device-wheels.sh):
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
+        .whl/gemlite-*.tar.gz && PYTHONPATH=/tmp/site:. python3 bench/qmatvec.py
+Options: --sweep (also time launch-plan variants), --quick (two shapes only).
+
+Per shape (N x K), M in {1, 6}, int4 and int8 (G = 128, symmetric), bf16 activations:
+  ours     qmatvec's default plan, many calls per iteration of a fori_loop in one jit
+  cuBLAS   torch F.linear bf16 under a CUDA graph
+  gemlite  gemlite 0.6 A16W4 (int4 only), its H100-tuned config of the nearest shape, CUDA graph
+  XLA      jnp.dot bf16, timed like ours
+Every timed call reads its own weight buffer (rotation over > 240 MB, L2 is 60 MB), so weights
+come from HBM as in decode. The copy ceiling (torch device-to-device copy, read + write) is
+measured in the same run. Achieved TB/s counts the bytes a call must move: weights (+ scales),
+x and y. Each kernel variant is checked against the plain-jnp reference first. Prints a table
+last and writes the full log under $OUT (or ./bench_out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = [(4096, 2560), (2560, 4096), (6144, 2560), (20480, 2560), (157184, 2560)]
+MS = (1, 6)
+BITS = (4, 8)
+G = 128
+BACKEND = "pallas"
+ROTATE_BYTES = 240e6
+LOG_FILE = None
+RESULTS: dict = {"rows": [], "sweep": [], "errors": []}
+T0 = time.time()
+
+
+def log(*a):
+    s = " ".join(str(x) for x in a)
+    print(s, flush=True)
+    if LOG_FILE is not None:  # written as we go: a run cut short still leaves its log
+        LOG_FILE.write(s + "\n")
+        LOG_FILE.flush()
+
+
+MIN_CALLS = 8
+
+
+def n_calls(nbytes):  # distinct buffers per timed batch: > ROTATE_BYTES in all, 8..96 calls
+    return int(min(96, max(MIN_CALLS, math.ceil(ROTATE_BYTES / nbytes))))
+
+
+# ----------------------------------------------------------------------------------- torch peers
+def torch_part(shapes, args):
+    import torch
+    import torch.nn.functional as F
+
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(0)
+    RESULTS["device"] = f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}"
+    log("device:", RESULTS["device"])
+
+    def graph_time(fns, reps=10):
+        """Median µs per call of fns (a list of closures) replayed as one CUDA graph."""
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for f in fns[:2]:
+                f()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for f in fns:
+                f()
+        g.replay()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            g.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            ts.append(e0.elapsed_time(e1) * 1e3 / len(fns))
+        del g
+        return statistics.median(ts)
+
+    # Copy ceiling: 1 GiB device-to-device, bytes read + written.
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e-3)
+    copy_bw = 2 * a.numel() / statistics.median(ts) / 1e12
+    RESULTS["copy_tbs"] = copy_bw
+    log(f"copy ceiling: {copy_bw:.2f} TB/s (1 GiB device copy, read + write)")
+    del a, b
+
+    gemlite = None
+    try:
+        import gemlite as gl
+        from gemlite.helper import A16Wn
+
+        # M = 1 (GEMV_REVSPLITK): gemlite's own "fast" autotune (the seeded H100 configs of other
+        # shapes were 10-30x off in a first run); M = 6: its H100-tuned config of the nearest shape.
+        gl.set_autotune({"GEMV": "default", "GEMV_REVSPLITK": "fast", "GEMV_SPLITK": "default",
+                         "GEMM_SPLITK": "default", "GEMM": "default"})
+        cfg_path = os.path.join(os.path.dirname(gl.__file__), "configs", "h100.json")
+        with open(cfg_path) as f:
+            h100 = json.load(f)
+        gemlite = (gl, A16Wn, h100)
+        RESULTS["gemlite"] = gl.__version__
+    except Exception as e:  # gemlite missing: its columns read n/a
+        log("gemlite unavailable:", repr(e))
+
+    def seed_gemlite_config(h100, m, n, k):
+        """Copy the H100-tuned config of the nearest (N, K) for gemlite's kernel choice at M."""
+        import gemlite.core as gc
+
+        from gemlite.triton_kernels.utils import get_closest_m
+
+        mtype = gc.get_matmul_type(m, 4)
+        mm = get_closest_m(m)
+        key = str((mm, n, k, G, 8, 104))
+        table = h100.get(mtype, {})
+        best, best_d = None, None
+        for kk, v in table.items():
+            t = ast.literal_eval(kk)  # keys are tuple literals written by gemlite
+            if t[0] != mm or t[3] != G or t[4] != 8 or t[5] != 104:
+                continue
+            d = abs(math.log(t[1] / n)) + abs(math.log(t[2] / k))
+            if best_d is None or d < best_d:
+                best, best_d = (kk, v), d
+        if best is not None:
+            gc.GEMLITE_TRITON_CONFIG_CACHE.setdefault(mtype, {})[key] = best[1]
+        return mtype, None if best is None else best[0]
+
+    out = {}
+    gemlite_tuning_s = 0.0
+    # lm_head and the fused KDA projection first: gemlite's M = 1 autotune is time-limited.
+    order = sorted(shapes, key=lambda s: -s[0] if s[0] in (157184, 20480) else 0)
+    for n, k in order:
+        for m in MS:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+            nb = n * k * 2
+            ws = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) for _ in range(n_calls(nb))]
+            outs = [None] * len(ws)
+
+            def mk(i):
+                def f():
+                    outs[i] = F.linear(x, ws[i])
+                return f
+
+            t_cublas = graph_time([mk(i) for i in range(len(ws))])
+            ref = F.linear(x.float(), ws[0].float())
+            err = (F.linear(x, ws[0]).float() - ref).norm() / ref.norm()
+            log(f"cuBLAS bf16 {n}x{k} M={m}: {t_cublas:.2f} µs ({nb / t_cublas / 1e6:.2f} TB/s), "
+                f"rel err {err:.1e}")
+            ws = outs = None  # free the buffers before the next shape
+            t_gl = None
+            if gemlite is not None and m == 1 and gemlite_tuning_s > args.gemlite_budget:
+                log(f"gemlite {n}x{k} M=1 skipped: autotune time budget spent")
+            elif gemlite is not None:
+                t_start = time.time()
+                try:
+                    gl, A16Wn, h100 = gemlite
+                    mtype, src = ("GEMV_REVSPLITK", "autotune") if m == 1 else \
+                        seed_gemlite_config(h100, m, n, k)
+                    nl = n_calls(n * k // 2)
+                    layers = []
+                    for _ in range(nl):
+                        wq = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=dev)
+                        sc = torch.rand(n, k // G, dtype=torch.bfloat16, device=dev) * 0.02 + 0.001
+                        zr = torch.full((n, k // G), 8.0, dtype=torch.bfloat16, device=dev)
+                        layers.append((A16Wn(device=dev, dtype=torch.bfloat16).from_weights(
+                            wq, sc, zr, W_nbits=4, group_size=G), wq if not layers else None, sc))
+                    lay, wq, sc = layers[0]
+                    y = lay(x)
+                    wd = ((wq.float() - 8) * sc.float().repeat_interleave(G, 1))
+                    ref = x.float() @ wd.T
+                    err = (y.float() - ref).norm() / ref.norm()
+                    gouts = [None] * nl
+
+                    def mkg(i):
+                        def f():
+                            gouts[i] = layers[i][0](x)
+                        return f
+
+                    t_gl = graph_time([mkg(i) for i in range(nl)])
+                    log(f"gemlite int4 {n}x{k} M={m}: {t_gl:.2f} µs ({mtype}, config of {src}), "
+                        f"rel err {err:.1e}")
+                    del layers, gouts
+                except Exception as e:
+                    log(f"gemlite {n}x{k} M={m} failed: {e!r}")
+                    RESULTS["errors"].append(f"gemlite {n}x{k} M={m}: {e!r}")
+                if m == 1:
+                    gemlite_tuning_s += time.time() - t_start
+            out[(n, k, m)] = (t_cublas, t_gl)
+            torch.cuda.empty_cache()
+    return out
+
+
+# ------------------------------------------------------------------------------------ JAX part
+def jax_part(shapes, args, peers):
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.qmatvec import Plan, plan_for, qmatvec, reference
+    from pallas_kernels.quant import QuantizedWeight, quantize
+
+    log("jax", jax.__version__, jax.devices()[0].device_kind)
+    key = jax.random.PRNGKey(0)
+
+    def random_qw(key, n, k, bits, block_n, count):
+        """count distinct random quantised weights (random codes and scales: timing only)."""
+        t = -(-n // block_n)
+        out = []
+        for i in range(count):
+            k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+            words = jax.random.bits(k1, (t, k * bits // 32, block_n), jnp.uint32)
+            scales = (jax.random.uniform(k2, (t, k // G, block_n)) * 0.02 + 1e-3).astype(jnp.bfloat16)
+            out.append(QuantizedWeight(words, scales, None, bits, G, True, (n, k)))
+        return jax.block_until_ready(out)
+
+    def time_calls(fn, x, bufs, iters=8):
+        """µs per call: len(bufs) distinct calls per iteration of a fori_loop, one dispatch.
+
+        Each iteration's x depends (by 1e-30 x its outputs) on the previous iteration's outputs,
+        so nothing is hoisted or dropped and the host's dispatch cost is paid once per loop.
+        """
+        def run(x, bufs):
+            def body(i, xc):
+                ys = [fn(xc, b) for b in bufs]
+                tail = sum(y[:, :1].astype(jnp.float32) for y in ys)  # [M, 1]
+                return (xc.astype(jnp.float32) + 1e-30 * tail).astype(xc.dtype)
+            return jax.lax.fori_loop(0, iters, body, x)
+
+        f = jax.jit(run)
+        jax.block_until_ready(f(x, bufs))
+        best = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(x, bufs))
+            best.append((time.perf_counter() - t0) / (iters * len(bufs)) * 1e6)
+        return min(best)
+
+    def check(x, qw, plan):
+        """Relative error of the kernel against the reference on a real quantised weight."""
+        y = qmatvec(x, qw, backend=BACKEND, plan=plan).astype(jnp.float32)
+        r = reference(x, qw).astype(jnp.float32)
+        err = float(jnp.linalg.norm(y - r) / jnp.linalg.norm(r))
+        if not err < 4e-3:
+            raise AssertionError(f"rel err {err:.2e} vs reference")
+        return err
+
+    real_w = {}
+
+    def real_qw(n, k, bits, block_n):
+        kk = (n, k, bits, block_n)
+        if kk not in real_w:
+            w = jax.random.normal(jax.random.fold_in(key, n * 7 + k), (n, k), jnp.bfloat16)
+            real_w[kk] = quantize(w, bits=bits, group_size=G, block_n=block_n)
+        return real_w[kk]
+
+    def run_variant(n, k, m, bits, plan, block_n, tag):
+        nb = None
+        try:
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
+            err = check(x, real_qw(n, k, bits, block_n), plan)
+            probe = random_qw(key, n, k, bits, block_n, 1)[0]
+            nb = probe.nbytes + (m * k + m * n) * 2
+            bufs = random_qw(key, n, k, bits, block_n, n_calls(probe.nbytes))
+            us = time_calls(lambda x, b: qmatvec(x, b, backend=BACKEND, plan=plan), x, bufs)
+            del bufs
+            return dict(n=n, k=k, m=m, bits=bits, block_n=block_n, plan=str(plan), tag=tag,
+                        us=us, tbs=nb / us / 1e6, err=err)
+        except Exception as e:
+            log(f"FAILED {tag} {n}x{k} M={m} int{bits} {plan}: {e!r}")
+            RESULTS["errors"].append(f"{tag} {n}x{k} M={m} int{bits} {plan}: "
+                                     + traceback.format_exc(limit=3)[-800:])
+            return None
+
+    # XLA bf16 peer.
+    xla = {}
+    for n, k in shapes:
+        for m in MS:
+            x = jax.random.normal(key, (m, k), jnp.bfloat16)
+            nb = n * k * 2
+            ws = [jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.bfloat16)
+                  for i in range(n_calls(nb))]
+            xla[(n, k, m)] = time_calls(lambda x, w: jnp.dot(x, w.T), x, ws)
+            del ws
+            log(f"XLA bf16 {n}x{k} M={m}: {xla[(n, k, m)]:.2f} µs")
+
+    # Default plans: the table.
+    for n, k in shapes:
+        for m in MS:
+            for bits in BITS:
+                probe = random_qw(key, n, k, bits, 128, 1)[0]
+                plan = plan_for(m, probe, probe.n_tiles)
+                r = run_variant(n, k, m, bits, plan, 128, "default")
+                if r is None:
+                    continue
+                t_cublas, t_gl = peers.get((n, k, m), (None, None))
+                r.update(cublas=t_cublas, gemlite=t_gl if bits == 4 else None, xla=xla[(n, k, m)])
+                RESULTS["rows"].append(r)
+                log(f"ours int{bits} {n}x{k} M={m}: {r['us']:.2f} µs {r['tbs']:.2f} TB/s "
+                    f"err {r['err']:.1e} {plan}")
+
+    if args.sweep:  # launch-plan variants on the two shapes that matter most, int4
+        variants = {  # (shape N, M): [(block_n, Plan)]
+            (157184, 1): [(128, Plan("fma", 2, 1, chunk_words=16)),
+                          (128, Plan("fma", 2, 1, chunk_words=8, prefetch=True)),
+                          (128, Plan("fma", 4, 1, chunk_words=8)),
+                          (128, Plan("fma", 4, 1, chunk_words=8, prefetch=True)),
+                          (256, Plan("fma", 2, 2, chunk_words=8, prefetch=True)),
+                          (128, Plan("mma", 1, 4, num_stages=3))],
+            (157184, 6): [(128, Plan("mma", 2, 4, num_stages=3)),
+                          (128, Plan("mma", 1, 4, num_stages=2)),
+                          (256, Plan("mma", 1, 4, num_stages=3)),
+                          (128, Plan("mma", 1, 2, num_stages=3))],
+            (20480, 1): [(128, Plan("fma", 10, 1, chunk_words=8, prefetch=True)),
+                         (128, Plan("fma", 20, 1, chunk_words=8)),
+                         (128, Plan("fma", 10, 1, chunk_words=16)),
+                         (256, Plan("fma", 20, 2, chunk_words=8, prefetch=True))],
+            (20480, 6): [(128, Plan("mma", 10, 4, num_stages=3)),
+                         (128, Plan("mma", 4, 2, num_stages=2)),
+                         (128, Plan("mma", 4, 4, num_stages=2))],
+        }
+        for (n, m), plans in variants.items():
+            if (n, 2560) not in shapes and not args.smoke:
+                continue
+            for bn, plan in plans:
+                if time.time() - T0 > args.budget:
+                    log("sweep stopped: time budget")
+                    return
+                nn, kk = (n, 2560) if not args.smoke else shapes[0]
+                r = run_variant(nn, kk, m, 4, plan, bn, "sweep")
+                if r is not None:
+                    RESULTS["sweep"].append(r)
+                    log(f"sweep int4 {nn}x{kk} M={m} bn{bn}: {r['us']:.2f} µs "
+                        f"{r['tbs']:.2f} TB/s {plan}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, no torch (CPU)")
+    ap.add_argument("--gemlite-budget", type=float, default=40.0,
+                    help="seconds of gemlite M = 1 autotuning after which the rest are skipped")
+    ap.add_argument("--budget", type=float, default=220.0, help="seconds after which the sweep stops")
+    args = ap.parse_args()
+    shapes = SHAPES[3:] if args.quick else SHAPES
+    if args.smoke:
+        global BACKEND, ROTATE_BYTES, MIN_CALLS
+        shapes, BACKEND, ROTATE_BYTES, MIN_CALLS = [(300, 256)], "interpret", 1.0, 1
+    outdir = os.environ.get("OUT", "bench_out")
+    os.makedirs(outdir, exist_ok=True)
+    global LOG_FILE
+    LOG_FILE = open(os.path.join(outdir, "qmatvec_log.txt"), "w")
+    t0 = T0
+    peers = {}
+    try:
+        peers = {} if args.smoke else torch_part(shapes, args)
+    except Exception:
+        log("torch part failed:", traceback.format_exc())
+    log(f"[{time.time() - t0:.0f} s] torch peers done")
+    try:
+        jax_part(shapes, args, peers)
+    except Exception:
+        log("jax part failed:", traceback.format_exc())
+    log(f"[{time.time() - t0:.0f} s] done")
+
+    cbw = RESULTS.get("copy_tbs")
+    lines = ["", f"qmatvec on {RESULTS.get('device')}, copy ceiling {cbw and round(cbw, 2)} TB/s",
+             "shape          M bits   ours µs  TB/s  %copy  cuBLAS µs  x   gemlite µs  x   XLA µs   x"]
+
+    def ratio(peer, ours):
+        return f"{peer / ours:5.2f}" if peer else "  n/a"
+
+    for r in RESULTS["rows"]:
+        pct = 100 * r["tbs"] / cbw if cbw else float("nan")
+        cub, glt, xl = r["cublas"], r["gemlite"], r["xla"]
+        lines.append(
+            f"{r['n']:>6}x{r['k']:<6} {r['m']:>2} int{r['bits']} {r['us']:8.2f} {r['tbs']:5.2f} {pct:5.0f}%"
+            f" {cub or float('nan'):9.2f} {ratio(cub, r['us'])} {glt or float('nan'):10.2f}"
+            f" {ratio(glt, r['us'])} {xl:7.2f} {ratio(xl, r['us'])}")
+    if RESULTS["sweep"]:
+        lines.append("best sweep variant per (shape, M), int4:")
+        best = {}
+        for r in RESULTS["sweep"]:
+            kk = (r["n"], r["k"], r["m"])
+            if kk not in best or r["us"] < best[kk]["us"]:
+                best[kk] = r
+        for kk, r in sorted(best.items()):
+            lines.append(f"  {kk[0]}x{kk[1]} M={kk[2]}: {r['us']:.2f} µs {r['tbs']:.2f} TB/s "
+                         f"bn{r['block_n']} {r['plan']}")
+    if RESULTS["errors"]:
+        lines.append(f"{len(RESULTS['errors'])} errors (see the log)")
+    for line in lines:
+        log(line)
+    with open(os.path.join(outdir, "qmatvec.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

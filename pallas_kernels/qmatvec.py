@@ -1,0 +1,311 @@
+"""Fused dequantising matvec  y = x @ W^T  for grouped low-bit weights (decode and verify, M <= 16).
+
+Layout (pallas_kernels/quant.py): words uint32 [T, WPR, B_N], scales (and zeros) bf16
+[T, K/G, B_N]; inside a group of G columns, lane i of word w is column w + i*WPG (WPG = G*b/32).
+x is bf16 [M, K], y is bf16 [M, N].
+
+Grid: 1-D, one program per (active tile, K split): n_active * S programs. Program p owns tile
+t = tiles[p // S] (tiles=None: t = p // S) and the groups [s*NG/S, (s+1)*NG/S) of its K range,
+s = p % S. It walks its groups in a fori_loop; for each it loads the [CW, B_N] word block(s)
+(unit stride), unpacks each lane i in registers with one and-or into the float32 magic number
+2^23 + u*2^off (off = the lane's bit offset) and one multiply-add to the exact integer u - z (no
+int->float conversion, which is quarter rate), multiplies it by the contiguous slice of x that
+lane i lines up with, sums over the group and applies the group's scale once. Two inner paths:
+  "fma": CUDA-core multiply-adds into one [CW, B_N] accumulator tile per row of x (M = 1..2;
+         each thread owns whole columns, so the sum over K stays in its registers).
+  "mma": u - z cast to bf16 (exact) and a tensor-core dot with x padded to 16 rows (M > 2).
+Accumulation is float32 throughout. S = 1 writes bf16 y directly; S > 1 (split-K, so a small N
+still fills the GPU) writes float32 partials [S, M, N_pad] that one XLA fusion sums. Dequantised
+weights never leave registers.
+
+Bytes moved: n_active/T * qw.nbytes of weights (words + scales + zeros, each read once; skipped
+tiles are never addressed), x (M*K*2, L2 resident after the first programs) and y (M*N*2; plus
+S*M*N_pad*4 twice when split).
+
+Measured on the H200 (bench/RESULTS.md): instruction-bound, not HBM-bound (~3.8 instructions per
+weight; int4 lm_head 117 µs at M = 1, 1.77 TB/s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.quant import QuantizedWeight, dequantize
+
+BACKENDS = ("pallas", "interpret", "reference", "auto")
+MAX_M = 16
+MMA_ROWS = 16  # tl.dot needs M >= 16: the mma path pads x's rows with masked loads
+H200_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one call is launched (static). `qmatvec` picks it with `plan_for`."""
+
+    path: str  # "fma" | "mma"
+    split: int  # S: programs per tile along K
+    num_warps: int
+    num_stages: int = 2
+    chunk_words: int = 32  # CW: most words of one group loaded at once (registers)
+    prefetch: bool = False  # load the next group's words before computing this one
+
+
+def plan_for(m: int, qw: QuantizedWeight, n_active: int) -> Plan:
+    """Launch heuristics for the H200 (bench/qmatvec.py measures the alternatives).
+
+    Split K until the grid has about 12 one-warp fma programs (about 4 four-warp mma programs)
+    per SM: the kernel is latency-bound, so it needs warps in flight, and each program keeps
+    whole groups.
+    """
+    wpg = qw.group_size * qw.bits // 32
+    path = "fma" if m <= 2 or wpg < 16 else "mma"
+    n_groups = qw.shape[1] // qw.group_size
+    want = (12 if path == "fma" else 4) * H200_SMS
+    divisors = [s for s in range(1, n_groups + 1) if n_groups % s == 0]
+    split = next((s for s in divisors if n_active * s >= want), n_groups)
+    if path == "fma":
+        return Plan("fma", split, num_warps=max(1, qw.block_n // 128), chunk_words=8)
+    return Plan("mma", split, num_warps=4, num_stages=3)
+
+
+def reference(x, qw: QuantizedWeight, *, tiles=None):
+    """Plain jnp: dequantise (float32, exact), multiply in float32, zero the inactive tiles."""
+    w = dequantize(qw)  # [N, K] f32
+    y = jnp.dot(x.astype(jnp.float32), w.T, precision=lax.Precision.HIGHEST)  # [M, N]
+    if tiles is not None:
+        n = qw.shape[0]
+        active = jnp.zeros((qw.n_tiles,), bool).at[tiles].set(True)
+        y = jnp.where(jnp.repeat(active, qw.block_n)[:n], y, 0.0)
+    return y.astype(jnp.bfloat16)
+
+
+def _lanes(words, bits, zero, magic):
+    """Yield (lane, u - z as f32 [CW, B_N]) for the 32/bits lanes of words uint32 [CW, B_N].
+
+    Or-ing the masked code into the mantissa of 2^23 gives 2^23 + u*2^off exactly; scaling by
+    2^-off and subtracting 2^(23-off) + z is exact, so this equals an int->float conversion.
+    Lanes that would reach bit 23 are taken from words >> 16 (one shift per word). magic is
+    0x4B000000 read from memory: as a register, not an immediate, the and-or fuses into one LOP3.
+    """
+    high = words >> 16
+    for i in range(32 // bits):
+        src, off = words, i * bits
+        if off + bits > 23:
+            src, off = high, off - 16
+        mant = (src & jnp.uint32((2**bits - 1) << off)) | magic
+        f = lax.bitcast_convert_type(mant, jnp.float32)  # 2^23 + u * 2^off
+        yield i, f * (2.0**-off) - (2.0 ** (23 - off) + zero)
+
+
+def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, n_init, count):
+    refs = list(refs)
+    x_ref = refs.pop(0)  # [M, K] bf16
+    magic_ref = refs.pop(0)  # [1] uint32: 0x4B000000
+    tiles_ref = refs.pop(0) if has_tiles else None  # [n_active] int32
+    words_ref = refs.pop(0)  # [T, WPR, B_N] uint32
+    scales_ref = refs.pop(0)  # [T, NG, B_N] bf16
+    zeros_ref = None if symmetric else refs.pop(0)
+    del refs[:n_init]  # aliased initial values of the outputs: only their output refs are used
+    out_ref = refs.pop(0)  # S == 1: y [M, N] bf16; S > 1: partials [S, M, N_pad] f32
+    touch_ref = refs.pop(0) if count else None  # [T, WPR] int32: rows of words read
+
+    wpg = group_size * bits // 32
+    cw = min(wpg, plan.chunk_words)
+    n_groups = x_ref.shape[1] // group_size
+    groups_per_prog = n_groups // plan.split
+    pid = pl.program_id(0)
+    t = tiles_ref[pid // plan.split] if has_tiles else pid // plan.split
+    split = pid % plan.split
+    mma = plan.path == "mma"
+    rows = MMA_ROWS if mma else m
+    row_ok = jnp.arange(MMA_ROWS)[:, None] < m  # [16, 1]
+    magic = magic_ref[0]
+    evict = "evict_first"  # weights are streamed once: keep L2 for x
+
+    n_chunks = wpg // cw
+    g_first = split * groups_per_prog
+
+    def load_group(g):  # the group's words: n_chunks x [CW, B_N] uint32
+        chunks = []
+        for c in range(n_chunks):
+            w0 = g * wpg + c * cw
+            chunks.append(pltriton.load(words_ref.at[t, pl.ds(w0, cw), :], eviction_policy=evict))
+            if count:
+                touch_ref[t, pl.ds(w0, cw)] = touch_ref[t, pl.ds(w0, cw)] + 1
+        return tuple(chunks)
+
+    def compute_group(g, chunks, acc):
+        scale = scales_ref[t, g, :].astype(jnp.float32)  # [B_N]
+        zero = 2.0 ** (bits - 1) if symmetric else zeros_ref[t, g, :].astype(jnp.float32)[None, :]
+        # Independent accumulators keep the multiply-add chains short: the mma path alternates
+        # two [16, B_N] tiles between lanes; the fma path keeps one [CW, B_N] tile per row of x
+        # (every element its own chain) and sums it over CW once per group.
+        part = [jnp.zeros((rows, block_n), jnp.float32)] * 2 if mma else [
+            jnp.zeros((cw, block_n), jnp.float32)] * m
+        for c, words in enumerate(chunks):
+            for i, v in _lanes(words, bits, zero, magic):  # v: [CW, B_N] f32 = u - z
+                x0 = g * group_size + i * wpg + c * cw  # lane i's contiguous slice of x
+                if mma:
+                    xi = pltriton.load(
+                        x_ref.at[pl.ds(0, MMA_ROWS), pl.ds(x0, cw)], mask=row_ok, other=0.0
+                    )  # [16, CW] bf16
+                    part[i % 2] = part[i % 2] + jnp.dot(
+                        xi, v.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+                else:
+                    for r in range(m):
+                        xr = x_ref[jnp.int32(r), pl.ds(x0, cw)].astype(jnp.float32)  # [CW]
+                        part[r] = part[r] + v * xr[:, None]  # [CW, B_N]
+        if mma:
+            return acc + (part[0] + part[1]) * scale[None, :]
+        acc_g = [jnp.sum(p, axis=0) for p in part]  # [B_N] each
+        return tuple(a + ag * scale for a, ag in zip(acc, acc_g))
+
+    init = jnp.zeros((rows, block_n), jnp.float32) if mma else (jnp.zeros(block_n, jnp.float32),) * m
+    if plan.prefetch:
+        # Software pipelining by hand: group j+1's words are in flight while group j is computed.
+        def step(j, carry):
+            acc, chunks = carry
+            nxt = load_group(g_first + j + 1)
+            return compute_group(g_first + j, chunks, acc), nxt
+
+        last = g_first + groups_per_prog - 1
+        acc, chunks = lax.fori_loop(0, groups_per_prog - 1, step, (init, load_group(g_first)))
+        acc = compute_group(last, chunks, acc)
+    else:
+        def step(j, acc):
+            g = g_first + j
+            return compute_group(g, load_group(g), acc)
+
+        acc = lax.fori_loop(0, groups_per_prog, step, init)
+
+    cols = t * block_n + jnp.arange(block_n)
+    ragged = n % block_n != 0
+    if plan.split == 1:
+        if mma:
+            mask = row_ok & (cols[None, :] < n)
+            pltriton.store(
+                out_ref.at[pl.ds(0, MMA_ROWS), pl.ds(t * block_n, block_n)],
+                acc.astype(out_ref.dtype),
+                mask=mask,
+            )
+        else:
+            for r in range(m):
+                pltriton.store(
+                    out_ref.at[jnp.int32(r), pl.ds(t * block_n, block_n)],
+                    acc[r].astype(out_ref.dtype),
+                    mask=cols < n if ragged else None,
+                )
+    elif mma:
+        pltriton.store(
+            out_ref.at[split, pl.ds(0, MMA_ROWS), pl.ds(t * block_n, block_n)], acc, mask=row_ok
+        )
+    else:
+        for r in range(m):
+            out_ref[split, jnp.int32(r), pl.ds(t * block_n, block_n)] = acc[r]
+
+
+def _launch(x, qw: QuantizedWeight, tiles, plan: Plan, *, interpret, init=None, count=False):
+    """One pallas_call. init: initial output (aliased; needed when tiles are skipped).
+
+    Returns the raw output (y or the split partials) and, with count=True, the touch counts.
+    """
+    m, k = x.shape
+    n = qw.shape[0]
+    n_active = qw.n_tiles if tiles is None else tiles.shape[0]
+    if (k // qw.group_size) % plan.split:
+        raise ValueError(f"plan.split={plan.split} must divide the {k // qw.group_size} groups of K")
+    if plan.path == "mma" and qw.group_size * qw.bits // 32 < 16:
+        raise ValueError("the mma path needs >= 16 words per group (tl.dot's K >= 16)")
+    if count and init is None:
+        raise ValueError("count=True needs init (the aliased outputs are positional)")
+    if plan.split == 1:
+        out_shape = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    else:
+        out_shape = jax.ShapeDtypeStruct((plan.split, m, qw.n_tiles * qw.block_n), jnp.float32)
+    magic = jnp.array([0x4B000000], jnp.uint32)
+    inputs = [x, magic] + ([] if tiles is None else [tiles]) + [qw.words, qw.scales]
+    inputs += [] if qw.symmetric else [qw.zeros]
+    out_shapes, inits = [out_shape], []
+    if init is not None:
+        inits.append(init)
+    if count:
+        out_shapes.append(jax.ShapeDtypeStruct(qw.words.shape[:2], jnp.int32))
+        inits.append(jnp.zeros(qw.words.shape[:2], jnp.int32))
+    aliases = {len(inputs) + i: i for i in range(len(inits))}
+    kernel = functools.partial(
+        _kernel,
+        m=m,
+        n=n,
+        bits=qw.bits,
+        group_size=qw.group_size,
+        symmetric=qw.symmetric,
+        block_n=qw.block_n,
+        plan=plan,
+        has_tiles=tiles is not None,
+        n_init=len(inits),
+        count=count,
+    )
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=tuple(out_shapes),
+        grid=(n_active * plan.split,),
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(
+            num_warps=plan.num_warps, num_stages=plan.num_stages
+        ),
+        name=f"qmatvec_{plan.path}_int{qw.bits}",
+    )(*inputs, *inits)
+    return outs if count else outs[0]
+
+
+def _finish(out, n, plan: Plan):
+    if plan.split == 1:
+        return out
+    return out.sum(axis=0)[:, :n].astype(jnp.bfloat16)  # one XLA fusion over [S, M, N_pad]
+
+
+def _default_backend():
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def qmatvec(x, qw: QuantizedWeight, *, tiles=None, backend="auto", plan: Plan | None = None):
+    """y = x @ W^T: x [M, K] (M = 1..16) -> bf16 [M, N], W the quantised [N, K] weight.
+
+    tiles: optional int32 [n_active] indices in [0, qw.n_tiles) of the output tiles (qw.block_n
+    rows each) to compute, each at most once; the other tiles' outputs are zero and their
+    weights are never read (the grid has n_active * split programs).
+    backend: "pallas" (GPU), "interpret" (the Pallas kernel on CPU), "reference" (plain jnp),
+    "auto" (pallas on GPU, reference elsewhere). plan overrides the launch heuristics.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if x.ndim != 2 or x.shape[1] != qw.shape[1]:
+        raise ValueError(f"x must be [M, K={qw.shape[1]}], got shape {x.shape}")
+    if not 1 <= x.shape[0] <= MAX_M:
+        raise ValueError(f"x must have 1..{MAX_M} rows (M), got {x.shape[0]}")
+    if tiles is not None and (tiles.ndim != 1 or not jnp.issubdtype(tiles.dtype, jnp.integer)):
+        raise ValueError(f"tiles must be a 1-D integer array, got {tiles.dtype}{tiles.shape}")
+    if backend == "auto":
+        backend = _default_backend()
+    if backend == "reference":
+        return reference(x, qw, tiles=tiles)
+    x = x.astype(jnp.bfloat16)
+    n_active = qw.n_tiles if tiles is None else tiles.shape[0]
+    if tiles is not None:
+        tiles = tiles.astype(jnp.int32)
+    plan = plan or plan_for(x.shape[0], qw, n_active)
+    init = None
+    if tiles is not None:  # inactive tiles are never written: start from zeros
+        shape = (x.shape[0], qw.shape[0]) if plan.split == 1 else (
+            plan.split, x.shape[0], qw.n_tiles * qw.block_n)
+        init = jnp.zeros(shape, jnp.bfloat16 if plan.split == 1 else jnp.float32)
+    out = _launch(x, qw, tiles, plan, interpret=backend == "interpret", init=init)
+    return _finish(out, qw.shape[0], plan)

@@ -1,0 +1,123 @@
+"""The grouped low-bit codec: layout, exactness, idempotence, error bound, argument errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.quant import QuantizedWeight, codes, dequantize, group_params, quantize
+
+CONFIGS = [(b, g, sym) for b in (2, 4, 8) for g in (32, 128) for sym in (True, False)]
+# Every bit width and both modes, each with one of the group sizes (keeps compile time down).
+SOME = [(2, 32, True), (2, 128, False), (4, 128, True), (4, 32, False), (8, 32, True), (8, 128, False)]
+
+
+def _weights(rng, n, k, offset=0.0):
+    # Rows of very different magnitude, optionally shifted (one-sided groups for asymmetric).
+    w = rng.standard_normal((n, k)) * rng.uniform(0.01, 3.0, (n, 1)) + offset
+    return jnp.asarray(w, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("bits,group_size,symmetric", SOME)
+def test_shapes_and_layout(bits, group_size, symmetric):
+    rng = np.random.default_rng(bits * 1000 + group_size)
+    n, k, bn = 70, 256, 32  # N not a multiple of block_n: 3 tiles, the last one padded
+    w = _weights(rng, n, k)
+    qw = quantize(w, bits=bits, group_size=group_size, symmetric=symmetric, block_n=bn)
+    wpr, vpw, wpg = k * bits // 32, 32 // bits, group_size * bits // 32
+    assert qw.words.shape == (3, wpr, bn) and qw.words.dtype == jnp.uint32
+    assert qw.scales.shape == (3, k // group_size, bn) and qw.scales.dtype == jnp.bfloat16
+    assert (qw.zeros is None) == symmetric
+    assert (qw.bits, qw.group_size, qw.symmetric, qw.shape) == (bits, group_size, symmetric, (n, k))
+    assert dequantize(qw).shape == (n, k)
+
+    # The documented layout, element by element: lane i of word (t, g*WPG + w, r) is the code of
+    # row t*B_N + r, column g*G + i*WPG + w; the codes are round(w / s) + z.
+    s, z = (np.asarray(a) for a in group_params(qw))
+    wf = np.asarray(w, np.float32).reshape(n, k // group_size, group_size) / s[..., None]
+    if symmetric:  # round half to even, codes +-qmax around z = 2^(b-1)
+        qmax = 2 ** (bits - 1) - 1
+        u = np.clip(np.round(wf), -qmax, qmax) + z[..., None]
+    else:  # round half up, codes [0, 2^b - 1]
+        u = np.clip(np.floor(wf + 0.5) + z[..., None], 0, 2**bits - 1)
+    u = u.reshape(n, k).astype(np.uint32)
+    got = np.asarray(codes(qw))
+    # XLA may divide through a reciprocal: only exact rounding ties may come out the other way.
+    tie = (np.abs(np.abs(wf - np.floor(wf)) - 0.5) < 1e-4).reshape(n, k)
+    assert np.all((got == u) | tie)
+    u = got
+    words = np.asarray(qw.words)
+    for row in (0, 33, n - 1):
+        t, r = divmod(row, bn)
+        for col in (0, 5, group_size + 3, k - 1):
+            g, c = divmod(col, group_size)
+            i, wi = divmod(c, wpg)
+            word = int(words[t, g * wpg + wi, r])
+            assert (word >> (i * bits)) & (2**bits - 1) == u[row, col], (row, col)
+    assert vpw * wpg == group_size
+    # Padded rows hold zero weights.
+    assert float(jnp.abs(dequantize(QuantizedWeight(
+        qw.words, qw.scales, qw.zeros, bits, group_size, symmetric, (3 * bn, k)))[n:]).max()) == 0
+
+
+@pytest.mark.parametrize("bits,group_size,symmetric", CONFIGS)
+def test_idempotent(bits, group_size, symmetric):
+    rng = np.random.default_rng(7 + bits + group_size)
+    n, k = 48, 256
+    w = np.asarray(_weights(rng, n, k, offset=0.0 if symmetric else 0.7), np.float32)
+    w[3] = 0.0  # an all-zero row
+    w[4] = 1.5  # a constant row
+    w[5, : k // 2] = -np.abs(w[5, : k // 2])  # one-sided groups
+    qw = quantize(jnp.asarray(w), bits=bits, group_size=group_size, symmetric=symmetric, block_n=16)
+    qw2 = quantize(dequantize(qw), bits=bits, group_size=group_size, symmetric=symmetric, block_n=16)
+    np.testing.assert_array_equal(np.asarray(qw.words), np.asarray(qw2.words))
+    np.testing.assert_array_equal(np.asarray(qw.scales), np.asarray(qw2.scales))
+    if not symmetric:
+        np.testing.assert_array_equal(np.asarray(qw.zeros), np.asarray(qw2.zeros))
+
+
+@pytest.mark.parametrize("bits,group_size,symmetric", SOME)
+def test_dequant_error_bound(bits, group_size, symmetric):
+    rng = np.random.default_rng(3 * bits + group_size)
+    n, k = 64, 512
+    w = _weights(rng, n, k, offset=0.0 if symmetric else -0.4)
+    qw = quantize(w, bits=bits, group_size=group_size, symmetric=symmetric)
+    s, _ = group_params(qw)
+    err = jnp.abs(dequantize(qw) - w.astype(jnp.float32)).reshape(n, k // group_size, group_size)
+    # Half a step, plus (asymmetric) the bf16 rounding-down of the scale: the range may overrun
+    # the 2^b - 1 steps by at most (2^b - 1) * 2^-7 of a step at its ends.
+    bound = 0.5 + (0.0 if symmetric else (2**bits - 1) / 127)
+    assert float((err / s[..., None]).max()) <= bound * (1 + 1e-6)
+    # And the scale itself is as small as the rule allows (the bound is not vacuous).
+    wf = w.astype(jnp.float32).reshape(n, k // group_size, group_size)
+    span = jnp.max(jnp.abs(wf), 2) / (2 ** (bits - 1) - 1) if symmetric else (
+        jnp.maximum(wf.max(2), 0) - jnp.minimum(wf.min(2), 0)) / (2**bits - 1)
+    assert float(jnp.max(jnp.abs(s / span - 1))) <= 2**-7
+
+
+def test_pytree_and_jit():
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((40, 128)), jnp.bfloat16)
+    qw = quantize(w, bits=4, group_size=64, symmetric=False, block_n=16)
+    leaves, treedef = jax.tree_util.tree_flatten(qw)
+    assert len(leaves) == 3
+    again = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert (again.bits, again.group_size, again.symmetric, again.shape) == (4, 64, False, (40, 128))
+    np.testing.assert_array_equal(np.asarray(jax.jit(dequantize)(qw)), np.asarray(dequantize(qw)))
+    assert qw.nbytes == 3 * 16 * 16 * 4 + 2 * 3 * 2 * 16 * 2
+
+
+@pytest.mark.parametrize(
+    "kwargs,shape,name",
+    [
+        (dict(bits=3), (16, 128), "bits"),
+        (dict(group_size=100), (16, 200), "group_size"),
+        (dict(group_size=16), (16, 128), "group_size"),
+        (dict(group_size=64), (16, 96), "group_size"),  # 64 does not divide K = 96
+        (dict(block_n=48), (16, 128), "block_n"),
+        (dict(symmetric=1), (16, 128), "symmetric"),
+        (dict(), (128,), "w"),
+    ],
+)
+def test_errors_name_the_argument(kwargs, shape, name):
+    with pytest.raises(ValueError, match=name):
+        quantize(jnp.ones(shape, jnp.bfloat16), **kwargs)
