@@ -38,14 +38,19 @@ def random_model(cfg, dtype, seed=0) -> LingModel:
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def copy_bandwidth(nbytes=2 << 30, iters=20) -> float:
-    """Read + write bytes/s of a large device copy (y = x + 1 over nbytes of bf16)."""
-    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-    f = jax.jit(lambda x: jax.lax.fori_loop(0, iters, lambda i, y: y + jnp.bfloat16(1), x))
+def copy_bandwidth(nbytes=1 << 30, calls=10) -> float:
+    """Read + write bytes/s of a 1 GiB fp32 elementwise pass (XLA), median of three runs of 10 calls."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
     jax.block_until_ready(f(x))
-    t = time.perf_counter()
-    jax.block_until_ready(f(x))
-    return 2 * nbytes * iters / (time.perf_counter() - t)
+    samples = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(calls):
+            y = f(x)
+        jax.block_until_ready(y)
+        samples.append((time.perf_counter() - t) / calls)
+    return 2 * nbytes / float(np.median(samples))
 
 
 def timed(fn, *args, repeat=2):
@@ -72,7 +77,9 @@ def main():
     cfg = full.replace(num_hidden_layers=n, layer_types=full.layer_types[:n], mlp_types=full.mlp_types[:n],
                        expert_swiglu_limits=(), shared_swiglu_limits=())
     s, k = args.num_steps, args.iters
-    print(f"device {jax.devices()[0].device_kind}; {args.preset} cut to {n} layers "
+    from pallas_kernels.backend import resolve
+
+    print(f"device {jax.devices()[0].device_kind}; kernels: {resolve()}; {args.preset} cut to {n} layers "
           f"({cfg.layer_types.count('kda')} KDA, {cfg.layer_types.count('mla')} MLA) + NEXTN, bf16, batch 1", flush=True)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)

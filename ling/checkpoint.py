@@ -60,8 +60,8 @@ def _vector(name: str, n: int, hub_shape=None) -> Source:
     return Source({name: hub_shape or (n,)}, lambda read: read(name).reshape(n))
 
 
-def _conv(names: list[str], c: int, w: int) -> Source:  # three [C, 1, W] -> [3C, W]
-    return Source({n: (c, 1, w) for n in names}, lambda read: np.concatenate([read(n)[:, 0] for n in names]))
+def _conv(name: str, c: int, w: int) -> Source:  # torch depthwise Conv1d [C, 1, W] -> [C, W]
+    return Source({name: (c, 1, w)}, lambda read: read(name)[:, 0])
 
 
 def _experts_w13(gate: list[str], up: list[str], d: int, inter: int) -> Source:
@@ -108,7 +108,8 @@ def _layer_plan(cfg: ModelConfig, i: int, name: _Names, nextn: bool) -> dict[Pat
     if kind == KDA:
         for p in ("q_proj", "k_proj", "v_proj"):
             plan[a + (p, "kernel")] = _linear(attn + p + ".weight", d, c)
-        plan[a + ("conv_weight",)] = _conv([attn + f"{p}_conv1d.weight" for p in "qkv"], c, cfg.conv_size)
+        for p in "qkv":
+            plan[a + (f"{p}_conv",)] = _conv(attn + f"{p}_conv1d.weight", c, cfg.conv_size)
         if kimi:
             kd = cfg.kda_head_dim
             plan[a + ("f_a_proj", "kernel")] = _linear(attn + "f_a_proj.weight", d, kd)

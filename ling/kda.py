@@ -18,6 +18,8 @@ from flax import nnx
 
 from ling.config import ModelConfig
 from ling.layers import gated_rms_norm
+from pallas_kernels import kda as kda_kernel
+from pallas_kernels.backend import resolve as resolve_kernels
 from moe.nn import Linear, param
 
 CHUNK = 64
@@ -140,9 +142,12 @@ class KDAttention(nnx.Module):
         self.q_proj = Linear(d, c, ("embed", "heads"), dtype=dtype, rngs=rngs)
         self.k_proj = Linear(d, c, ("embed", "heads"), dtype=dtype, rngs=rngs)
         self.v_proj = Linear(d, c, ("embed", "heads"), dtype=dtype, rngs=rngs)
-        # Ling keeps the conv in fp32; Kimi's checkpoint stores it in the model dtype.
+        # Ling keeps the conv in fp32; Kimi's checkpoint stores it in the model dtype. q, k and v
+        # have their own buffers (as in the checkpoint), so the fused kernel never needs a slice.
         conv_dtype = jnp.float32 if cfg.model_type == "bailing_hybrid" else dtype
-        self.conv_weight = param(rngs, (3 * c, cfg.conv_size), ("heads", "conv"), conv_dtype, std=0.3)
+        self.q_conv = param(rngs, (c, cfg.conv_size), ("heads", "conv"), conv_dtype, std=0.3)
+        self.k_conv = param(rngs, (c, cfg.conv_size), ("heads", "conv"), conv_dtype, std=0.3)
+        self.v_conv = param(rngs, (c, cfg.conv_size), ("heads", "conv"), conv_dtype, std=0.3)
         if cfg.kda_gate == "safe":
             self.f_proj = Linear(d, c, ("embed", "heads"), dtype=dtype, rngs=rngs)
             self.g_proj = Linear(d, c, ("embed", "heads"), dtype=dtype, rngs=rngs)
@@ -158,32 +163,43 @@ class KDAttention(nnx.Module):
         self.o_proj = Linear(c, d, ("heads", "embed"), dtype=dtype, rngs=rngs)
 
     def __call__(self, x, conv_state, rec_state, valid, *, form: str):
-        """x [B, T, D]; conv_state [B, W-1, 3C]; rec_state [B, H, K, V] fp32; valid [B]: tokens of each
-        slot that are real (the rest is padding and must not touch the state).
-        form "recurrent" / "chunked": returns (y [B, T, D], conv window [B, W-1+T, 3C], the recurrent
-        state after the valid tokens). form "verify" (recurrent): the last item is the state after
-        each prefix instead, [B, T+1, H, K, V] (index 0: before any token), so that the engine
-        commits any accepted length without recomputation."""
+        """x [B, T, D]; conv_state (q, k, v) each [B, W-1, C]; rec_state [B, H, K, V] fp32; valid [B]:
+        tokens of each slot that are real (the rest is padding and must not touch the state).
+        form "chunked" (prefill) or "recurrent" (decode, verify). Returns (y [B, T, D], the conv
+        windows (q, k, v) each [B, W-1+T, C], and the recurrent state: for "chunked" the state after
+        the valid tokens [B, H, K, V]; for "recurrent" the state after each position [B, T, H, K, V],
+        from which `ling.state.commit` takes any prefix without recomputation)."""
         b, t, _ = x.shape
         h, kd = self.num_heads, self.head_dim
-        qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)  # [B, T, 3C]
-        qkv, window = causal_conv(qkv, conv_state, self.conv_weight[...])
-        q, k, v = (a.reshape(b, t, h, kd) for a in jnp.split(qkv, 3, axis=-1))
-        q = l2_normalize(q) * kd**-0.5
-        k = l2_normalize(k)
+        pre = (self.q_proj(x), self.k_proj(x), self.v_proj(x))  # [B, T, C] each, before the conv
         f = self.f_proj(x) if self.gate_kind == "safe" else self.f_b_proj(self.f_a_proj(x))
-        g = decay_gate(f.reshape(b, t, h, kd), self.A_log[...], self.dt_bias[...], kind=self.gate_kind,
-                       lower_bound=self.lower_bound)
-        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))  # [B, T, H]
-        # Padding positions: no decay (g = 0) and no write (β = 0) leave the state as it was.
-        real = jnp.arange(t)[None, :] < valid[:, None]  # [B, T]
-        g = jnp.where(real[..., None, None], g, 0.0)
-        beta = jnp.where(real[..., None], beta, 0.0)
-        if form == "chunked":
-            o, rec = chunked(q, k, v, g, beta, rec_state)
-        else:
-            o, states = recurrent(q, k, v, g, beta, rec_state)
-            rec = states[:, -1] if form == "recurrent" else jnp.concatenate([rec_state[:, None], states], axis=1)
         gate = self.g_proj(x) if self.gate_kind == "safe" else self.g_b_proj(self.g_a_proj(x))
-        o = gated_rms_norm(o.astype(x.dtype), gate.reshape(b, t, h, kd), self.o_norm[...], self.eps)
-        return self.o_proj(o.reshape(b, t, h * kd)), window, rec
+        b_in = self.b_proj(x)  # [B, T, H]
+        weights = (self.q_conv[...], self.k_conv[...], self.v_conv[...])
+        kernels = resolve_kernels()
+        if form == "recurrent" and kernels != "reference" and t <= kda_kernel.MAX_T:
+            out = kda_kernel.kda_verify(
+                kda_kernel.KdaInputs(*pre, f.reshape(b, t, h, kd), b_in, gate),
+                kda_kernel.KdaWeights(*weights, self.A_log[...], self.dt_bias[...], self.o_norm[...]),
+                kda_kernel.KdaState(*conv_state, rec_state), gate=self.gate_kind, eps=self.eps,
+                lower_bound=self.lower_bound, all_states=True, backend=kernels)
+            o, rec, windows = out.o, out.states, (out.window_q, out.window_k, out.window_v)
+        else:
+            convs = [causal_conv(a, s, w) for a, s, w in zip(pre, conv_state, weights)]
+            windows = tuple(w for _, w in convs)
+            q, k, v = (a.reshape(b, t, h, kd) for a, _ in convs)
+            q = l2_normalize(q) * kd**-0.5
+            k = l2_normalize(k)
+            g = decay_gate(f.reshape(b, t, h, kd), self.A_log[...], self.dt_bias[...], kind=self.gate_kind,
+                           lower_bound=self.lower_bound)
+            beta = jax.nn.sigmoid(b_in.astype(jnp.float32))  # [B, T, H]
+            if form == "chunked":
+                # Padding positions: no decay (g = 0) and no write (β = 0) leave the state as it was.
+                real = jnp.arange(t)[None, :] < valid[:, None]  # [B, T]
+                g = jnp.where(real[..., None, None], g, 0.0)
+                beta = jnp.where(real[..., None], beta, 0.0)
+                o, rec = chunked(q, k, v, g, beta, rec_state)
+            else:
+                o, rec = recurrent(q, k, v, g, beta, rec_state)
+            o = gated_rms_norm(o.astype(x.dtype), gate.reshape(b, t, h, kd), self.o_norm[...], self.eps)
+        return self.o_proj(o.reshape(b, t, h * kd)), windows, rec

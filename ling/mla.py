@@ -18,6 +18,8 @@ from flax import nnx
 from ling.config import ModelConfig
 from ling.layers import RMSNorm, apply_rope_interleaved, rope_angles
 from moe.nn import Linear
+from pallas_kernels.backend import resolve as resolve_kernels
+from pallas_kernels.mla_decode import mla_decode
 
 LATENT_NORM_EPS = 1e-6
 
@@ -79,12 +81,18 @@ class MLAttention(nnx.Module):
             p = _softmax(scores * self.scale, mask).astype(x.dtype)
             o = jnp.einsum("bhtl,blhv->bthv", p, v, preferred_element_type=jnp.float32)
         else:
-            q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk.astype(x.dtype), preferred_element_type=jnp.float32)
-            scores = (jnp.einsum("bthr,blr->bhtl", q_lat.astype(x.dtype), c, preferred_element_type=jnp.float32)
-                      + jnp.einsum("bthp,blp->bhtl", q_rope, rope_cache.astype(x.dtype),
-                                   preferred_element_type=jnp.float32))
-            p = _softmax(scores * self.scale, mask).astype(x.dtype)
-            o_lat = jnp.einsum("bhtl,blr->bthr", p, c, preferred_element_type=jnp.float32)
+            q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk.astype(x.dtype),
+                               preferred_element_type=jnp.float32).astype(x.dtype)  # [B, T, H, R]
+            kernels = resolve_kernels()
+            if kernels != "reference":  # the split-cache decode kernel; query t sits at lengths + t
+                o_lat = mla_decode(q_lat, q_rope, latent_cache, rope_cache, lengths + t, scale=self.scale,
+                                   backend=kernels)
+            else:
+                scores = (jnp.einsum("bthr,blr->bhtl", q_lat, c, preferred_element_type=jnp.float32)
+                          + jnp.einsum("bthp,blp->bhtl", q_rope, rope_cache.astype(x.dtype),
+                                       preferred_element_type=jnp.float32))
+                p = _softmax(scores * self.scale, mask).astype(x.dtype)
+                o_lat = jnp.einsum("bhtl,blr->bthr", p, c, preferred_element_type=jnp.float32)
             o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(x.dtype), w_uv.astype(x.dtype),
                            preferred_element_type=jnp.float32)
         o = o.astype(x.dtype)

@@ -61,9 +61,9 @@ class DecoderLayer(nnx.Module):
         """Returns the new x and the layer's uncommitted state (KDAPending or the written MLACache)."""
         h = self.input_layernorm(x)
         if self.kind == KDA:
-            kda_form = {"prefill": "chunked", "decode": "recurrent", "verify": "verify"}[form]
-            h, window, rec = self.attention(h, cache.conv, cache.recurrent, valid, form=kda_form)
-            cache = KDAPending(window=window, recurrent=rec, conv_len=cache.conv.shape[1])
+            h, window, rec = self.attention(h, cache.conv, cache.recurrent, valid,
+                                            form="chunked" if form == "prefill" else "recurrent")
+            cache = KDAPending(window=window, recurrent=rec, initial=cache.recurrent, conv_len=cache.conv[0].shape[1])
         else:
             h, latent, k_rope = self.attention(h, positions, cache.latent, cache.k_rope, lengths,
                                                form="plain" if form == "prefill" else "absorbed")

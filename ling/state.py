@@ -1,7 +1,7 @@
 """The per-sequence decoding state: B slots, allocated once and carried through every step.
 
-- KDA layer: conv state [B, W-1, 3C] (the last W-1 projected q|k|v inputs) and the recurrent state
-  [B, H, K, V] in fp32.
+- KDA layer: conv states (q, k, v) each [B, W-1, C] (the last W-1 projected inputs) and the
+  recurrent state [B, H, K, V] in fp32.
 - MLA layer (and the NEXTN layer, which has its own MLA): the latent cache [B, L, R] and the rotated
   rope-key cache [B, L, P], L = max_seq_len.
 - lengths [B]: tokens already in the state of each slot (the position of the next token).
@@ -17,7 +17,7 @@ from ling.config import ModelConfig
 
 @struct.dataclass
 class KDAState:
-    conv: jnp.ndarray  # [B, W-1, 3C]
+    conv: tuple  # (q, k, v) each [B, W-1, C]
     recurrent: jnp.ndarray  # [B, H, K, V] fp32
 
 
@@ -43,7 +43,7 @@ class State:
 
 def kda_state(cfg: ModelConfig, batch: int, dtype) -> KDAState:
     return KDAState(
-        conv=jnp.zeros((batch, cfg.conv_size - 1, 3 * cfg.kda_dim), dtype),
+        conv=tuple(jnp.zeros((batch, cfg.conv_size - 1, cfg.kda_dim), dtype) for _ in range(3)),
         recurrent=jnp.zeros((batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32),
     )
 
@@ -64,8 +64,9 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *
 class KDAPending:
     """A KDA layer's state after a forward, before the number of tokens to keep is known."""
 
-    window: jnp.ndarray  # [B, W-1+T, 3C]: the old conv state followed by the T new inputs
-    recurrent: jnp.ndarray  # [B, H, K, V] after the valid tokens, or [B, T+1, H, K, V] after each prefix
+    window: tuple  # (q, k, v) each [B, W-1+T, C]: the old conv state followed by the T new inputs
+    recurrent: jnp.ndarray  # [B, H, K, V] after the valid tokens, or [B, T, H, K, V] after each position
+    initial: jnp.ndarray  # [B, H, K, V] the state before the forward (kept when n = 0)
     conv_len: int = struct.field(pytree_node=False, default=3)
 
 
@@ -79,8 +80,9 @@ def commit(pending: State, n) -> State:
     for c in pending.layers:
         if isinstance(c, KDAPending):
             rec = c.recurrent
-            if rec.ndim == 5:  # per-prefix states: pick prefix n[b]
-                rec = jnp.take_along_axis(rec, n[:, None, None, None, None], axis=1)[:, 0]
-            c = KDAState(conv=conv_state_after(c.window, n, c.conv_len), recurrent=rec)
+            if rec.ndim == 5:  # per-position states: the one after token n[b], or the initial one
+                picked = jnp.take_along_axis(rec, jnp.maximum(n - 1, 0)[:, None, None, None, None], axis=1)[:, 0]
+                rec = jnp.where((n > 0)[:, None, None, None], picked, c.initial)
+            c = KDAState(conv=tuple(conv_state_after(w, n, c.conv_len) for w in c.window), recurrent=rec)
         layers.append(c)
     return pending.replace(layers=tuple(layers), lengths=pending.lengths + n)

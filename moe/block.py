@@ -16,12 +16,30 @@ from moe.nn import SwiGLUMLP, param, swiglu
 from moe.router import route
 
 
+GATHER_MAX_PAIRS = 64  # decode and verify sizes: read only the routed experts
+
+
 def experts_reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None):
     """y [M, D] = sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x), fp32 accumulation.
 
     x [M, D]; topk_ids, topk_weights [M, k]; w13 [E, D, 2I] (interleaved); w2 [E, I, D].
-    Pairs (token, slot) are sorted by expert and run as one grouped matmul (`lax.ragged_dot`).
+    Up to GATHER_MAX_PAIRS (token, slot) pairs gather their experts' weights (XLA's GPU ragged_dot
+    reads every expert, ~6 GB a layer at Ling's size); beyond, pairs are sorted by expert and run
+    as one grouped matmul (`lax.ragged_dot`).
     """
+    if topk_ids.size <= GATHER_MAX_PAIRS:
+        return _experts_gathered(x, topk_ids, topk_weights, w13, w2, swiglu_limit)
+    return _experts_grouped(x, topk_ids, topk_weights, w13, w2, swiglu_limit)
+
+
+def _experts_gathered(x, topk_ids, topk_weights, w13, w2, swiglu_limit):
+    h = jnp.einsum("md,mkdn->mkn", x, w13[topk_ids].astype(x.dtype), preferred_element_type=jnp.float32)
+    h = swiglu(h[..., 0::2], h[..., 1::2], swiglu_limit).astype(x.dtype)  # [M, k, I]
+    out = jnp.einsum("mki,mkid->mkd", h, w2[topk_ids].astype(x.dtype), preferred_element_type=jnp.float32)
+    return jnp.sum(out * topk_weights[..., None].astype(jnp.float32), axis=1).astype(x.dtype)
+
+
+def _experts_grouped(x, topk_ids, topk_weights, w13, w2, swiglu_limit):
     m, k = topk_ids.shape
     e = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)  # [M*k]

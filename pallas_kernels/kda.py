@@ -40,7 +40,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-BACKENDS = ("pallas", "interpret", "reference", "auto")
+from pallas_kernels.backend import resolve
+
+MAX_T = 8  # tokens per call: decode (1) and verify (draft steps + 1)
+
 
 
 class KdaInputs(NamedTuple):
@@ -77,15 +80,6 @@ class KdaOut(NamedTuple):
     window_q: jax.Array  # [B, T+W-1, H*K]
     window_k: jax.Array  # [B, T+W-1, H*K]
     window_v: jax.Array  # [B, T+W-1, H*V]
-
-
-def resolve_backend(backend: str) -> str:
-    """The one place that turns "auto" into a concrete backend: Pallas on GPU, jnp elsewhere."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
-    return backend
 
 
 def default_bv(v: int, t: int) -> int:
@@ -336,15 +330,15 @@ def kda_verify(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "saf
     nw = w.conv_q.shape[1]
     if gate not in ("safe", "softplus"):
         raise ValueError(f"gate must be 'safe' or 'softplus', got {gate!r}")
-    if not 1 <= t <= 8:
-        raise ValueError(f"kda_verify takes T = 1..8 tokens, got T={t}")
+    if not 1 <= t <= MAX_T:
+        raise ValueError(f"kda_verify takes T = 1..{MAX_T} tokens, got T={t}")
     assert x.k.shape == (b, t, c) and x.g_in.shape == (b, t, h, kd) and x.b_in.shape == (b, t, h)
     assert x.v.shape == x.gate_in.shape == (b, t, h * vd)
     assert state.conv_q.shape == state.conv_k.shape == (b, nw - 1, c)
     assert state.conv_v.shape == (b, nw - 1, h * vd) and state.recurrent.shape == (b, h, kd, vd)
     assert w.conv_k.shape == (c, nw) and w.conv_v.shape == (h * vd, nw)
     assert w.A_log.shape == (h,) and w.dt_bias.shape == (c,) and w.o_norm.shape == (vd,)
-    backend = resolve_backend(backend)
+    backend = resolve(backend)
     if backend == "reference":
         return reference(x, w, state, gate=gate, eps=eps, lower_bound=lower_bound, all_states=all_states)
     bv = default_bv(vd, t) if bv is None else bv

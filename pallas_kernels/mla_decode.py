@@ -23,18 +23,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-BACKENDS = ("pallas", "interpret", "reference", "auto")
+from pallas_kernels.backend import resolve
+
 NUM_SMS = 132  # H200; only used to size the default split count
 _NEG = -1e30  # finite "minus infinity": a split that sees no valid position keeps l = 0, no NaN
-
-
-def resolve_backend(backend: str) -> str:
-    """The one place that turns "auto" into a concrete backend: Pallas on GPU, jnp elsewhere."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
-    return backend
 
 
 def _pow2_floor(n: int) -> int:
@@ -220,7 +212,7 @@ def mla_decode(q_lat, q_rope, c, k_rope, lengths, *, scale: float, block_rows: i
     l_max = c.shape[1]
     assert q_rope.shape[:3] == (b, t, h) and c.shape == (b, l_max, r)
     assert k_rope.shape == (b, l_max, q_rope.shape[3]) and lengths.shape == (b,)
-    backend = resolve_backend(backend)
+    backend = resolve(backend)
     if backend == "reference":
         return reference(q_lat, q_rope, c, k_rope, lengths, scale=scale)
     rows = t * h

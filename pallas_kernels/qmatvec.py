@@ -37,9 +37,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.backend import resolve
 from pallas_kernels.quant import QuantizedWeight, dequantize
 
-BACKENDS = ("pallas", "interpret", "reference", "auto")
 MAX_M = 16
 MMA_ROWS = 16  # tl.dot needs M >= 16: the mma path pads x's rows with masked loads
 H200_SMS = 132
@@ -272,10 +272,6 @@ def _finish(out, n, plan: Plan):
     return out.sum(axis=0)[:, :n].astype(jnp.bfloat16)  # one XLA fusion over [S, M, N_pad]
 
 
-def _default_backend():
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
-
-
 def qmatvec(x, qw: QuantizedWeight, *, tiles=None, backend="auto", plan: Plan | None = None):
     """y = x @ W^T: x [M, K] (M = 1..16) -> bf16 [M, N], W the quantised [N, K] weight.
 
@@ -285,16 +281,13 @@ def qmatvec(x, qw: QuantizedWeight, *, tiles=None, backend="auto", plan: Plan | 
     backend: "pallas" (GPU), "interpret" (the Pallas kernel on CPU), "reference" (plain jnp),
     "auto" (pallas on GPU, reference elsewhere). plan overrides the launch heuristics.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    backend = resolve(backend)
     if x.ndim != 2 or x.shape[1] != qw.shape[1]:
         raise ValueError(f"x must be [M, K={qw.shape[1]}], got shape {x.shape}")
     if not 1 <= x.shape[0] <= MAX_M:
         raise ValueError(f"x must have 1..{MAX_M} rows (M), got {x.shape[0]}")
     if tiles is not None and (tiles.ndim != 1 or not jnp.issubdtype(tiles.dtype, jnp.integer)):
         raise ValueError(f"tiles must be a 1-D integer array, got {tiles.dtype}{tiles.shape}")
-    if backend == "auto":
-        backend = _default_backend()
     if backend == "reference":
         return reference(x, qw, tiles=tiles)
     x = x.astype(jnp.bfloat16)

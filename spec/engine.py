@@ -24,7 +24,7 @@ from flax import struct
 
 from ling.model import LingModel
 from ling.state import KDAState, State, commit, init_state
-from spec.sampling import SamplingParams, key_for, probs, sample
+from spec.sampling import SamplingParams, key_for, probs_if_sampling, sample
 
 # RNG purposes: one stream per use, so no two draws share a key.
 _SAMPLE, _DRAFT, _ACCEPT, _BONUS = 0, 100, 200, 300
@@ -61,8 +61,7 @@ def reset(slots: Slots, which, params: SamplingParams, max_new, eos) -> Slots:
     """Empties the slots selected by `which` [B] bool for new requests (KDA state zeroed, lengths 0;
     MLA entries need no clearing: the causal mask hides everything past a slot's length)."""
     sel = lambda new, old: jnp.where(which.reshape(which.shape + (1,) * (old.ndim - 1)), new, old)
-    layers = tuple(KDAState(conv=sel(0, c.conv), recurrent=sel(0, c.recurrent)) if isinstance(c, KDAState) else c
-                   for c in slots.model.layers)
+    layers = tuple(jax.tree.map(lambda a: sel(0, a), c) if isinstance(c, KDAState) else c for c in slots.model.layers)
     z = jnp.zeros_like(slots.n_out)
     return slots.replace(
         model=slots.model.replace(layers=layers, lengths=sel(z, slots.model.lengths)),
@@ -146,7 +145,7 @@ def accept(logits, drafts, q, params: SamplingParams, keys_accept, keys_bonus):
     the bonus from the residual max(p - q, 0), or from p after a full acceptance."""
     b, s = drafts.shape
     greedy_ok = drafts == jnp.argmax(logits[:, :s], axis=-1)
-    p = probs(logits, params)  # [B, S+1, V]
+    p = probs_if_sampling(logits, params)  # [B, S+1, V]
     p_d = jnp.take_along_axis(p[:, :s], drafts[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     u = jax.vmap(lambda k: jax.random.uniform(k, (s,)))(keys_accept)

@@ -58,8 +58,14 @@ def key_for(p: SamplingParams, counter, purpose: int):
     return jax.vmap(one)(p.seed, counter.astype(jnp.uint32))
 
 
+def probs_if_sampling(logits, p: SamplingParams):
+    """`probs`, or zeros when every slot is greedy (the sort over the vocabulary is skipped)."""
+    return jax.lax.cond(jnp.all(p.greedy), lambda: jnp.zeros(logits.shape, jnp.float32), lambda: probs(logits, p))
+
+
 def sample(logits, p: SamplingParams, keys):
-    """logits [B, V] -> (tokens [B] int32, probs [B, V]); argmax for greedy slots."""
-    pr = probs(logits, p)
+    """logits [B, V] -> (tokens [B] int32, probs [B, V]; zeros if every slot is greedy); argmax
+    for greedy slots."""
+    pr = probs_if_sampling(logits, p)
     drawn = jax.vmap(lambda k, q: jax.random.categorical(k, jnp.log(q)))(keys, pr)
     return jnp.where(p.greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32), pr

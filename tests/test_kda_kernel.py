@@ -148,6 +148,6 @@ def test_commit_equals_shorter_step():
 
 
 def test_auto_is_reference_on_cpu():
-    assert jax.default_backend() != "cpu" or kda.resolve_backend("auto") == "reference"
+    assert jax.default_backend() != "cpu" or kda.resolve("auto") == "reference"
     with pytest.raises(ValueError):
-        kda.resolve_backend("xla")
+        kda.resolve("xla")
