@@ -26,19 +26,31 @@ def _dtype(dtype):
         raise ValueError(f"dtype {dtype!r} is not a dtype name (try 'bfloat16' or 'float32')") from e
 
 
-def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, progress: bool = True) -> LingModel:
+def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, progress: bool = True,
+         quantize: str | None = None, group_size: int = 128, quantize_lm_head: bool = False) -> LingModel:
     """A preset name gives random weights; a hub directory (config.json + safetensors) or a
-    converted directory (`python -m ling.convert`) gives the checkpoint's weights."""
+    converted directory (`python -m ling.convert`) gives the checkpoint's weights.
+    quantize ("int8", "int4", "int2") stores the projections grouped low-bit (`ling.quantize`);
+    a converted directory that was quantised at conversion is served as stored."""
     from ling import checkpoint
+    from ling.quantize import bits_of, quantize_model
 
     dtype = _dtype(dtype)
+    bits = None if quantize is None else bits_of(quantize)
     p = os.fspath(path_or_preset)
     if os.path.isdir(p) and checkpoint.is_converted(p):
-        return checkpoint.load_converted(p, dtype=dtype)
+        model = checkpoint.load_converted(p, dtype=dtype)
+        if bits is not None and checkpoint.converted_quantization(p) is None:
+            quantize_model(model, bits=bits, group_size=group_size, lm_head=quantize_lm_head)
+        return model
     cfg = load_config(p)
     if os.path.isdir(p):
-        return checkpoint.load_hub(p, cfg, dtype=dtype, progress=progress)
-    return LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+        model = checkpoint.load_hub(p, cfg, dtype=dtype, progress=progress)
+    else:
+        model = LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+    if bits is not None:
+        quantize_model(model, bits=bits, group_size=group_size, lm_head=quantize_lm_head)
+    return model
 
 
 def forward(model: LingModel, token_ids) -> np.ndarray:

@@ -277,9 +277,24 @@ def save_converted(model, directory: str) -> None:
     _, state = nnx.split(model)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(os.path.join(directory, "params"), nnx.to_pure_dict(state), force=True)
-    meta = {"config": model.cfg.to_json(), "nextn": model.nextn is not None}
+    meta = {"config": model.cfg.to_json(), "nextn": model.nextn is not None, "quantization": quantization_of(model)}
     with open(os.path.join(directory, CONFIG_FILE), "w") as f:
         json.dump(meta, f, indent=1)
+
+
+def quantization_of(model) -> dict | None:
+    """How `ling.quantize` stored the model's projections, or None (full precision)."""
+    from ling.quantize import QLinear
+
+    q = [m for _, m in nnx.iter_graph(model) if isinstance(m, QLinear)]
+    if not q:
+        return None
+    return {"bits": q[0].bits, "group_size": q[0].group_size, "lm_head": isinstance(model.lm_head, QLinear)}
+
+
+def converted_quantization(directory: str) -> dict | None:
+    with open(os.path.join(directory, CONFIG_FILE)) as f:
+        return json.load(f).get("quantization")
 
 
 def load_converted(directory: str, *, dtype=None):
@@ -299,7 +314,17 @@ def load_converted(directory: str, *, dtype=None):
     stored = getattr(stored, "item_metadata", stored)
     first = jax.tree_util.tree_leaves(stored)[0]
     model_dtype = dtype or (first.dtype if hasattr(first, "dtype") else jnp.bfloat16)
-    abstract = nnx.eval_shape(lambda: LingModel(cfg, dtype=model_dtype, rngs=nnx.Rngs(0), nextn=meta["nextn"]))
+    quant = meta.get("quantization")
+
+    def build():
+        model = LingModel(cfg, dtype=model_dtype, rngs=nnx.Rngs(0), nextn=meta["nextn"])
+        if quant:
+            from ling.quantize import quantize_model
+
+            quantize_model(model, bits=quant["bits"], group_size=quant["group_size"], lm_head=quant["lm_head"])
+        return model
+
+    abstract = nnx.eval_shape(build)
     graphdef, state = nnx.split(abstract)
     target = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
     with ocp.StandardCheckpointer() as ckpt:

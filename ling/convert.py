@@ -20,16 +20,23 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="output directory for the converted checkpoint")
     ap.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16; router, gate "
                     "and KDA decay parameters stay float32)")
+    ap.add_argument("--quantize", choices=["int8", "int4", "int2"], default=None,
+                    help="store the projections, dense MLPs and shared experts grouped low-bit "
+                         "(the router gate, embeddings and routed experts stay as they are)")
+    ap.add_argument("--group-size", type=int, default=128, help="input columns per scale (default 128)")
+    ap.add_argument("--quantize-lm-head", action="store_true", help="quantise the lm_head too")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
-        model = load(args.hf, dtype=args.dtype)
+        model = load(args.hf, dtype=args.dtype, quantize=args.quantize, group_size=args.group_size,
+                     quantize_lm_head=args.quantize_lm_head)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     checkpoint.save_converted(model, args.out)
     print(f"wrote {args.out} ({model.cfg.model_type}, {model.cfg.num_hidden_layers} layers"
-          f"{', NEXTN' if model.nextn is not None else ''}) in {time.perf_counter() - t0:.1f}s")
+          f"{', NEXTN' if model.nextn is not None else ''}"
+          f"{f', {args.quantize} g{args.group_size}' if args.quantize else ''}) in {time.perf_counter() - t0:.1f}s")
     return 0
 
 

@@ -21,6 +21,7 @@ from ling.config import DENSE, KDA, ModelConfig
 from ling.kda import KDAttention
 from ling.layers import RMSNorm
 from ling.mla import MLAttention
+from ling.quantize import QLinear
 from ling.state import KDAPending, MLACache, State, commit
 from moe.block import MoE
 from moe.nn import Linear, SwiGLUMLP, param
@@ -114,6 +115,8 @@ class LingModel(nnx.Module):
 
     def logits(self, hidden):
         """hidden [B, T, D] -> logits [B, T, V] in fp32."""
+        if isinstance(self.lm_head, QLinear):  # a quantised lm_head (ling.quantize)
+            return self.lm_head(hidden).astype(jnp.float32)
         w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         return jnp.dot(hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
 

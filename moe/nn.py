@@ -22,7 +22,8 @@ def param(rngs: nnx.Rngs, shape, axes: tuple[str, ...], dtype, *, init: str = "n
     elif init == "zeros":
         value = jnp.zeros(shape, dtype)
     else:
-        value = std * jax.random.normal(rngs.params(), shape, dtype)  # drawn in dtype: no fp32 copy of big weights
+        # Drawn in fp32 and rounded, so a model is the same function whatever its dtype.
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     return nnx.Param(value, logical_axes=axes)
 
 

@@ -1,0 +1,92 @@
+"""Grouped low-bit weights for a loaded model (seed 001's weight streaming).
+
+`quantize_model(model, bits=4)` replaces every projection (`moe.nn.Linear`: the KDA and MLA
+projections, the dense MLPs, the shared experts) and optionally the lm_head with a `QLinear`
+holding the weight in `pallas_kernels.quant`'s tile-transposed format. What stays in full
+precision, and why:
+- the router gate (fp32: low-bit scores reorder near-ties and change the routing);
+- MLA's kv_b_proj (used as a tensor, split into W_UK and W_UV for the absorbed form);
+- embeddings, norms, conv and decay parameters (small, read a few rows per token);
+- the routed experts (their low-bit format belongs to the fused MoE kernel).
+Decode and verify (up to 16 rows) run `qmatvec`, dequantising in registers; longer inputs
+(prefill) dequantise the weight once per call and multiply.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from moe.nn import Linear
+from pallas_kernels.qmatvec import MAX_M, qmatvec
+from pallas_kernels.quant import QuantizedWeight, check_config, dequantize, quantize
+
+SCHEMES = {"int8": 8, "int4": 4, "int2": 2}
+KEEP_FULL = ("kv_b_proj",)  # attribute names of Linears that stay in full precision
+
+
+class QLinear(nnx.Module):
+    """y = x @ Wᵀ with W [N, K] stored grouped low-bit; the drop-in for a `Linear`."""
+
+    def __init__(self, qw: QuantizedWeight):
+        self.words = nnx.Param(qw.words, logical_axes=("tiles", "words", "tile_rows"))
+        self.scales = nnx.Param(qw.scales, logical_axes=("tiles", "groups", "tile_rows"))
+        self.zeros = None if qw.zeros is None else nnx.Param(qw.zeros, logical_axes=("tiles", "groups", "tile_rows"))
+        self.bits, self.group_size, self.symmetric, self.shape = qw.bits, qw.group_size, qw.symmetric, qw.shape
+
+    @property
+    def weight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.words[...], self.scales[...], None if self.zeros is None else self.zeros[...],
+                               self.bits, self.group_size, self.symmetric, self.shape)
+
+    def __call__(self, x):  # x [..., K] -> [..., N]
+        n, k = self.shape
+        flat = x.reshape(-1, k)
+        if flat.shape[0] <= MAX_M:
+            y = qmatvec(flat, self.weight)
+        else:
+            y = jnp.dot(flat, dequantize(self.weight).T.astype(x.dtype), preferred_element_type=jnp.float32)
+        return y.astype(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def bits_of(scheme: str) -> int:
+    if scheme not in SCHEMES:
+        raise ValueError(f"quantize must be one of {sorted(SCHEMES)}, got {scheme!r}")
+    return SCHEMES[scheme]
+
+
+def _eligible(name, lin: Linear, group_size: int) -> bool:
+    if name in KEEP_FULL:
+        return False
+    try:
+        check_config(lin.kernel.shape[0], 4, group_size, 128)
+    except ValueError:
+        return False  # K not a multiple of the group: left in full precision
+    return True
+
+
+def quantize_model(model, *, bits: int, group_size: int = 128, lm_head: bool = False):
+    """Quantises the model's projections in place (see the module docstring); returns the model.
+    Linears whose input size the group does not divide stay in full precision."""
+    check_config(group_size * 2, bits, group_size, 128)  # names a bad bits / group_size early
+    found = []
+
+    def walk(module):
+        for name, child in list(vars(module).items()):
+            if isinstance(child, Linear):
+                if _eligible(name, child, group_size):
+                    found.append((module, name, child))
+            elif isinstance(child, nnx.List):
+                for item in child:
+                    walk(item)
+            elif isinstance(child, nnx.Module):
+                walk(child)
+
+    walk(model)
+    for parent, name, lin in found:
+        w = lin.kernel[...].T  # [N, K], the torch orientation the codec takes
+        setattr(parent, name, QLinear(quantize(w, bits=bits, group_size=group_size)))
+    if lm_head:
+        w = model.embed_tokens[...] if model.lm_head is None else model.lm_head[...].T  # [V, D]
+        model.lm_head = QLinear(quantize(w, bits=bits, group_size=group_size))
+    return model
