@@ -27,11 +27,23 @@ def _dtype(dtype):
 
 
 def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, progress: bool = True,
-         quantize: str | None = None, group_size: int = 128, quantize_lm_head: bool = False) -> LingModel:
+         quantize: str | None = None, group_size: int = 128, quantize_lm_head: bool = False,
+         ep_size: int = 1) -> LingModel:
     """A preset name gives random weights; a hub directory (config.json + safetensors) or a
     converted directory (`python -m ling.convert`) gives the checkpoint's weights.
     quantize ("int8", "int4", "int2") stores the projections grouped low-bit (`ling.quantize`);
-    a converted directory that was quantised at conversion is served as stored."""
+    a converted directory that was quantised at conversion is served as stored.
+    ep_size > 1 shards the routed experts over that many devices (`moe.parallel`)."""
+    model = _load(path_or_preset, dtype=dtype, seed=seed, progress=progress, quantize=quantize,
+                  group_size=group_size, quantize_lm_head=quantize_lm_head)
+    if ep_size > 1:
+        from moe.parallel import make_mesh, shard_model
+
+        shard_model(model, make_mesh(ep_size))
+    return model
+
+
+def _load(path_or_preset, *, dtype, seed, progress, quantize, group_size, quantize_lm_head) -> LingModel:
     from ling import checkpoint
     from ling.quantize import bits_of, quantize_model
 

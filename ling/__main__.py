@@ -25,9 +25,19 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="greedy decode steps (default 16)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quantize", choices=["int8", "int4", "int2"], default=None, help="grouped low-bit projections")
+    ap.add_argument("--group-size", type=int, default=128, help="input columns per scale (default 128)")
+    ap.add_argument("--ep-size", type=int, default=1, help="shard the routed experts over this many devices")
+    ap.add_argument("--coordinator-address", default=None, help="multi-host: JAX coordinator host:port")
+    ap.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
+    ap.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
     args = ap.parse_args(argv)
+    from moe.parallel import initialize_distributed
+
+    initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     try:
-        model = ling.load(args.model, dtype=args.dtype, seed=args.seed)
+        model = ling.load(args.model, dtype=args.dtype, seed=args.seed, quantize=args.quantize,
+                           group_size=args.group_size, ep_size=args.ep_size)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

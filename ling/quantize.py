@@ -83,6 +83,9 @@ def quantize_model(model, *, bits: int, group_size: int = 128, lm_head: bool = F
                 walk(child)
 
     walk(model)
+    if not found:
+        raise ValueError(f"group_size {group_size} divides the input size of no projection "
+                         f"(hidden size {model.cfg.hidden_size}): use a smaller --group-size")
     for parent, name, lin in found:
         w = lin.kernel[...].T  # [N, K], the torch orientation the codec takes
         setattr(parent, name, QLinear(quantize(w, bits=bits, group_size=group_size)))

@@ -2,8 +2,9 @@
 
 Expert weights are stacked per layer: w13 [E, D, 2I] with gate and up interleaved column by column
 (column 2j is gate j, column 2j+1 is up j, so a fused kernel forms silu(gate) * up from adjacent
-columns), and w2 [E, I, D]. The routed experts run here in plain jnp (`experts_reference`); GPU
-kernels plug in behind the same signature.
+columns), and w2 [E, I, D]. The routed experts (`routed_experts`) run the fused MoE Pallas kernels
+(pallas_kernels/fused_moe.py) at decode and verify sizes when the kernel backend is not the
+reference; otherwise, and beyond GATHER_MAX_PAIRS pairs, plain jnp (`experts_reference`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe.nn import SwiGLUMLP, param, swiglu
+from moe.parallel import expert_parallel
 from moe.router import route
+from pallas_kernels.backend import resolve
+from pallas_kernels.fused_moe import fused_moe
 
 
 GATHER_MAX_PAIRS = 64  # decode and verify sizes: read only the routed experts
+
+
+def routed_experts(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend="auto"):
+    """The routed experts: the fused Pallas kernels up to GATHER_MAX_PAIRS (token, slot) pairs
+    unless the backend resolves to the reference; `experts_reference` otherwise."""
+    backend = resolve(backend)
+    if backend != "reference" and topk_ids.size <= GATHER_MAX_PAIRS:
+        return fused_moe(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, backend=backend)
+    return experts_reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit)
 
 
 def experts_reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None):
@@ -68,6 +81,7 @@ class MoE(nnx.Module):
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
         self.swiglu_limit = swiglu_limit
+        self.mesh = None  # set by moe.parallel.shard_model: the experts then run expert-parallel
 
     def __call__(self, x):  # x [B, T, D]
         b, t, d = x.shape
@@ -75,7 +89,11 @@ class MoE(nnx.Module):
         weights, ids = route(flat, self.gate_weight[...], self.expert_bias[...], top_k=self.top_k,
                              n_group=self.n_group, topk_group=self.topk_group,
                              routed_scaling_factor=self.routed_scaling_factor, norm_topk_prob=self.norm_topk_prob)
-        y = experts_reference(flat, ids, weights, self.w13[...], self.w2[...], swiglu_limit=self.swiglu_limit)
+        if self.mesh is not None:
+            y = expert_parallel(flat, ids, weights, self.w13[...], self.w2[...], swiglu_limit=self.swiglu_limit,
+                                mesh=self.mesh, compute=routed_experts)
+        else:
+            y = routed_experts(flat, ids, weights, self.w13[...], self.w2[...], swiglu_limit=self.swiglu_limit)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         return y.reshape(b, t, d)

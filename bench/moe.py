@@ -1,0 +1,348 @@
+"""H200 benchmark of the fused MoE kernels (pallas_kernels/fused_moe.py) against XLA peers.
+
+Run on the GPU machine from the repository root:
+    python3 bench/moe.py [--budget 160]          (log and JSON under $OUT, else ./bench_out)
+    python3 bench/moe.py --smoke                 (CPU, interpret mode, tiny shapes: the script runs)
+    python3 bench/moe.py --lower DIR             (CPU: lower every timed kernel to Triton IR in DIR)
+
+Ling-3.0-flash's MoE layer: E = 512 experts, top-8, D = 2560, I = 768; bf16 weights and grouped
+int4 (G = 128, symmetric, B_N = 64); M in {1, 6, 16, 64} tokens. Per row:
+  ours      fused_moe (align + up/SwiGLU + down + combine), the default plan (`plan_for`), and
+            the launch-plan variants of the sweep (the best is shown with its plan)
+  ragged    XLA `lax.ragged_dot` on bf16 weights (moe/block.py `_experts_grouped`)
+  gathered  XLA einsum over gathered bf16 experts (moe/block.py `_experts_gathered`)
+  SGLang    not measured (no wheel offline): perf-anchors.md's figures, another run, for reference
+Timing: each timed dispatch is one jit of R calls, each with its own random routing (distinct
+experts per token, uniform over E) so that every call reads experts cold from HBM (the R calls
+touch far more than the 60 MB L2); many dispatches are queued and the difference of two counts
+is divided out, so host dispatch and the final sync cancel. Achieved TB/s is over the bytes that
+must move: the distinct experts' weights (+ scales) once, x, y. The floor is those bytes over
+the copy bandwidth measured in the same run (XLA, 1 GiB read + write). Every kernel variant is
+checked against `fused_moe.reference` before it is timed. A table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+E, K, D, I = 512, 8, 2560, 768
+MS = (1, 6, 16, 64)
+G, BN_Q = 128, 64
+SGLANG_ANCHOR = {1: 38.4, 6: 157.0, 16: 331.0, 64: 870.0}  # bf16, µs/layer, perf-anchors.md
+T0 = time.time()
+LOG = None
+RESULTS: dict = {"rows": [], "sweep": [], "checks": [], "errors": []}
+
+
+def log(*a):
+    s = " ".join(str(x) for x in a)
+    print(s, flush=True)
+    if LOG is not None:
+        LOG.write(s + "\n")
+        LOG.flush()
+
+
+def plans():
+    """The sweep: (format, M) -> [Plan], timed after the default plan (`plan_for`)."""
+    from pallas_kernels.fused_moe import GemmPlan as GP, Plan
+
+    dot = lambda up, down: Plan("dot", 16, up, down)  # noqa: E731
+    fma = lambda up, down: Plan("fma", 1, up, down)  # noqa: E731
+    tiles = [dot(GP(128, 64, 4, 4), GP(128, 64, 4, 4)),  # the default before 2026-11-30's sweep
+             dot(GP(256, 32, 4, 3), GP(256, 32, 4, 3))]
+    m1 = tiles + [dot(GP(128, 64, 2, 5), GP(128, 32, 2, 4)),
+                  dot(GP(256, 64, 8, 3), GP(128, 64, 4, 4)),
+                  fma(GP(64, 64, 2, 1), GP(64, 64, 2, 1))]
+    q = lambda w: fma(GP(0, 0, w, 1), GP(0, 0, w, 1))  # noqa: E731
+    qdot = dot(GP(0, 0, 4, 4), GP(0, 0, 4, 4))
+    return {("bf16", 1): m1, ("bf16", 6): tiles, ("bf16", 16): tiles[:1],
+            ("bf16", 64): [dot(GP(64, 128, 4, 6), GP(64, 128, 4, 5))],
+            ("int4", 1): [qdot, q(4), q(16)], ("int4", 6): [qdot, q(8)], ("int4", 16): [qdot, q(8)],
+            ("int4", 64): [q(4)]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--budget", type=float, default=105.0, help="seconds; then the rest is skipped")
+    ap.add_argument("--smoke", action="store_true", help="CPU, interpret mode, tiny shapes")
+    ap.add_argument("--lower", metavar="DIR", help="CPU: dump the Triton IR of every timed kernel")
+    args = ap.parse_args()
+    global E, D, I, LOG
+    if args.smoke or args.lower:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.smoke:
+        E, D, I = 13, 256, 128
+    out_dir = os.environ.get("OUT", "bench_out")
+    os.makedirs(out_dir, exist_ok=True)
+    LOG = open(os.path.join(out_dir, "moe_log.txt"), "w")
+    try:
+        run(args)
+    except Exception:
+        log("FAILED:", traceback.format_exc())
+    with open(os.path.join(out_dir, "moe.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+    table()
+
+
+def run(args):
+    import jax
+    import jax.numpy as jnp
+
+    from moe.block import _experts_gathered, _experts_grouped
+    from pallas_kernels import fused_moe as fm
+    from pallas_kernels.quant import QuantizedWeight
+
+    backend = "interpret" if args.smoke else "pallas"
+    dev = jax.devices()[0]
+    RESULTS["device"] = f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}"
+    log("device:", RESULTS["device"], f"E={E} k={K} D={D} I={I}")
+    deadline = T0 + args.budget
+    key = jax.random.PRNGKey(0)
+
+    def left():
+        return deadline - time.time()
+
+    # ------------------------------------------------------------------ weights and routings
+    def weights(fmt):
+        if args.lower:
+            sds = jax.ShapeDtypeStruct
+            if fmt == "bf16":
+                return sds((E, D, 2 * I), jnp.bfloat16), sds((E, I, D), jnp.bfloat16)
+            q = lambda n, k: QuantizedWeight(  # noqa: E731
+                sds((E, n // BN_Q, k // 8, BN_Q), jnp.uint32), sds((E, n // BN_Q, k // G, BN_Q), jnp.bfloat16),
+                None, 4, G, True, (n, k))
+            return q(2 * I, D), q(D, I)
+        k1, k2, k3, k4 = jax.random.split(jax.random.fold_in(key, fmt == "int4"), 4)
+        if fmt == "bf16":  # std chosen so h and y stay O(1)
+            return (jax.random.normal(k1, (E, D, 2 * I), jnp.bfloat16) * 0.03,
+                    jax.random.normal(k2, (E, I, D), jnp.bfloat16) * 0.05)
+
+        def q(ka, kb, n, k):  # random codes and scales: a valid quantised weight
+            words = jax.random.bits(ka, (E, n // BN_Q, k // 8, BN_Q), jnp.uint32)
+            scales = (jax.random.uniform(kb, (E, n // BN_Q, k // G, BN_Q)) * 0.01 + 1e-3).astype(jnp.bfloat16)
+            return QuantizedWeight(words, scales, None, 4, G, True, (n, k))
+
+        return q(k1, k2, 2 * I, D), q(k3, k4, D, I)
+
+    def routings(m, r):
+        """r random routings for M tokens: (x, [ids], [weights]) and the mean distinct experts."""
+        if args.lower:
+            sds = jax.ShapeDtypeStruct
+            return (sds((m, D), jnp.bfloat16), [sds((m, K), jnp.int32)] * r,
+                    [sds((m, K), jnp.float32)] * r, float(K * m))
+        kx, ki = jax.random.split(jax.random.fold_in(key, 1000 + m))
+        x = jax.random.normal(kx, (m, D), jnp.bfloat16)
+        ids, ws, distinct = [], [], []
+        for j in range(r):
+            ka, kb = jax.random.split(jax.random.fold_in(ki, j))
+            i = jax.lax.top_k(jax.random.uniform(ka, (m, E)), K)[1].astype(jnp.int32)  # distinct per token
+            ids.append(i)
+            ws.append(jax.random.uniform(kb, (m, K), jnp.float32) / K + 0.05)
+            distinct.append(len(set(map(int, i.reshape(-1)))))
+        return x, ids, ws, sum(distinct) / r
+
+    def expert_bytes(fmt):
+        if fmt == "bf16":
+            return 3 * D * I * 2
+        return 3 * D * I // 2 + 3 * D * I // G * 2  # int4 codes + bf16 scales
+
+    # ------------------------------------------------------------------ copy ceiling
+    def copy_ceiling():
+        """TB/s of a 1 GiB read + write (XLA), queued dispatches, difference of two counts."""
+        n = (1 << 30) // 4
+        a = jnp.zeros((n,), jnp.uint32)
+        f = jax.jit(lambda a: a ^ jnp.uint32(1))
+        jax.block_until_ready(f(a))
+
+        def batch(c):
+            t = time.perf_counter()
+            jax.block_until_ready([f(a) for _ in range(c)])
+            return time.perf_counter() - t
+
+        return 2 * n * 4 * 8 / min(batch(10) - batch(2) for _ in range(3)) / 1e12
+
+    # ------------------------------------------------------------------ timing
+    lowered = []
+    if args.lower:  # capture each pallas_call's Triton module as it is lowered
+        from jax._src.pallas.triton import lowering as tlow
+
+        real = tlow.lower_jaxpr_to_triton_module
+
+        def capture(*a, **kw):
+            res = real(*a, **kw)
+            lowered.append(str(res.module))
+            return res
+
+        tlow.lower_jaxpr_to_triton_module = capture
+        os.makedirs(args.lower, exist_ok=True)
+
+    def dump(label, plan):
+        """Write the kernels lowered for one timed call, named with their warps and stages."""
+        seen = set()
+        for text in lowered:
+            name = text.split("@", 1)[1].split(" ", 1)[0]
+            if name in seen:
+                continue
+            seen.add(name)
+            gp = plan.up if "_up_" in name else plan.down
+            nw, ns = (4, 1) if name == "moe_align" else (gp.num_warps, gp.num_stages)
+            with open(os.path.join(args.lower, f"{label}_{name}_w{nw}_s{ns}.ttir"), "w") as f:
+                f.write(text)
+        lowered.clear()
+
+    def timed(fn, w, x, ids, ws, label="", plan=None):
+        """(µs per call, outputs of the first dispatch): one jit of R calls, dispatched n times."""
+        r = len(ids)
+        f = jax.jit(lambda w, x, ids, ws: [fn(x, ids[j], ws[j], w) for j in range(r)])
+        if args.lower:
+            f.trace(w, x, ids, ws).lower(lowering_platforms=("cuda",))
+            if plan is not None:
+                dump(label, plan)
+            lowered.clear()
+            return 0.0, None
+        ys = jax.block_until_ready(f(w, x, ids, ws))
+        if args.smoke:
+            return 0.0, ys
+
+        def batch(n):
+            t = time.perf_counter()
+            outs = [f(w, x, ids, ws) for _ in range(n)]
+            jax.block_until_ready(outs)
+            return time.perf_counter() - t
+
+        batch(2)
+        best = min(batch(12) - batch(3) for _ in range(2))
+        return best / (9 * r) * 1e6, ys
+
+    refs = {}
+
+    def check(fmt, m, w, x, ids, ws, ys, tag):
+        """Relative error of ys[0] against the reference (computed once per format and M)."""
+        if args.lower or ys is None:
+            return None
+        if (fmt, m) not in refs:
+            refs[(fmt, m)] = jax.jit(lambda x, i, s, w: fm.reference(x, i, s, *w))(x, ids[0], ws[0], w)
+        ref = refs[(fmt, m)].astype(jnp.float32)
+        y = ys[0].astype(jnp.float32)
+        err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+        RESULTS["checks"].append(dict(fmt=fmt, m=m, tag=tag, rel_err=err))
+        if not err < 1e-2:
+            raise AssertionError(f"{tag} {fmt} M={m}: rel err {err:.2e} vs reference")
+        return err
+
+    def ours(plan):
+        return lambda x, i, s, w: fm.fused_moe(x, i, s, *w, backend=backend, plan=plan)
+
+    # ------------------------------------------------------------------ the run
+    if not (args.smoke or args.lower):
+        RESULTS["copy_tbs"] = copy_ceiling()
+        log(f"copy ceiling: {RESULTS['copy_tbs']:.2f} TB/s (XLA, 1 GiB read + write)")
+    reps = {1: 4, 6: 2, 16: 2, 64: 2}  # M = 1: 4 x 94 MB (bf16) or 4 x 24 MB (int4) rotate
+    ms = MS if not args.smoke else (1, 6, 16)
+    sweep = plans()
+    peers = {"ragged": lambda x, i, s, w: _experts_grouped(x, i, s, w[0], w[1], None),
+             "gathered": lambda x, i, s, w: _experts_gathered(x, i, s, w[0], w[1], None)}
+    wts = {fmt: weights(fmt) for fmt in ("bf16", "int4")}
+    rows = {(fmt, m): dict(fmt=fmt, m=m) for fmt in ("bf16", "int4") for m in ms}
+    RESULTS["rows"] = list(rows.values())
+    routes = {}
+
+    def routing(m):
+        if m not in routes:
+            routes[m] = routings(m, reps[m])
+        return routes[m]
+
+    def default(fmt, m):
+        x, ids, ws, u = routing(m)
+        nbytes = u * expert_bytes(fmt) + 2 * m * D * 2
+        row = rows[(fmt, m)]
+        row.update(distinct=u, mbytes=nbytes / 1e6, plan=str(fm.plan_for(m, K, fmt == "int4")))
+        us, ys = timed(ours(None), wts[fmt], x, ids, ws, f"{fmt}_m{m}_default", fm.plan_for(m, K, fmt == "int4"))
+        row.update(err=check(fmt, m, wts[fmt], x, ids, ws, ys, "default"), us=us)
+        log(f"ours {fmt} M={m}: {us:.1f} µs, {u:.1f} experts, {nbytes / 1e6:.1f} MB, "
+            f"{nbytes / max(us, 1e-9) / 1e6:.2f} TB/s, err {row['err']}")
+
+    def peer(name, m):
+        x, ids, ws, _ = routing(m)
+        us, ys = timed(peers[name], wts["bf16"], x, ids, ws)
+        check("bf16", m, wts["bf16"], x, ids, ws, ys, name)
+        for fmt in ("bf16", "int4"):
+            rows[(fmt, m)][name] = us
+        log(f"{name} bf16 M={m}: {us:.1f} µs")
+
+    def variants(fmt, m):
+        x, ids, ws, _ = routing(m)
+        for n, plan in enumerate(sweep.get((fmt, m), [])):
+            if left() < 0:
+                log(f"budget spent: sweep stopped at {fmt} M={m}")
+                return
+            try:
+                us, ys = timed(ours(plan), wts[fmt], x, ids, ws, f"{fmt}_m{m}_sweep{n}", plan)
+                err = check(fmt, m, wts[fmt], x, ids, ws, ys, "sweep")
+                RESULTS["sweep"].append(dict(fmt=fmt, m=m, us=us, err=err, plan=str(plan)))
+                log(f"sweep {fmt} M={m}: {us:.1f} µs err {err} {plan}")
+                row = rows[(fmt, m)]
+                if us and (not row.get("best_us") or us < row["best_us"]):
+                    row.update(best_us=us, best_plan=str(plan))
+            except Exception as e:
+                log(f"FAILED sweep {fmt} M={m} {plan}: {e!r}")
+                RESULTS["errors"].append(f"sweep {fmt} M={m} {plan}: " + traceback.format_exc(limit=4)[-1500:])
+
+    # In order of value: the budget may cut the tail.
+    tasks = [(default, ("bf16", m)) for m in ms]
+    if not args.lower:
+        tasks += [(peer, (name, m)) for m in (1, 6) for name in peers]
+    tasks += [(default, ("int4", m)) for m in ms]
+    tasks += [(variants, ("bf16", 1)), (variants, ("int4", 1))]
+    if not args.lower:
+        tasks += [(peer, (name, m)) for m in ms if m > 6 for name in peers]
+    tasks += [(variants, (fmt, m)) for m in ms if m > 1 for fmt in ("bf16", "int4")]
+    for fn, a in tasks:
+        if a[1] not in ms:
+            continue
+        if left() < 0:
+            log(f"budget spent: skipped {fn.__name__}{a}")
+            continue
+        try:
+            fn(*a)
+        except Exception as e:
+            log(f"FAILED {fn.__name__}{a}: {e!r}")
+            RESULTS["errors"].append(f"{fn.__name__}{a}: " + traceback.format_exc(limit=4)[-1500:])
+    log(f"[{time.time() - T0:.0f} s] done")
+
+
+def table():
+    cbw = RESULTS.get("copy_tbs")
+    lines = ["", f"fused MoE, E={E} top-{K} D={D} I={I}, on {RESULTS.get('device')}; "
+                 f"copy ceiling {cbw and round(cbw, 2)} TB/s",
+             "fmt  M   experts   MB   ours µs (best)  TB/s  floor µs  %floor  ragged µs  x    gathered µs  x    SGLang* x"]
+    for r in RESULTS["rows"]:
+        cands = [v for v in (r.get("us"), r.get("best_us")) if v]
+        us = min(cands) if cands else None
+        if not us or "mbytes" not in r:
+            lines.append(f"{r['fmt']:4} {r['m']:3}  (no timing)")
+            continue
+        floor = r["mbytes"] / cbw if cbw else float("nan")
+        rat = lambda p: f"{p:9.1f} {p / us:5.2f}" if p else "      n/a      "  # noqa: E731
+        sgl = SGLANG_ANCHOR.get(r["m"])
+        lines.append(
+            f"{r['fmt']:4} {r['m']:3} {r['distinct']:6.1f} {r['mbytes']:7.1f} {r.get('us') or 0:7.1f} ({us:6.1f}) "
+            f"{r['mbytes'] / us:5.2f} {floor:8.1f} {100 * floor / us:6.0f}%  {rat(r.get('ragged'))} "
+            f" {rat(r.get('gathered'))}  {sgl / us if sgl else float('nan'):5.2f}")
+    lines.append("x = peer µs / ours (best); SGLang* = perf-anchors.md bf16 figure (not this run) / ours")
+    for r in RESULTS["rows"]:
+        if r.get("best_plan"):
+            lines.append(f"best {r['fmt']} M={r['m']}: {r['best_plan']}")
+    for line in lines:
+        log(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,551 @@
+"""Fused MoE experts: pair-axis align, gate/up GEMM with a SwiGLU epilogue, down GEMM, combine.
+
+    y [M, D] = sum_k topk_weights[m, k] * expert_{topk_ids[m, k]}(x[m])
+    expert_e(x) = swiglu(x @ W13_e) @ W2_e,  swiglu(g, u) = silu(g) * u
+                  (with a limit L: min(silu(g), L) * clamp(u, -L, L))
+
+Layouts (x @ W orientation, every stacked weight passed whole, never sliced in front of a call):
+  x [M, D] (cast to the weights' dtype, bf16 for quantised weights); topk_ids, topk_weights [M, k].
+  w13 [E, D, 2I] gate and up INTERLEAVED by column (column 2j = gate j, 2j+1 = up j): one output
+      tile holds both halves of its SwiGLU, so the epilogue pairs them in registers.
+  w2  [E, I, D].
+  Or grouped low-bit (`quantize_experts`): a `QuantizedWeight` (pallas_kernels/quant.py) whose
+  arrays carry a leading E axis -- expert e's matrix in torch orientation, w13_e^T [2I, D] and
+  w2_e^T [D, I] (the interleave kept on the N axis), tile-transposed words [E, T, K*b/32, B_N],
+  bf16 scales [E, T, K/G, B_N]. `jax.vmap(quant.dequantize)` gives the experts back.
+
+Pairs. p = m*k + slot is the (token, slot) pair index, P = M*k.
+
+Align (one Pallas launch for P <= 64, `_align_kernel`; jnp argsort beyond, `_align_jnp`): pairs
+ordered by expert, stable in p, each expert's run padded to a multiple of BM rows:
+  sorted_pairs [S] int32  pair at each padded slot, P where the slot is padding (S >= NB*BM),
+  block_expert [NBP] int32 expert of block j (slots [j*BM, (j+1)*BM)), -1 for an unused block.
+NB = n + (P - n) // BM with n = min(P, E) bounds the blocks any routing needs (NBP = next pow2).
+The kernel ranks pairs against pairs ([PP, PP] comparisons, PP = pow2 >= P): rank in bucket,
+bucket size, bucket block offset from the bucket representatives (rank 0); nothing grows with E.
+At M = 1 ("direct") there is no align: block j is pair j (a token's top-k experts are distinct).
+
+GEMMs (`_gemm_kernel`, Triton lowering), grid (NB, N / BN): program (j, t) reads block j's rows
+and streams expert e_j's [K, BN] weight tile t once (unused blocks exit before any load):
+  up:   rows x[pair // k] (gathered) @ W13_e[:, tile]  -> swiglu -> h [NB*BM, I] (bf16, slot rows)
+  down: rows h[slot] @ W2_e[:, tile]                   -> out [P + 1, D] float32 (pair rows;
+        row P is the masked padding's address)
+  path "dot": BM rows (>= 16), tensor-core dot, fp32 accumulator [BM, BN] (quantised: qmatvec's
+        `_lanes` unpack to bf16 in registers); Triton pipelines the weight tiles (cp.async).
+  path "fma": BM = 1 (one pair per block, never padded), CUDA-core multiply-adds into a [BK, BN]
+        fp32 tile summed once (quantised: codes or-ed into magic floats, see `_acc_quant`).
+Combine (one XLA fusion): y = sum_k w * out[m*k + slot] in fp32, rounded once to x's dtype.
+Rounding: h is rounded to the activation dtype between the GEMMs (as in moe.block); nothing else
+(the quantised "fma" path sums terms up to ~(256 + 2^b) / 2^b times larger in fp32: ~1e-6).
+
+Bytes moved per layer: the distinct experts' weights once each, U * (3*D*I*2) bytes in bf16
+(U = distinct experts; Ling M = 1: 8 * 3 * 2560 * 768 * 2 = 94.4 MB, 22 us at 4.3 TB/s) or
+U * 3*D*I * (b + 16/G) / 8 quantised (int4 G=128: 24.3 MB); activations are noise: x (M*D*2),
+h (2 * NB*BM*I*2), out (2 * P*D*4), y (M*D*2). A block re-reads its expert only when the expert
+has more than BM pairs ("dot") or more than one pair ("fma").
+
+Measured on the H200 (bench/RESULTS.md, 2026-11-30), µs per layer incl. align and combine:
+bf16 M = 1 / 6 / 16 / 64: 27.0 / 138.1 / 369.5 / 1006 (3.5-3.9 TB/s); int4: 26.2 / 89.9 / 268 / 778
+(instruction / latency bound, 0.9-1.5 TB/s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.backend import resolve
+from pallas_kernels.qmatvec import _lanes
+from pallas_kernels.quant import QuantizedWeight, _quantize, check_config, dequantize
+
+MAX_ALIGN_PAIRS = 64  # the pair-axis align kernel's limit: [64, 64] comparisons stay in registers
+MAX_FUSED_M = 64  # decode / verify sizes; larger M runs the same kernels with a bigger block
+EVICT = "evict_first"  # weights stream once: keep L2 for activations
+
+
+# ---------------------------------------------------------------------------------- weights
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w13", "w2"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class QuantizedExperts:
+    """Stacked quantised experts: w13 per expert [2I, D] (interleaved rows), w2 per expert [D, I]."""
+
+    w13: QuantizedWeight
+    w2: QuantizedWeight
+
+
+def quantize_experts(w13, w2, *, bits=4, group_size=128, symmetric=True, block_n=64) -> QuantizedExperts:
+    """Quantise stacked experts w13 [E, D, 2I], w2 [E, I, D] (x @ W) into the grouped format.
+
+    Each expert's matrix is transposed to torch orientation and quantised alone (pallas_kernels/
+    quant.py), one expert at a time (`lax.map`: no fp32 copy of the whole stack); the arrays are
+    stacked on a leading E axis. block_n must divide 2I and D.
+    """
+
+    def stack(w, name):
+        if getattr(w, "ndim", None) != 3:
+            raise ValueError(f"{name} must be [E, K, N], got shape {getattr(w, 'shape', None)}")
+        _, k, n = w.shape
+        check_config(k, bits, group_size, block_n)
+        if n % block_n:
+            raise ValueError(f"block_n={block_n} must divide {name}'s output dimension {n}")
+        quant = functools.partial(_quantize, bits=bits, group_size=group_size, symmetric=symmetric,
+                                  block_n=block_n)
+        words, scales, zeros = lax.map(lambda we: quant(we.T), w)
+        return QuantizedWeight(words, scales, zeros, bits, group_size, symmetric, (n, k))
+
+    return QuantizedExperts(stack(w13, "w13"), stack(w2, "w2"))
+
+
+def _expert_matrices(w, ids):
+    """Experts ids [P] of w as float32 [P, K, N] (x @ W orientation); dequantised exactly."""
+    if isinstance(w, QuantizedWeight):
+        sub = jax.tree.map(lambda a: a[ids], w)
+        return jax.vmap(dequantize)(sub).transpose(0, 2, 1)
+    return w[ids].astype(jnp.float32)
+
+
+def _dims(w13, w2):
+    """(E, D, I) from either weight format, with the shapes checked against each other."""
+    if isinstance(w13, QuantizedWeight):
+        if not isinstance(w2, QuantizedWeight):
+            raise ValueError("w13 and w2 must both be quantised or both be arrays")
+        e, (n13, d), (d2, i) = w13.words.shape[0], w13.shape, w2.shape
+        e2 = w2.words.shape[0]
+    else:
+        if w13.ndim != 3 or w2.ndim != 3:
+            raise ValueError(f"w13 must be [E, D, 2I] and w2 [E, I, D], got {w13.shape}, {w2.shape}")
+        (e, d, n13), (e2, i, d2) = w13.shape, w2.shape
+    if e != e2 or d != d2 or n13 != 2 * i:
+        raise ValueError(f"w13 (E={e}, D={d}, 2I={n13}) and w2 (E={e2}, I={i}, D={d2}) disagree")
+    return e, d, i
+
+
+# ---------------------------------------------------------------------------------- reference
+def _swiglu(g, u, limit):
+    """silu(g) * u in float32, with the optional clamp min(silu(g), L) * clamp(u, -L, L)."""
+    g = g * jax.nn.sigmoid(g)
+    if limit is not None:
+        g = jnp.minimum(g, limit)
+        u = jnp.clip(u, -limit, limit)
+    return g * u
+
+
+def reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None):
+    """Plain jnp, float32 products at HIGHEST precision; h rounded to the activation dtype."""
+    m, k = topk_ids.shape
+    e, d, i = _dims(w13, w2)
+    act = jnp.bfloat16 if isinstance(w13, QuantizedWeight) else w13.dtype
+    ids = topk_ids.reshape(-1)
+    xs = jnp.repeat(x.astype(act).astype(jnp.float32), k, axis=0)  # [P, D]
+    hi = lax.Precision.HIGHEST
+    h = jnp.einsum("pd,pdn->pn", xs, _expert_matrices(w13, ids), precision=hi)  # [P, 2I]
+    h = _swiglu(h[:, 0::2], h[:, 1::2], swiglu_limit).astype(act).astype(jnp.float32)  # [P, I]
+    out = jnp.einsum("pi,pid->pd", h, _expert_matrices(w2, ids), precision=hi)  # [P, D]
+    y = jnp.sum(out.reshape(m, k, d) * topk_weights.astype(jnp.float32)[..., None], axis=1)
+    return y.astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------- align
+def _pow2(n):
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class AlignSizes:
+    p: int  # pairs
+    bm: int  # block rows
+    nb: int  # blocks any routing can need (the GEMM grid's first axis)
+    nbp: int  # len(block_expert): next pow2 of nb
+    pp: int  # the align kernel's pair vector: pow2 >= max(P, 16); also its slots per program
+    n_slots: int  # len(sorted_pairs) >= nb * bm
+
+
+def align_sizes(p: int, e: int, bm: int) -> AlignSizes:
+    n = min(p, e)
+    nb = n + (p - n) // bm  # sum_e ceil(c_e / bm) <= n + (P - n) // bm (see the module doc)
+    pp = max(16, _pow2(p))
+    return AlignSizes(p, bm, nb, _pow2(nb), pp, -(-nb * bm // pp) * pp)
+
+
+def _align_kernel(ids_ref, sorted_ref, blk_ref, *, s: AlignSizes, n_experts: int):
+    """Program c writes slots [c*PP, (c+1)*PP) of sorted_pairs; program 0 also writes block_expert.
+
+    Every program ranks all pairs ([PP, PP] in registers; cheaper than a second launch).
+    """
+    q = jnp.arange(s.pp, dtype=jnp.int32)
+    valid = q < s.p
+    ids = pltriton.load(ids_ref.at[pl.ds(0, s.pp)], mask=valid, other=n_experts)  # [PP], pad: E
+    ip, iq = ids[:, None], ids[None, :]  # rows: pair p, columns: pair q
+    earlier = q[None, :] < q[:, None]
+    same = iq == ip
+    one = jnp.int32(1)
+    zero = jnp.int32(0)
+    within = jnp.sum(jnp.where(same & earlier, one, zero), axis=1)  # rank in its expert's bucket
+    count = jnp.sum(jnp.where(same, one, zero), axis=1)  # its bucket's size
+    nblk = jnp.where(valid, (count + (s.bm - 1)) // s.bm, 0)  # blocks of its bucket
+    first = valid & (within == 0)  # one representative per bucket
+    lower = first[None, :] & (iq < ip)
+    bstart = jnp.sum(jnp.where(lower, nblk[None, :], zero), axis=1)  # first block of its bucket
+    pos = bstart * s.bm + within  # its padded slot
+
+    slot = pl.program_id(0) * s.pp + q  # [PP] the slots this program writes
+    hit = (pos[None, :] == slot[:, None]) & valid[None, :]  # [slots, pairs]
+    n_hit = jnp.sum(jnp.where(hit, one, zero), axis=1)
+    pair = jnp.sum(jnp.where(hit, q[None, :], zero), axis=1)
+    sorted_ref[pl.ds(pl.program_id(0) * s.pp, s.pp)] = jnp.where(n_hit > 0, pair, s.p)
+
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+        j = jnp.arange(s.nbp, dtype=jnp.int32)[:, None]  # [NBP, 1]
+        own = first[None, :] & (bstart[None, :] <= j) & (j < (bstart + nblk)[None, :])  # [NBP, PP]
+        owned = jnp.sum(jnp.where(own, one, zero), axis=1)
+        expert = jnp.sum(jnp.where(own, iq, zero), axis=1)
+        blk_ref[...] = jnp.where(owned > 0, expert, -1)
+
+
+def _align_jnp(ids, s: AlignSizes, n_experts: int):
+    """The same outputs for any P, from a stable argsort (its work grows with E: bincount)."""
+    p, bm = s.p, s.bm
+    order = jnp.argsort(ids, stable=True).astype(jnp.int32)  # [P]
+    counts = jnp.zeros(n_experts, jnp.int32).at[ids].add(1)  # [E]
+    nblk = (counts + bm - 1) // bm
+    bend = jnp.cumsum(nblk)  # [E] one past each expert's last block
+    cstart = jnp.cumsum(counts) - counts
+    se = ids[order]
+    pos = (bend - nblk)[se] * bm + jnp.arange(p, dtype=jnp.int32) - cstart[se]
+    sorted_pairs = jnp.full((s.n_slots,), p, jnp.int32).at[pos].set(order)
+    j = jnp.arange(s.nbp, dtype=jnp.int32)
+    expert = jnp.searchsorted(bend, j, side="right").astype(jnp.int32)
+    return sorted_pairs, jnp.where(j < bend[-1], expert, -1)
+
+
+def moe_align(topk_ids, n_experts: int, block_m: int, *, backend="auto"):
+    """(sorted_pairs [S], block_expert [NBP]) for topk_ids [M, k]; see the module docstring."""
+    backend = resolve(backend)
+    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    s = align_sizes(ids.shape[0], n_experts, block_m)
+    if backend == "reference" or s.p > MAX_ALIGN_PAIRS:
+        return _align_jnp(ids, s, n_experts)
+    return pl.pallas_call(
+        functools.partial(_align_kernel, s=s, n_experts=n_experts),
+        out_shape=(jax.ShapeDtypeStruct((s.n_slots,), jnp.int32),
+                   jax.ShapeDtypeStruct((s.nbp,), jnp.int32)),
+        grid=(s.n_slots // s.pp,),
+        interpret=backend == "interpret",
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        name="moe_align",
+    )(ids)
+
+
+# ---------------------------------------------------------------------------------- GEMMs
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """One GEMM's launch. block_k: K per loop step (bf16; quantised weights step one group).
+    block_n: output columns per program (w13: interleaved, so h gets block_n / 2); quantised
+    weights fix it to their tile B_N."""
+
+    block_k: int = 128
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    path: str  # "dot" | "fma"
+    block_m: int  # rows per block: >= 16 for "dot", 1 for "fma"
+    up: GemmPlan
+    down: GemmPlan
+
+
+def plan_for(m: int, k: int, quantized: bool) -> Plan:
+    """Launch heuristics: the H200 sweep's winners (bench/moe.py, bench/RESULTS.md 2026-11-30).
+
+    bf16: block 16, tensor-core dot, weight tiles pipelined by cp.async; [64, 128] tiles, 6 / 5
+    stages won at M = 1, 6, 16 (27.0 / 138.1 / 369.5 us); M = 64 was measured on [128, 64] x 4.
+    Quantised: "fma" (~4.5 SASS instructions per weight, the dot path ~6) is latency-bound:
+    more warps per program won (M = 1: 8 warps 26.2 us, 4: 38.7, 2: 61.1; the dot path 30.0);
+    M = 6 and 16: 4 warps (89.9 / 268.4 us); M = 64 was measured on the dot path (778 us).
+    Beyond 512 pairs (prefill): block 64, not measured on the GPU.
+    """
+    if quantized:
+        if m == 1:
+            return Plan("fma", 1, GemmPlan(0, 0, 8, 1), GemmPlan(0, 0, 8, 1))
+        if m * k <= 128:
+            return Plan("fma", 1, GemmPlan(0, 0, 4, 1), GemmPlan(0, 0, 4, 1))
+        if m * k <= 512:
+            return Plan("dot", 16, GemmPlan(0, 0, 4, 4), GemmPlan(0, 0, 4, 4))
+        return Plan("dot", 64, GemmPlan(0, 0, 8, 3), GemmPlan(0, 0, 8, 3))
+    if m * k <= 128:
+        return Plan("dot", 16, GemmPlan(64, 128, 4, 6), GemmPlan(64, 128, 4, 5))
+    if m * k <= 512:
+        return Plan("dot", 16, GemmPlan(128, 64, 4, 4), GemmPlan(128, 64, 4, 4))
+    return Plan("dot", 64, GemmPlan(64, 128, 4, 3), GemmPlan(64, 128, 4, 3))
+
+
+def _acc_dense(w_ref, e, n0, a_load, *, n_k, bk, bn, bm, fma):
+    """sum over K of a @ W_e[:, n0:n0+BN]: fp32 [BM, BN] ("dot") or [BN] ("fma")."""
+
+    def body(i, acc):
+        k0 = pl.multiple_of(i * bk, bk)
+        w = pltriton.load(w_ref.at[e, pl.ds(k0, bk), pl.ds(n0, bn)], eviction_policy=EVICT)  # [BK, BN]
+        a = a_load(k0, bk)
+        if fma:
+            return acc + w.astype(jnp.float32) * a[:, None]
+        return acc + jnp.dot(a, w, preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, n_k, body, jnp.zeros((bk, bn) if fma else (bm, bn), jnp.float32))
+    return jnp.sum(acc, axis=0) if fma else acc
+
+
+@dataclasses.dataclass(frozen=True)
+class _QMeta:
+    """Static description of quantised weights (the kernel never closes over arrays)."""
+
+    bits: int
+    group_size: int
+    symmetric: bool
+    block_n: int
+    n_groups: int  # groups of K
+
+
+def _acc_quant(qrefs, qm: _QMeta, e, t, a_load, *, bm, fma):
+    """The same for quantised weights, one group of G input rows per loop step.
+
+    "dot": qmatvec's `_lanes` unpack to the exact u - z, cast to bf16 (exact), tensor-core dot
+    with lane i's [BM, WPG] slice of a; the group's scale once per column.
+    "fma": no per-weight dequantisation. Each byte of a word is shifted once (not each code) so that
+    its codes sit at mantissa offsets off = 15, 15 + b, ..; or-ing the masked bits into the float
+    2^c (c = 23 - off, a magic per offset) gives f = 2^c + u exactly, so one and-or and one fma
+    per weight accumulate P[j, n] = sum_lanes (2^c + u) x. Per group, P minus sum_lanes (2^c + z)
+    x[j] (per row j: cheap) is sum_lanes (u - z) x up to the fp32 rounding of terms at most
+    (256 + 2^b) / 2^b times the signal's; it is scaled once per element and summed over the WPG
+    rows once, after the last group.
+    """
+    magic_ref, words_ref, scales_ref, zeros_ref = qrefs
+    bits, g_size, bn = qm.bits, qm.group_size, qm.block_n
+    wpg = g_size * bits // 32
+    per_byte = 8 // bits
+    magic = magic_ref[0]  # 2^23: `_lanes`
+    lane_magic = [magic_ref[1 + i] for i in range(per_byte)]  # 2^(23 - off_i), off_i = 15 + i b
+
+    def zero_point(g):  # z: a constant, or [1, B_N] per column
+        if zeros_ref is None:
+            return 2.0 ** (bits - 1)
+        return zeros_ref[e, t, g, :].astype(jnp.float32)[None, :]
+
+    def body_dot(g, acc):
+        words = pltriton.load(words_ref.at[e, t, pl.ds(g * wpg, wpg), :], eviction_policy=EVICT)
+        scale = scales_ref[e, t, g, :].astype(jnp.float32)  # [B_N]
+        part = [jnp.zeros((bm, bn), jnp.float32)] * 2  # two chains: shorter dependency
+        for i, v in _lanes(words, bits, zero_point(g), magic):  # v: [WPG, B_N] f32 = u - z
+            a = a_load(g * g_size + i * wpg, wpg)  # [BM, WPG] bf16
+            part[i % 2] = part[i % 2] + jnp.dot(a, v.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+        return acc + (part[0] + part[1]) * scale[None, :]
+
+    def body_fma(g, acc):  # acc [WPG, B_N]
+        words = pltriton.load(words_ref.at[e, t, pl.ds(g * wpg, wpg), :], eviction_policy=EVICT)
+        z = zero_point(g)
+        p_acc = jnp.zeros((wpg, bn), jnp.float32)
+        corr = jnp.zeros((wpg,), jnp.float32)  # sum_lanes (2^c + z) x[j]  (symmetric z)
+        sum_x = jnp.zeros((wpg,), jnp.float32)  # sum_lanes x[j]            (asymmetric)
+        for byte in range(4):
+            shift = 15 - 8 * byte  # the byte's lowest code -> mantissa bit 15
+            src = words << shift if shift > 0 else words >> -shift
+            for i in range(per_byte):
+                lane, off = byte * per_byte + i, 15 + i * bits
+                mant = (src & jnp.uint32((2**bits - 1) << off)) | lane_magic[i]
+                f = lax.bitcast_convert_type(mant, jnp.float32)  # 2^(23 - off) + u
+                x = a_load(g * g_size + lane * wpg, wpg)  # [WPG] f32, lane's slice of a
+                p_acc = p_acc + f * x[:, None]
+                if zeros_ref is None:
+                    corr = corr + (2.0 ** (23 - off) + z) * x
+                else:
+                    corr = corr + 2.0 ** (23 - off) * x
+                    sum_x = sum_x + x
+        corr = corr[:, None] if zeros_ref is None else corr[:, None] + z * sum_x[:, None]
+        scale = scales_ref[e, t, g, :].astype(jnp.float32)[None, :]
+        return acc + (p_acc - corr) * scale
+
+    if fma:
+        acc = lax.fori_loop(0, qm.n_groups, body_fma, jnp.zeros((wpg, bn), jnp.float32))
+        return jnp.sum(acc, axis=0)
+    return lax.fori_loop(0, qm.n_groups, body_dot, jnp.zeros((bm, bn), jnp.float32))
+
+
+def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, limit, n_init):
+    """Program (j, t): block j's rows times expert e_j's weight tile t; see the module doc."""
+    refs = list(refs)
+    a_ref = refs.pop(0)  # up: x [M, D]; down: h [NB*BM, I]
+    route_ref = refs.pop(0)  # direct: topk ids [P]; else block_expert [NBP]
+    sorted_ref = None if direct else refs.pop(0)  # [S]
+    if qm is None:
+        w_ref = refs.pop(0)  # [E, K, N]
+    else:  # magic [1], words [E, T, K*b/32, B_N], scales (zeros) [E, T, K/G, B_N]
+        qrefs = (refs.pop(0), refs.pop(0), refs.pop(0), None if qm.symmetric else refs.pop(0))
+    del refs[:n_init]  # aliased initial outputs (tests poison them): only the output ref is used
+    out_ref = refs.pop(0)  # up: h [NB*BM, I]; down: out [P + 1, D] f32
+
+    j, t = pl.program_id(0), pl.program_id(1)
+    e = route_ref[j]
+    r = jnp.arange(bm, dtype=jnp.int32)
+    if fma:  # one pair per block: never padding
+        pair = j if direct else sorted_ref[j]
+    elif direct:
+        pair = jnp.where(r == 0, j, p)  # [BM] only row 0 holds a pair
+    else:
+        pair = sorted_ref[pl.ds(j * bm, bm)]  # [BM] P = padding
+    valid = pair < p
+
+    if stage == "up":  # rows of x gathered by token
+        if fma:
+            def a_load(k0, size):
+                return a_ref[pair // k, pl.ds(k0, size)].astype(jnp.float32)
+        else:
+            tok = jnp.where(valid, pair // k, 0)[:, None]  # [BM, 1]
+
+            def a_load(k0, size):
+                cols = (k0 + jnp.arange(size, dtype=jnp.int32))[None, :]
+                return pltriton.load(a_ref.at[tok, cols], mask=valid[:, None], other=0.0)
+    else:  # rows of h: the block's own slots
+        if fma:
+            def a_load(k0, size):
+                return a_ref[j, pl.ds(k0, size)].astype(jnp.float32)
+        else:
+            def a_load(k0, size):
+                return a_ref[pl.ds(j * bm, bm), pl.ds(k0, size)]
+
+    @pl.when(e >= 0)  # an unused block reads and writes nothing
+    def _():
+        if qm is None:
+            acc = _acc_dense(w_ref, e, t * bn, a_load, n_k=n_k, bk=bk, bn=bn, bm=bm, fma=fma)
+        else:
+            acc = _acc_quant(qrefs, qm, e, t, a_load, bm=bm, fma=fma)
+        if stage == "up":  # interleaved columns: (gate, up) pairs side by side
+            pairs = acc.reshape(*acc.shape[:-1], bn // 2, 2)  # [..., BN/2, (gate, up)]
+            gate = jnp.arange(2, dtype=jnp.int32) == 0  # select + sum: lowers everywhere, exact
+            g = jnp.sum(jnp.where(gate, pairs, 0.0), axis=-1)
+            u = jnp.sum(jnp.where(gate, 0.0, pairs), axis=-1)
+            h = _swiglu(g, u, limit).astype(out_ref.dtype)  # padding rows: x = 0 -> h = 0
+            if fma:
+                out_ref[j, pl.ds(t * (bn // 2), bn // 2)] = h
+            else:
+                out_ref[pl.ds(j * bm, bm), pl.ds(t * (bn // 2), bn // 2)] = h
+        elif fma:
+            out_ref[pair, pl.ds(t * bn, bn)] = acc
+        else:
+            rows = jnp.where(valid, pair, p)[:, None]  # padding goes nowhere (masked, row P)
+            cols = (t * bn + jnp.arange(bn, dtype=jnp.int32))[None, :]
+            pltriton.store(out_ref.at[rows, cols], acc, mask=valid[:, None])
+
+
+def _gemm(stage, a, route, sorted_pairs, w, *, n_blocks, k, p, plan: Plan, gp: GemmPlan, out_shape,
+          limit, interpret, init=None):
+    """One expert-GEMM pallas_call (stage "up" or "down"), grid (n_blocks, N / BN).
+
+    route: topk ids [P] when sorted_pairs is None (direct), else block_expert [NBP].
+    init: an initial output to alias (tests poison it)."""
+    qm = None
+    if isinstance(w, QuantizedWeight):
+        (_, n_tiles, _, bn), (_, k_in) = w.words.shape, w.shape
+        if plan.path == "dot" and w.group_size * w.bits // 32 < 16:
+            raise ValueError("the dot path needs >= 16 words per group (group_size * bits >= 512)")
+        qm = _QMeta(w.bits, w.group_size, w.symmetric, bn, k_in // w.group_size)
+        bk = n_k = None
+        # Magic floats as register operands (the and-or fuses into one LOP3, qmatvec): 2^23, then
+        # 2^(23 - off) for the "fma" path's code offsets off = 15 + i * bits.
+        magic = jnp.array([0x4B000000] + [(127 + 8 - i * w.bits) << 23 for i in range(8 // w.bits)],
+                          jnp.uint32)
+        w_inputs = [magic, w.words, w.scales] + ([] if w.symmetric else [w.zeros])
+    else:
+        _, k_in, n_out = w.shape
+        bn, bk = min(gp.block_n, n_out), min(gp.block_k, k_in)
+        if n_out % bn or k_in % bk:
+            raise ValueError(f"block_n={bn} and block_k={bk} must divide the {stage} GEMM's "
+                             f"N={n_out} and K={k_in}")
+        n_tiles, n_k = n_out // bn, k_in // bk
+        w_inputs = [w]
+    direct = sorted_pairs is None
+    inputs = [a, route] + ([] if direct else [sorted_pairs]) + w_inputs
+    inits = [] if init is None else [init]
+    kernel = functools.partial(
+        _gemm_kernel, stage=stage, direct=direct, k=k, p=p, bm=plan.block_m,
+        fma=plan.path == "fma", n_k=n_k, bk=bk, bn=bn, qm=qm, limit=limit, n_init=len(inits))
+    bits = "" if qm is None else f"_int{qm.bits}"
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(n_blocks, n_tiles),
+        input_output_aliases={len(inputs) + i: i for i in range(len(inits))},
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=gp.num_warps, num_stages=gp.num_stages),
+        name=f"fused_moe_{stage}_{plan.path}{bits}",
+    )(*inputs, *inits)
+
+
+# ---------------------------------------------------------------------------------- public
+def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poison=False):
+    """The kernel path; returns (y, h, out). poison: start h and out as NaN (tests)."""
+    m, k = topk_ids.shape
+    p = m * k
+    e, d, i = _dims(w13, w2)
+    quant = isinstance(w13, QuantizedWeight)
+    act = jnp.bfloat16 if quant else w13.dtype
+    plan = plan or plan_for(m, k, quant)
+    if (plan.path == "fma") != (plan.block_m == 1) or plan.path not in ("dot", "fma"):
+        raise ValueError(f"plan: path 'fma' goes with block_m 1, 'dot' with block_m >= 16, got {plan}")
+    interpret = backend == "interpret"
+    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    if m == 1:  # direct: block j is pair j
+        route, sorted_pairs, nb = ids, None, p
+    else:
+        sorted_pairs, route = moe_align(ids, e, plan.block_m, backend=backend)
+        nb = align_sizes(p, e, plan.block_m).nb
+    h_shape = jax.ShapeDtypeStruct((nb * plan.block_m, i), act)
+    out_shape = jax.ShapeDtypeStruct((p + 1, d), jnp.float32)
+
+    def nan(s):
+        return jnp.full(s.shape, jnp.nan, s.dtype) if poison else None
+
+    common = dict(n_blocks=nb, k=k, p=p, plan=plan, limit=swiglu_limit, interpret=interpret)
+    h = _gemm("up", x.astype(act), route, sorted_pairs, w13, gp=plan.up, out_shape=h_shape,
+              init=nan(h_shape), **common)
+    out = _gemm("down", h, route, sorted_pairs, w2, gp=plan.down, out_shape=out_shape,
+                init=nan(out_shape), **common)
+    w = topk_weights.astype(jnp.float32)[..., None]  # [M, k, 1]
+    y = jnp.sum(out[:p].reshape(m, k, d) * w, axis=1)  # one XLA fusion, fp32
+    return y.astype(x.dtype), h, out
+
+
+def fused_moe(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend="auto",
+              plan: Plan | None = None):
+    """y [M, D] = sum_k topk_weights * expert_{topk_ids}(x), fp32 accumulation, rounded once.
+
+    x [M, D]; topk_ids [M, k] int (in [0, E)); topk_weights [M, k] (fp32 in the combine).
+    w13 [E, D, 2I] (gate/up interleaved by column), w2 [E, I, D], bf16 (or any float dtype: x
+    is cast to it); or both the `QuantizedExperts` fields of `quantize_experts` (x in bf16).
+    swiglu_limit: None, or L for min(silu(g), L) * clamp(u, -L, L).
+    backend: "pallas" | "interpret" | "reference" | "auto" (pallas_kernels.backend.resolve).
+    M <= 64 runs block 16 (bf16) or one pair per block (quantised, M <= 16); M = 1 without an
+    align launch; larger M the same kernels with block 64 (a grouped GEMM) and the argsort
+    align. plan overrides the launch heuristics (`plan_for`).
+    """
+    backend = resolve(backend)
+    e, d, _ = _dims(w13, w2)
+    if x.ndim != 2 or x.shape[1] != d:
+        raise ValueError(f"x must be [M, D={d}], got shape {x.shape}")
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must both be [M={x.shape[0]}, k], got "
+                         f"{topk_ids.shape} and {topk_weights.shape}")
+    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise ValueError(f"topk_ids must be integers, got {topk_ids.dtype}")
+    if backend == "reference":
+        return reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit)
+    return _run(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, backend=backend,
+                plan=plan)[0]

@@ -1,0 +1,208 @@
+"""The fused MoE kernels (interpret mode) against float64 experts, and the align's contract.
+
+Small shapes (D 256, I 128, E 13: not a power of two) keep Pallas' interpreter fast; every case
+draws fresh random inputs and starts the kernels' outputs as NaN, so a row left unwritten shows.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import fused_moe as fm
+from pallas_kernels.quant import QuantizedWeight, dequantize, quantize
+
+E, D, I = 13, 256, 128
+DOT = None  # plan_for's choice: block 16 ("dot"), block 64 beyond 512 pairs
+FMA = fm.Plan("fma", 1, fm.GemmPlan(64, 64, 1, 2), fm.GemmPlan(32, 128, 2, 2))
+DOT32 = fm.Plan("dot", 16, fm.GemmPlan(64, 32, 4, 2), fm.GemmPlan(128, 64, 4, 2))
+QDOT = fm.Plan("dot", 16, fm.GemmPlan(0, 0, 4, 2), fm.GemmPlan(0, 0, 4, 2))  # quantised: the dot path
+
+
+def _weights(rng, bits, symmetric=True):
+    w13 = jnp.asarray(rng.standard_normal((E, D, 2 * I)) * 0.06, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((E, I, D)) * 0.09, jnp.bfloat16)
+    if bits is None:
+        return w13, w2
+    q = fm.quantize_experts(w13, w2, bits=bits, group_size=128, symmetric=symmetric, block_n=64)
+    return q.w13, q.w2
+
+
+def _dense64(w):
+    """[E, K, N] float64 in x @ W orientation, from either format."""
+    if isinstance(w, QuantizedWeight):
+        return np.asarray(jax.vmap(dequantize)(w), np.float64).transpose(0, 2, 1)
+    return np.asarray(w.astype(jnp.float32), np.float64)
+
+
+def _routing(rng, m, k, kind):
+    if kind == "one":  # every token on the same expert(s)
+        ids = np.tile(rng.choice(E, k, replace=False), (m, 1))
+    elif kind == "skewed":  # ragged counts: a few popular experts, repeated across tokens
+        ids = np.stack([rng.choice(E, k, replace=False, p=np.r_[[8.0] * 3, [1.0] * (E - 3)] / (24 + E - 3))
+                        for _ in range(m)])
+    else:
+        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(m)])
+    w = rng.random((m, k)).astype(np.float32) + 0.1
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(w)
+
+
+def _swiglu64(g, u, limit):
+    g = g / (1 + np.exp(-g))
+    if limit is not None:
+        g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+    return g * u
+
+
+def _check(y, x, ids, w, w13, w2, limit):
+    """|y - exact| <= 2^-8 |exact| + 2^-7 S: y's bf16 rounding, and h's (one bf16 ulp of each
+    h element may differ with the fp32 summation order), S = sum_k |w| (|h| @ |W2|)."""
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    a, b = _dense64(w13), _dense64(w2)
+    ids, w = np.asarray(ids), np.asarray(w, np.float64)
+    exact = np.zeros((x.shape[0], D))
+    s = np.zeros_like(exact)
+    for m in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            hh = x64[m] @ a[ids[m, j]]
+            h = _swiglu64(hh[0::2], hh[1::2], limit)
+            exact[m] += w[m, j] * (h @ b[ids[m, j]])
+            s[m] += w[m, j] * (np.abs(h) @ np.abs(b[ids[m, j]]))
+    y = np.asarray(y.astype(jnp.float32), np.float64)
+    assert y.shape == exact.shape and np.isfinite(y).all()
+    err = np.abs(y - exact)
+    bound = 2.0**-8 * np.abs(exact) + 2.0**-7 * s
+    assert np.all(err <= bound), float(np.max(err / bound))
+
+
+# (M, k, weights bits or None for bf16, routing, limit, plan)
+CASES = [
+    (1, 8, None, "random", None, DOT),  # direct: no align launch
+    (1, 2, 4, "random", 0.5, FMA),
+    (1, 1, 4, "random", None, QDOT),
+    (3, 4, None, "skewed", 0.5, DOT32),
+    (6, 8, 4, "skewed", None, QDOT),  # 48 pairs: the align kernel
+    (6, 8, None, "random", 2.0, FMA),
+    (16, 4, 4, "skewed", 1.0, DOT),  # 64 pairs: the align kernel's limit
+    (16, 1, None, "one", None, DOT),  # every token on one expert: one full block
+    (16, 3, 8, "random", None, QDOT),  # int8, asymmetric (zero points) on both paths
+    (2, 3, 8, "skewed", 1.0, FMA),
+    (64, 8, None, "skewed", 1.0, DOT),  # 512 pairs: argsort align, block 16
+    (64, 2, 4, "one", None, FMA),
+    (24, 8, 4, "random", 2.0, DOT),  # 192 pairs, quantised: plan_for's dot path, argsort align
+    (80, 8, None, "random", None, DOT),  # 640 pairs: the grouped path, block 64
+    (72, 8, 4, "skewed", None, DOT),
+]
+
+
+@pytest.mark.parametrize("m,k,bits,kind,limit,plan", CASES)
+def test_fused_moe_matches_float64_experts(m, k, bits, kind, limit, plan):
+    rng = np.random.default_rng([m, k, bits or 16])
+    w13, w2 = _weights(rng, bits, symmetric=bits != 8)
+    x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
+    ids, w = _routing(rng, m, k, kind)
+    y, h, out = fm._run(x, ids, w, w13, w2, swiglu_limit=limit, backend="interpret", plan=plan,
+                        poison=True)
+    assert y.dtype == jnp.bfloat16
+    out = np.asarray(out)
+    assert np.isfinite(out[: m * k]).all() and np.isnan(out[m * k]).all()  # each pair, no padding
+    _check(y, x, ids, w, w13, w2, limit)
+
+
+def test_public_entry_and_reference_agree():
+    rng = np.random.default_rng(7)
+    w13, w2 = _weights(rng, None)
+    x = jnp.asarray(rng.standard_normal((5, D)), jnp.float32)  # y keeps x's dtype
+    ids, w = _routing(rng, 5, 6, "skewed")
+    y = fm.fused_moe(x, ids, w, w13, w2, swiglu_limit=1.5, backend="interpret")
+    r = fm.fused_moe(x, ids, w, w13, w2, swiglu_limit=1.5, backend="reference")
+    assert y.dtype == r.dtype == jnp.float32
+    _check(r, x.astype(jnp.bfloat16), ids, w, w13, w2, 1.5)
+    _check(y, x.astype(jnp.bfloat16), ids, w, w13, w2, 1.5)
+
+
+# ------------------------------------------------------------------------------------- align
+def _check_align(sorted_pairs, block_expert, ids, bm):
+    """Pairs grouped by expert in ascending order, stable, each run padded to bm with P."""
+    ids = np.asarray(ids).reshape(-1)
+    p = ids.size
+    sp, be = np.asarray(sorted_pairs), np.asarray(block_expert)
+    s = fm.align_sizes(p, E, bm)
+    assert sp.shape == (s.n_slots,) and be.shape == (s.nbp,)
+    counts = np.bincount(ids, minlength=E)
+    used = int(np.sum(-(-counts // bm)))
+    assert used <= s.nb
+    assert np.all(be[:used] >= 0) and np.all(be[used:] == -1)
+    assert np.all(np.diff(be[:used]) >= 0)  # experts ascending
+    assert np.all(sp[used * bm:] == p)  # nothing past the used blocks
+    got = sp[: used * bm].reshape(used, bm)
+    for e in range(E):  # expert e's run: its pairs in pair order, then padding
+        rows = got[be[:used] == e].reshape(-1)
+        want = np.flatnonzero(ids == e)
+        np.testing.assert_array_equal(rows[: want.size], want)
+        assert np.all(rows[want.size:] == p) and rows.size == -(-want.size // bm) * bm
+
+
+@pytest.mark.parametrize("m,k,bm,kind", [(1, 8, 16, "random"), (3, 5, 16, "skewed"),
+                                         (6, 8, 16, "skewed"), (16, 4, 16, "random"),
+                                         (8, 8, 1, "skewed"), (64, 1, 16, "one"), (7, 3, 4, "random")])
+def test_align_kernel(m, k, bm, kind):
+    ids, _ = _routing(np.random.default_rng([m, k, bm]), m, k, kind)
+    got = fm.moe_align(ids, E, bm, backend="interpret")
+    _check_align(*got, ids, bm)
+    want = fm.moe_align(ids, E, bm, backend="reference")  # the argsort path
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("m,k,bm", [(9, 8, 16), (64, 8, 16), (100, 6, 64)])
+def test_align_beyond_the_kernel(m, k, bm):
+    ids, _ = _routing(np.random.default_rng([m, k]), m, k, "skewed")
+    assert m * k > fm.MAX_ALIGN_PAIRS
+    _check_align(*fm.moe_align(ids, E, bm, backend="interpret"), ids, bm)
+
+
+# ------------------------------------------------------------------------------------- format
+def test_quantize_experts_stacks_per_expert_quantisation():
+    rng = np.random.default_rng(3)
+    w13, w2 = _weights(rng, None)
+    q = fm.quantize_experts(w13, w2, bits=4, group_size=128, block_n=64)
+    assert q.w13.words.shape == (E, 2 * I // 64, D * 4 // 32, 64) and q.w13.shape == (2 * I, D)
+    assert q.w2.scales.shape == (E, D // 64, I // 128, 64) and q.w2.shape == (D, I)
+    for e in (0, E - 1):
+        one = quantize(w13[e].T, bits=4, group_size=128, block_n=64)
+        np.testing.assert_array_equal(np.asarray(q.w13.words[e]), np.asarray(one.words))
+        np.testing.assert_array_equal(np.asarray(q.w13.scales[e]), np.asarray(one.scales))
+
+
+def test_errors_name_the_argument():
+    rng = np.random.default_rng(4)
+    w13, w2 = _weights(rng, None)
+    x = jnp.zeros((2, D), jnp.bfloat16)
+    ids, w = _routing(rng, 2, 2, "random")
+    with pytest.raises(ValueError, match="x must be"):
+        fm.fused_moe(x[:, :100], ids, w, w13, w2, backend="interpret")
+    with pytest.raises(ValueError, match="topk_ids and topk_weights"):
+        fm.fused_moe(x, ids, w[:, :1], w13, w2, backend="interpret")
+    with pytest.raises(ValueError, match="disagree"):
+        fm.fused_moe(x, ids, w, w13, w2[:, :64], backend="interpret")
+    with pytest.raises(ValueError, match="block_n"):
+        fm.quantize_experts(w13, w2, block_n=96)
+
+
+# ------------------------------------------------------------------------------------- wiring
+def test_moe_block_uses_the_kernel(monkeypatch):
+    """The MoE block's kernel path (decode / verify sizes) equals its plain-jnp path."""
+    from flax import nnx
+
+    from moe.block import MoE
+
+    moe = MoE(D, num_experts=E, top_k=4, inter=I, num_shared=1, n_group=1, topk_group=1,
+              routed_scaling_factor=2.5, norm_topk_prob=True, swiglu_limit=None,
+              shared_swiglu_limit=None, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 3, D)), jnp.bfloat16)
+    monkeypatch.setenv("LING_KERNELS", "reference")
+    want = np.asarray(moe(x).astype(jnp.float32))
+    monkeypatch.setenv("LING_KERNELS", "interpret")
+    got = np.asarray(moe(x).astype(jnp.float32))
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)  # bf16 roundings differ
