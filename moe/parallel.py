@@ -73,6 +73,13 @@ def shard_model(model, mesh: Mesh, rules=RULES):
     return model
 
 
+def model_mesh(model) -> Mesh | None:
+    """The mesh a model was sharded over by `shard_model`, or None."""
+    from moe.block import MoE
+
+    return next((n.mesh for _, n in nnx.iter_graph(model) if isinstance(n, MoE) and n.mesh is not None), None)
+
+
 def replicate(tree, mesh: Mesh):
     """Puts a pytree (the decoding state) on every device of the mesh."""
     return jax.device_put(tree, NamedSharding(mesh, P()))

@@ -172,3 +172,49 @@ class Stepper:
         """The results of the last dispatched step."""
         previous, self._pending = self._pending, None
         return self._unpack(previous)
+
+
+def prefill_step(model: LingModel, slots: Slots, start, params: SamplingParams, max_new, eos, tokens, next_tokens,
+                 valid, ends):
+    """One prefill chunk that decode steps may be interleaved with (the server's scheduler).
+
+    start [B] bool: slots reset for a new request first (params, max_new, eos are taken for them
+    only); tokens / next_tokens [B, C]: each slot's next chunk of its own prompt and the successors;
+    valid [B]: real tokens in it (0: the slot is untouched); ends [B]: the prompt ends in this chunk.
+    A slot whose prompt has not ended stays done, so interleaved decode/speculative steps skip it;
+    its last_hidden / last_token hold the pair (h_{p-1}, token_p) of its last prefilled position,
+    so the NEXTN entry that a speculative step rewrites at p-1 for a done slot keeps its true value.
+    Returns (slots, first [B]): the sampled first token of the slots in `ends`, -1 elsewhere — a
+    fresh buffer the host can read after dispatching the next step."""
+    slots = reset(slots, start, params, max_new, eos)
+    slots = slots.replace(done=(slots.done | start) & ~ends)
+    slots = prefill_chunk(model, slots, tokens, next_tokens, valid, valid > 0)
+    mid = (valid > 0) & ~ends
+    slots = slots.replace(last_token=jnp.where(mid, _last_of(next_tokens, valid), slots.last_token))
+    return slots, jnp.where(ends, slots.out[:, 0], -1)
+
+
+def _last_of(x, n):
+    """x [B, T] at index n[b] - 1 -> [B]."""
+    return jnp.take_along_axis(x, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="slots")
+def _prefill_step(graphdef, params, slots, start, sampling, max_new, eos, tokens, next_tokens, valid, ends):
+    return prefill_step(nnx.merge(graphdef, params), slots, start, sampling, max_new, eos, tokens, next_tokens,
+                        valid, ends)
+
+
+class ChunkPrefiller:
+    """`prefill_step` compiled once for the slots' shapes; the arguments are host arrays ([B] and
+    [B, C]). The slots are donated: pass the Stepper's current slots and put the result back."""
+
+    def __init__(self, model: LingModel):
+        self.graphdef, self.params = nnx.split(model)
+
+    def __call__(self, slots: Slots, *, start, params: SamplingParams, max_new, eos, tokens, next_tokens, valid,
+                 ends):
+        i32 = lambda a: jnp.asarray(np.asarray(a, np.int32))
+        b = lambda a: jnp.asarray(np.asarray(a, bool))
+        return _prefill_step(self.graphdef, self.params, slots, b(start), params, i32(max_new), i32(eos),
+                             i32(tokens), i32(next_tokens), i32(valid), b(ends))

@@ -1,0 +1,316 @@
+"""`python -m serve.bench`: a load generator for an OpenAI-compatible server, in the manner of
+SGLang's bench_serving: streamed requests (SSE), random prompts of given lengths or a JSONL file,
+a fixed concurrency or a Poisson request rate; reports TTFT, TPOT, ITL, throughput and the mean
+accepted length of speculative decoding (from the server's /metrics, before and after).
+
+    python -m serve.bench --num-prompts 64 --random-input-len 128 --random-output-len 64 --concurrency 8
+    python -m serve.bench --dataset jsonl --dataset-path prompts.jsonl --request-rate 4 --output-json out.json
+
+A JSONL line is {"prompt": "text" | [token ids]} or {"messages": [...]}, with an optional
+"max_tokens" (default --random-output-len).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import httpx
+import numpy as np
+
+DEFAULT_TOKENIZER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
+
+
+@dataclasses.dataclass
+class Item:
+    prompt: str | list[int] | None  # for /v1/completions
+    messages: list[dict] | None  # for /v1/chat/completions
+    max_tokens: int
+
+
+@dataclasses.dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = dataclasses.field(default_factory=list)
+
+
+# -- prompts -------------------------------------------------------------------------------------
+
+
+def random_items(args, tokenizer) -> list[Item]:
+    """Uniform random token ids (special tokens excluded) of lengths in [ratio * L, L]: exact input
+    lengths for /v1/completions (sent as ids), decoded to text for chat."""
+    rng = np.random.default_rng(args.seed)
+    special = {i for t, i in tokenizer.tok.get_vocab(with_added_tokens=True).items() if tokenizer.tok.decode([i]) == ""}
+    pool = np.array([i for i in range(tokenizer.vocab_size) if i not in special])
+    lens_in = rng.integers(max(1, int(args.random_input_len * args.random_range_ratio)), args.random_input_len + 1,
+                           args.num_prompts)
+    lens_out = rng.integers(max(1, int(args.random_output_len * args.random_range_ratio)),
+                            args.random_output_len + 1, args.num_prompts)
+    items = []
+    for n_in, n_out in zip(lens_in, lens_out):
+        ids = rng.choice(pool, n_in).tolist()
+        if args.endpoint == "chat":
+            items.append(Item(None, [{"role": "user", "content": tokenizer.decode(ids)}], int(n_out)))
+        else:
+            items.append(Item(ids, None, int(n_out)))
+    return items
+
+
+def jsonl_items(args) -> list[Item]:
+    items = []
+    with open(args.dataset_path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            max_tokens = int(d.get("max_tokens", d.get("output_len", args.random_output_len)))
+            if "messages" in d:
+                messages, prompt = d["messages"], None
+            elif "prompt" in d:
+                prompt = d["prompt"]
+                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else None
+            else:
+                raise SystemExit(f"error: {args.dataset_path}:{n}: a line needs 'prompt' or 'messages'")
+            if args.endpoint == "chat" and messages is None:
+                raise SystemExit(f"error: {args.dataset_path}:{n}: token-id prompts need --endpoint completions")
+            if args.endpoint == "completions" and prompt is None:
+                raise SystemExit(f"error: {args.dataset_path}:{n}: 'messages' need --endpoint chat")
+            items.append(Item(prompt, messages, max_tokens))
+    return items[: args.num_prompts] if args.num_prompts else items
+
+
+# -- one request ---------------------------------------------------------------------------------
+
+
+async def send(client: httpx.AsyncClient, args, model: str, item: Item) -> Result:
+    chat = args.endpoint == "chat"
+    body = {"model": model, "max_tokens": item.max_tokens, "temperature": args.temperature, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": not args.disable_ignore_eos}
+    body.update({"messages": item.messages} if chat else {"prompt": item.prompt})
+    res, start = Result(), time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = chunk["error"].get("message", str(chunk))
+                    return res
+                if chunk.get("usage"):
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                for c in chunk.get("choices", []):
+                    text = c.get("delta", {}).get("content") if chat else c.get("text")
+                    if text:
+                        now = time.perf_counter()
+                        if last is None:
+                            res.ttft = now - start
+                        else:
+                            res.itl.append(now - last)
+                        last = now
+        res.latency = time.perf_counter() - start
+        res.ok = True
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+async def spec_counters(client: httpx.AsyncClient) -> tuple[float, float] | None:
+    """(decode steps, tokens) from the server's /metrics, or None if it does not export them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = (await client.get("/metrics")).text
+    except httpx.HTTPError:
+        return None
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    if "ling:spec_decode_steps_total" not in values:
+        return None
+    return values["ling:spec_decode_steps_total"], values["ling:spec_decode_tokens_total"]
+
+
+async def run(args, items: list[Item]) -> dict:
+    from tqdm import tqdm
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.concurrency or len(items) or 1, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=httpx.Timeout(None, connect=30),
+                                 limits=limits) as client:
+        model = args.model
+        if model is None:
+            r = await client.get("/v1/models")
+            if r.status_code != 200:
+                raise SystemExit(f"error: GET /v1/models: HTTP {r.status_code}: {r.text[:300]}")
+            model = r.json()["data"][0]["id"]
+        for item in items[: args.warmup_requests]:  # compiles / warms caches outside the measurement
+            warm = await send(client, args, model, dataclasses.replace(item, max_tokens=min(item.max_tokens, 8)))
+            if not warm.ok:
+                raise SystemExit(f"error: the warm-up request failed: {warm.error}")
+
+        before = await spec_counters(client)
+        sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+        bar = tqdm(total=len(items), disable=args.disable_tqdm, unit="req")
+        rng = np.random.default_rng(args.seed + 1)
+
+        async def one(item):
+            if sem is None:
+                res = await send(client, args, model, item)
+            else:
+                async with sem:
+                    res = await send(client, args, model, item)
+            bar.update()
+            return res
+
+        start = time.perf_counter()
+        tasks = []
+        for item in items:
+            tasks.append(asyncio.create_task(one(item)))
+            if math.isfinite(args.request_rate):
+                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        bar.close()
+        after = await spec_counters(client)
+
+    accept = None
+    if before is not None and after is not None and after[0] > before[0]:
+        accept = (after[1] - before[1]) / (after[0] - before[0])
+    return summarize(args, model, results, duration, accept)
+
+
+def summarize(args, model: str, results: list[Result], duration: float, accept: float | None) -> dict:
+    ok = [r for r in results if r.ok]
+    ms = lambda xs, f: float(f(np.asarray(xs)) * 1e3) if len(xs) else float("nan")
+    ttft = [r.ttft for r in ok]
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [x for r in ok for x in r.itl]
+    e2e = [r.latency for r in ok]
+    n_in, n_out = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
+    p = lambda q: (lambda a: np.percentile(a, q))
+    return {
+        "model": model, "endpoint": args.endpoint, "request_rate": args.request_rate,
+        "max_concurrency": args.concurrency, "num_prompts": len(results), "completed": len(ok),
+        "failed": len(results) - len(ok), "first_error": next((r.error for r in results if not r.ok), None),
+        "duration_s": duration, "total_input_tokens": n_in, "total_output_tokens": n_out,
+        "request_throughput": len(ok) / duration, "input_throughput": n_in / duration,
+        "output_throughput": n_out / duration, "total_throughput": (n_in + n_out) / duration,
+        "concurrency": sum(e2e) / duration, "accept_length": accept,
+        "mean_e2e_latency_ms": ms(e2e, np.mean), "median_e2e_latency_ms": ms(e2e, np.median),
+        "mean_ttft_ms": ms(ttft, np.mean), "median_ttft_ms": ms(ttft, np.median), "p99_ttft_ms": ms(ttft, p(99)),
+        "mean_tpot_ms": ms(tpot, np.mean), "median_tpot_ms": ms(tpot, np.median), "p99_tpot_ms": ms(tpot, p(99)),
+        "mean_itl_ms": ms(itl, np.mean), "median_itl_ms": ms(itl, np.median), "p95_itl_ms": ms(itl, p(95)),
+        "p99_itl_ms": ms(itl, p(99)), "max_itl_ms": ms(itl, np.max),
+    }
+
+
+def report(s: dict) -> str:
+    rows = [
+        ("Model", s["model"]), ("Endpoint", s["endpoint"]), ("Traffic request rate", s["request_rate"]),
+        ("Max request concurrency", s["max_concurrency"] or "none"),
+        ("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
+        ("Benchmark duration (s)", s["duration_s"]), ("Total input tokens", s["total_input_tokens"]),
+        ("Total generated tokens", s["total_output_tokens"]), ("Request throughput (req/s)", s["request_throughput"]),
+        ("Input token throughput (tok/s)", s["input_throughput"]),
+        ("Output token throughput (tok/s)", s["output_throughput"]),
+        ("Total token throughput (tok/s)", s["total_throughput"]), ("Concurrency", s["concurrency"]),
+        ("Accept length", "n/a" if s["accept_length"] is None else s["accept_length"]),
+        ("End-to-End Latency", None), ("Mean E2E Latency (ms)", s["mean_e2e_latency_ms"]),
+        ("Median E2E Latency (ms)", s["median_e2e_latency_ms"]),
+        ("Time to First Token", None), ("Mean TTFT (ms)", s["mean_ttft_ms"]),
+        ("Median TTFT (ms)", s["median_ttft_ms"]), ("P99 TTFT (ms)", s["p99_ttft_ms"]),
+        ("Time per Output Token (excl. 1st token)", None), ("Mean TPOT (ms)", s["mean_tpot_ms"]),
+        ("Median TPOT (ms)", s["median_tpot_ms"]), ("P99 TPOT (ms)", s["p99_tpot_ms"]),
+        ("Inter-Token Latency", None), ("Mean ITL (ms)", s["mean_itl_ms"]), ("Median ITL (ms)", s["median_itl_ms"]),
+        ("P95 ITL (ms)", s["p95_itl_ms"]), ("P99 ITL (ms)", s["p99_itl_ms"]), ("Max ITL (ms)", s["max_itl_ms"]),
+    ]
+    lines = [f"{' Serving Benchmark Result ':=^50}"]
+    for name, v in rows:
+        if v is None:
+            lines.append(f"{' ' + name + ' ':-^50}")
+        else:
+            lines.append(f"{name + ':':<40} {v:>9.2f}" if isinstance(v, float) else f"{name + ':':<40} {v!s:>9}")
+    lines.append("=" * 50)
+    if s["first_error"]:
+        lines.append(f"first error: {s['first_error']}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m serve.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base-url", default="http://127.0.0.1:30000")
+    ap.add_argument("--model", default=None, help="the 'model' to send (default: the server's first, /v1/models)")
+    ap.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    ap.add_argument("--dataset", default="random", choices=["random", "jsonl"])
+    ap.add_argument("--dataset-path", default=None, help="the JSONL file for --dataset jsonl")
+    ap.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="directory with tokenizer.json, for random "
+                    "prompts (default: the embedded default model's)")
+    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--random-input-len", type=int, default=256)
+    ap.add_argument("--random-output-len", type=int, default=128)
+    ap.add_argument("--random-range-ratio", type=float, default=1.0, help="lengths drawn from [ratio * len, len]")
+    ap.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
+    ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (Poisson "
+                    "arrivals; default inf: all at once, bounded by --concurrency)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--disable-ignore-eos", action="store_true", help="let requests stop at EOS (by default they "
+                    "generate exactly their max_tokens)")
+    ap.add_argument("--warmup-requests", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output-json", default=None, help="also write the results to this file")
+    ap.add_argument("--disable-tqdm", action="store_true")
+    args = ap.parse_args(argv)
+    if args.dataset == "jsonl" and not args.dataset_path:
+        ap.error("--dataset jsonl needs --dataset-path")
+    if args.concurrency is not None and args.concurrency < 1:
+        ap.error("--concurrency must be at least 1")
+    if not args.request_rate > 0:
+        ap.error("--request-rate must be positive")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dataset == "jsonl":
+        items = jsonl_items(args)
+    else:
+        from serve.tokenizer import Tokenizer
+
+        items = random_items(args, Tokenizer(args.tokenizer))
+    if not items:
+        print("error: no prompts", file=sys.stderr)
+        return 2
+    try:
+        summary = asyncio.run(run(args, items))
+    except httpx.ConnectError as e:
+        print(f"error: cannot reach {args.base_url}: {e}", file=sys.stderr)
+        return 2
+    print(report(summary))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0 if summary["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The engine thread: takes requests from the HTTP side, runs the scheduler's plan on the device,
+and turns each step's tokens into text events for the requests.
+
+One iteration: admit requests and dispatch the next prefill chunk (if any slot is prefilling);
+dispatch the next decode step (if any slot is decoding), which returns the PREVIOUS step's tokens;
+deliver those; then read the first tokens of the prompts this chunk completed. The host reads
+results only after the next piece of device work is queued, so the device never idles on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+
+from serve.metrics import Metrics
+from serve.output import TextOutput
+from serve.request import Delta, Failed, Finished, Request
+from serve.runner import Runner, StepResult
+from serve.scheduler import PrefillChunk, Scheduler
+from serve.tokenizer import Tokenizer
+
+log = logging.getLogger("serve.engine")
+
+_ADD, _ABORT = "add", "abort"
+
+
+class Engine:
+    def __init__(self, runner: Runner, tokenizer: Tokenizer, metrics: Metrics, *, chunk: int, eos_id: int | None,
+                 stop_ids: set[int]):
+        self.runner, self.tokenizer, self.metrics = runner, tokenizer, metrics
+        self.scheduler = Scheduler(runner.max_batch, chunk, eos_id)
+        self.stop_ids = set(stop_ids) | ({eos_id} if eos_id is not None else set())
+        self.outputs: dict[int, TextOutput] = {}
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: str | None = None  # set when the device failed and could not be recovered
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ling-engine", daemon=True)
+
+    # -- the HTTP side (any thread) ------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self.inbox.put((None, None))  # wakes the idle wait
+        self._thread.join(timeout=30)
+
+    def submit(self, request: Request) -> None:
+        self.inbox.put((_ADD, request))
+
+    def abort(self, request: Request) -> None:
+        """The client went away: free the request's slot (or queue place) at the next iteration."""
+        self.inbox.put((_ABORT, request))
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"running": s.num_running, "waiting": s.num_waiting, "free_slots": s.free_slots,
+                "max_batch": s.num_slots}
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._iteration()
+            except Exception as e:  # a device or engine failure: fail the requests in flight, keep serving
+                log.error("engine iteration failed:\n%s", traceback.format_exc())
+                self._fail_all(f"internal engine error: {type(e).__name__}: {e}")
+                try:
+                    self.runner.reset()
+                except Exception:
+                    log.error("could not reset the device slots; the server stops generating:\n%s",
+                              traceback.format_exc())
+                    self.error = f"engine failed: {type(e).__name__}: {e}"
+                    return
+        self._fail_all("the server is shutting down")
+
+    def _iteration(self) -> None:
+        idle = not self.scheduler.has_work() and not self.runner.pending
+        self._read_inbox(block=idle)
+        chunk = self.scheduler.next_chunk()
+        first = self.runner.prefill(chunk) if chunk is not None else None
+        owners = self.scheduler.decoding()
+        result = self.runner.step(owners) if any(r is not None for r in owners) else self.runner.drain()
+        if result is not None:
+            self._on_step(result)
+        if chunk is not None:
+            self._on_first_tokens(chunk, self.runner.read_first(first))
+        self.metrics.waiting.set(self.scheduler.num_waiting)
+        self.metrics.running.set(self.scheduler.num_running)
+
+    def _read_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                kind, request = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                if block and not self._stop.is_set():
+                    continue
+                return
+            block = False
+            if kind == _ADD:
+                self.outputs[request.id] = TextOutput(self.tokenizer, request, self.stop_ids)
+                self.scheduler.add(request)
+            elif kind == _ABORT and not request.finished and request.id in self.outputs:
+                self._finish(request, "abort")
+
+    def _on_step(self, result: StepResult) -> None:
+        steps = tokens = 0
+        for b, r in enumerate(result.owners):
+            if r is None or r.finished:  # an idle slot, or output of a request already ended here
+                continue
+            new = result.tokens[b]
+            steps, tokens = steps + bool(new), tokens + len(new)
+            self._deliver(r, new, device_done=bool(result.done[b]))
+        self.metrics.record_steps(steps, tokens)
+
+    def _on_first_tokens(self, chunk: PrefillChunk, first) -> None:
+        for b, r in enumerate(chunk.owners):
+            if r is not None and not r.finished:
+                self.metrics.prompt_tokens.inc(len(r.prompt_ids))
+                self._deliver(r, [int(first[b])], device_done=False)
+
+    def _deliver(self, r: Request, tokens: list[int], device_done: bool) -> None:
+        out = self.outputs[r.id]
+        before = out.tokens
+        out.add(tokens)
+        if device_done:
+            out.finish("length")  # no-op when the host already saw why (EOS is a stop id)
+        if out.tokens > before:
+            now = time.perf_counter()
+            if r.first_token_time is None:
+                r.first_token_time = now
+                self.metrics.ttft.observe(now - r.arrival)
+            else:
+                self.metrics.itl.observe(now - r.last_token_time)
+            r.last_token_time = now
+            self.metrics.generation_tokens.inc(out.tokens - before)
+        text = out.take()
+        if text or out.tokens > before:
+            r.send(Delta(text, out.tokens))
+        if out.reason is not None:
+            self._finish(r, out.reason)
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.finished = True
+        self.scheduler.remove(r)
+        out = self.outputs.pop(r.id)
+        self.metrics.requests.labels(reason).inc()
+        if reason == "abort":
+            return
+        now = time.perf_counter()
+        self.metrics.e2e.observe(now - r.arrival)
+        if out.tokens > 1 and r.first_token_time is not None:
+            self.metrics.tpot.observe((r.last_token_time - r.first_token_time) / (out.tokens - 1))
+        r.send(Finished(reason, len(r.prompt_ids), out.tokens))
+
+    def _fail_all(self, message: str) -> None:
+        pending = list(self.scheduler.waiting) + [r for r in self.scheduler.slots if r is not None]
+        while True:  # requests still in the inbox
+            try:
+                kind, r = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == _ADD:
+                pending.append(r)
+        for r in pending:
+            if not r.finished:
+                r.finished = True
+                self.scheduler.remove(r)
+                self.outputs.pop(r.id, None)
+                self.metrics.requests.labels("abort").inc()
+                r.send(Failed(message))

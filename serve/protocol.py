@@ -1,0 +1,134 @@
+"""The OpenAI API's shapes: request bodies (validated strictly: a string where a number belongs is
+an error, not a coercion), response bodies, stream chunks and the error body."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class APIError(Exception):
+    """Answered as {"error": {"message", "type", "param", "code"}} with this HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    # Unknown fields are ignored (clients send "user", "metadata", ...); known ones are type-checked.
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # an extension (vLLM, SGLang): generate exactly max_tokens tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str]
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+# Fields that would change the output in ways this server does not implement: refused rather than
+# silently ignored. Each maps to the values that mean "off".
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+               "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
+               "n": (1,)}
+
+
+def parse(model: type[_Strict], body) -> _Strict:
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = err.get("loc", ())
+        param = ".".join(str(x) for x in loc if not (isinstance(x, str) and x in _TYPE_TAGS)) or None
+        if err.get("type") == "missing":
+            raise APIError(400, f"'{param}' is a required property", param=param) from None
+        raise APIError(400, f"'{param}': {err.get('msg')} (got {err.get('input')!r})", param=param) from None
+    for name, off in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not any(type(value) is type(o) and value == o for o in off if o is not None):
+            raise APIError(400, f"'{name}' = {value!r} is not supported by this server", param=name)
+    return req
+
+
+# pydantic names the branch of a union in an error's location ("prompt.list[int].0"): dropped.
+_TYPE_TAGS = {"str", "list[int]", "list[str]", "list[ContentPart]", "int", "float", "bool"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion(id: str, model: str, text: str, reason: str, use: dict) -> dict:
+    return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}], "usage": use}
+
+
+def completion_chunk(id: str, model: str, text: str, reason: str | None) -> dict:
+    return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+
+
+def chat_completion(id: str, model: str, text: str, reason: str, use: dict) -> dict:
+    return {"id": id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": reason}], "usage": use}
+
+
+def chat_chunk(id: str, model: str, delta: dict, reason: str | None) -> dict:
+    return {"id": id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+
+
+def usage_chunk(id: str, model: str, object: str, use: dict) -> dict:
+    return {"id": id, "object": object, "created": int(time.time()), "model": model, "choices": [], "usage": use}

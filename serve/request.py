@@ -1,0 +1,67 @@
+"""A generation request as the engine sees it, and the events it sends back to the HTTP handler.
+
+The engine thread writes; the handler's asyncio loop reads. Events cross threads through
+`loop.call_soon_threadsafe`, so the handler simply awaits an asyncio.Queue."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+
+_ids = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclasses.dataclass
+class Delta:
+    text: str
+    completion_tokens: int
+
+
+@dataclasses.dataclass
+class Finished:
+    reason: str  # "stop", "length" or "abort"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclasses.dataclass
+class Failed:
+    message: str
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    sampling: Sampling
+    loop: asyncio.AbstractEventLoop | None = None  # None: no listener (the engine's own warm-up, tests)
+    id: int = dataclasses.field(default_factory=lambda: next(_ids))
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    events: asyncio.Queue | None = None
+    # Engine-side progress, written by the engine thread only.
+    finished: bool = False
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def __post_init__(self):
+        if self.loop is not None and self.events is None:
+            self.events = asyncio.Queue()
+
+    def send(self, event) -> None:
+        if self.loop is not None:
+            try:
+                self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            except RuntimeError:  # the loop is closed: the server is shutting down
+                pass

@@ -1,0 +1,228 @@
+"""`python -m serve.run`: an OpenAI-compatible HTTP server over the (speculative) decoding engine.
+
+    python -m serve.run [--model DIR_OR_PRESET] [--host 127.0.0.1] [--port 30000]
+                        [--speculative-num-steps N] [--max-batch B] [--max-seq-len L] [--api-key KEY]
+                        [--quantize int8|int4|int2] [--dtype bfloat16|float32] [--prefill-chunk C]
+
+With no --model it serves serve/default_model (a tiny random-weight model and its tokenizer, shipped
+with the project). Start-up loads the tokenizer and the model and compiles the prefill chunk and the
+decode step (JAX's persistent compilation cache makes a restart skip the compiling), then prints
+one line with the address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+
+import uvicorn
+
+DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
+DEFAULT_MODEL_NAME = "ling-default"
+DEFAULT_CACHE = os.path.join("~", ".cache", "ling-serve", "jax")
+DEFAULT_SPEC_STEPS = 5
+DEFAULT_MAX_SEQ_LEN = 8192
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m serve.run", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="converted directory (python -m ling.convert), hub directory "
+                    "(config.json + safetensors + tokenizer.json) or preset name; default: the embedded tiny model")
+    ap.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (and tokenizer_config.json); "
+                    "default: the model directory")
+    ap.add_argument("--served-model-name", default=None, help="the name clients pass as 'model' (default: the "
+                    "model directory's name)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed on the start-up line)")
+    ap.add_argument("--speculative-num-steps", type=int, default=None,
+                    help=f"NEXTN draft steps per verify (0 = plain decoding; default {DEFAULT_SPEC_STEPS} when the "
+                    "model has a NEXTN layer, else 0)")
+    ap.add_argument("--max-batch", type=int, default=16, help="state slots: requests decoded at once (default 16)")
+    ap.add_argument("--max-seq-len", type=int, default=None, help="context length per request, prompt + output "
+                    f"(default: the model's max_position_embeddings, at most {DEFAULT_MAX_SEQ_LEN})")
+    ap.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per slot per prefill chunk")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="weights and activations (default auto: bfloat16 on an accelerator, float32 on CPU, where "
+                    "XLA has no bf16 x bf16 -> f32 dot)")
+    ap.add_argument("--quantize", default=None, choices=["int8", "int4", "int2"], help="low-bit weights (ling.load)")
+    ap.add_argument("--group-size", type=int, default=128, help="input columns per scale with --quantize (default 128)")
+    ap.add_argument("--ep-size", type=int, default=1, help="shard the routed experts over this many devices")
+    ap.add_argument("--coordinator-address", default=None, help="multi-host: JAX coordinator host:port")
+    ap.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
+    ap.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and the "
+                    "profiler endpoints")
+    ap.add_argument("--profile-dir", default="profiles", help="where /start_profile writes traces (default "
+                    "./profiles; a request body may name another)")
+    ap.add_argument("--compile-cache", default=DEFAULT_CACHE, help="JAX persistent compilation cache directory "
+                    f"(default {DEFAULT_CACHE}; '' turns it off)")
+    ap.add_argument("--seed", type=int, default=0, help="weight seed for a preset (random weights)")
+    args = ap.parse_args(argv)
+    for name, low in (("max_batch", 1), ("prefill_chunk", 1), ("max_seq_len", 2), ("speculative_num_steps", 0)):
+        v = getattr(args, name)
+        if v is not None and v < low:
+            ap.error(f"--{name.replace('_', '-')} must be at least {low}, got {v}")
+    return args
+
+
+class StartupError(Exception):
+    """A start-up step failed; the message says which and why."""
+
+
+def _enable_compile_cache(path: str) -> None:
+    import jax
+
+    if path:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def _load_model(args):
+    import ling
+
+    return ling.load(args.model, dtype=args.dtype, seed=args.seed, quantize=args.quantize,
+                     group_size=args.group_size, ep_size=args.ep_size)
+
+
+@dataclasses.dataclass
+class Loaded:
+    tokenizer: object
+    model: object
+    runner: object
+    max_seq_len: int
+    speculative_steps: int
+
+
+def start(args, bar) -> Loaded:
+    """Tokenizer, model, slots, then the compiled prefill chunk and decode step; `bar` advances by
+    one per stage."""
+    import jax
+
+    from serve.runner import Runner
+    from serve.tokenizer import Tokenizer
+
+    tok_dir = args.tokenizer or args.model
+    if not os.path.isdir(tok_dir):
+        import ling
+
+        if args.model in ling.config.PRESETS:
+            raise StartupError(f"--model {args.model} is a preset, with no tokenizer: pass --tokenizer DIR")
+        raise StartupError(f"--model {args.model!r}: no such directory (nor a preset: "
+                           f"{', '.join(sorted(ling.config.PRESETS))})")
+    bar.set_description("tokenizer")
+    try:
+        tokenizer = Tokenizer(tok_dir)
+    except (OSError, ValueError) as e:
+        raise StartupError(f"tokenizer: {e}") from None
+    bar.update()
+
+    bar.set_description("model")
+    from moe.parallel import initialize_distributed
+
+    initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
+    _enable_compile_cache(args.compile_cache)
+    if args.dtype == "auto":
+        args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    try:
+        model = _load_model(args)
+    except (OSError, ValueError) as e:
+        raise StartupError(f"--model {args.model}: {e}") from None
+    cfg = model.cfg
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise StartupError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                           f"{cfg.vocab_size}: they do not belong together")
+    max_seq_len = args.max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+    if max_seq_len > cfg.max_position_embeddings:
+        raise StartupError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings "
+                           f"{cfg.max_position_embeddings}")
+    steps = args.speculative_num_steps
+    if steps is None:
+        steps = DEFAULT_SPEC_STEPS if model.nextn is not None else 0
+    elif steps > 0 and model.nextn is None:
+        bar.write("warning: the model has no NEXTN layer: speculative decoding is off", file=sys.stderr)
+        steps = 0
+    bar.update()
+
+    bar.set_description(f"slots ({args.max_batch} x {max_seq_len})")
+    runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, speculative_steps=steps)
+    bar.update()
+    try:
+        bar.set_description("compiling prefill")
+        runner.warmup_prefill(args.prefill_chunk)
+        bar.update()
+        bar.set_description("compiling decode step")
+        runner.warmup_step()
+        bar.update()
+    except Exception as e:  # the model cannot run here (dtype, memory, kernels): say so, no traceback
+        raise StartupError(f"the warm-up step failed ({args.dtype}, {args.max_batch} slots x {max_seq_len} "
+                           f"tokens): {type(e).__name__}: {e}") from None
+    return Loaded(tokenizer, model, runner, max_seq_len, steps)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from tqdm import tqdm
+
+    default = args.model is None
+    args.model = DEFAULT_MODEL if default else args.model
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if default else
+                                      os.path.basename(os.path.normpath(args.model)))
+    try:
+        with tqdm(total=5, unit="stage", file=sys.stderr, leave=False,
+                  bar_format="{desc:<28} {bar} {n_fmt}/{total_fmt} [{elapsed}]") as bar:
+            s = start(args, bar)
+    except StartupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    import jax
+
+    from serve.api import ServerInfo, create_app
+    from serve.engine import Engine
+    from serve.metrics import Metrics
+    from serve.profiler import Profiler
+
+    cfg, tokenizer = s.model.cfg, s.tokenizer
+    eos_id = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.token_id(tokenizer.eos_token)
+    metrics = Metrics(name)
+    engine = Engine(s.runner, tokenizer, metrics, chunk=args.prefill_chunk, eos_id=eos_id,
+                    stop_ids=tokenizer.stop_token_ids(args.tokenizer or args.model))
+    app = create_app(engine, tokenizer, metrics, Profiler(args.profile_dir),
+                     ServerInfo(model_name=name, max_seq_len=s.max_seq_len, vocab_size=cfg.vocab_size,
+                                api_key=args.api_key))
+    decoding = f"speculative {s.speculative_steps} steps" if s.speculative_steps else "plain decoding"
+    about = (f"{args.max_batch} slots x {s.max_seq_len} tokens, {decoding}, {args.dtype}"
+             f"{', ' + args.quantize if args.quantize else ''}, {jax.devices()[0].platform}")
+    engine.start()
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                                    lifespan="off", timeout_graceful_shutdown=5),
+                     lambda host, port: f"ling-serve: serving '{name}' at http://{host}:{port} ({about})")
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on
+        pass
+    finally:
+        engine.shutdown()
+    return 0 if server.started else 1
+
+
+class _Server(uvicorn.Server):
+    """Prints the one start-up line once the socket listens (so the address already answers)."""
+
+    def __init__(self, config, banner):
+        super().__init__(config)
+        self.banner = banner
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets=sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            print(self.banner(host, port), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The device side of the server: the slots, the compiled prefill chunk and decode step, and the
+pairing of each step's results with the requests that owned the slots when it was dispatched.
+
+Every call here only dispatches: JAX runs it asynchronously. Results come back one step late
+(`spec.loop.Stepper`): step k's tokens are read after step k+1 is queued, so the device never
+waits for the host."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from serve.scheduler import PrefillChunk
+
+
+@dataclasses.dataclass
+class StepResult:
+    owners: list  # [B] the request each slot decoded for when the step was dispatched (None: none)
+    tokens: list[list[int]]  # [B] the new tokens of each slot
+    done: np.ndarray  # [B] bool: the device finished the slot (EOS or max_tokens)
+
+
+class Runner:
+    def __init__(self, model, *, max_batch: int, max_seq_len: int, speculative_steps: int):
+        from spec.loop import ChunkPrefiller, Stepper
+
+        self.model = model
+        self.max_batch, self.max_seq_len, self.speculative_steps = max_batch, max_seq_len, speculative_steps
+        self.stepper = Stepper(model, self._new_slots(), speculative=speculative_steps > 0,
+                               num_steps=max(speculative_steps, 1))
+        self.prefiller = ChunkPrefiller(model)
+        self._owners = collections.deque()  # owners of the dispatched, not yet read steps
+
+    def prefill(self, chunk: PrefillChunk):
+        """Dispatches one prefill chunk; returns the device array of first tokens [B] (-1 where the
+        prompt does not end), to be read after the next step is dispatched."""
+        from spec.sampling import SamplingParams
+
+        params = SamplingParams.make(self.max_batch, chunk.temperature, chunk.top_k, chunk.top_p, chunk.seed)
+        self.stepper.slots, first = self.prefiller(
+            self.stepper.slots, start=chunk.start, params=params, max_new=chunk.max_new, eos=chunk.eos,
+            tokens=chunk.tokens, next_tokens=chunk.next_tokens, valid=chunk.valid, ends=chunk.ends)
+        return first
+
+    def step(self, owners: list) -> StepResult | None:
+        """Dispatches a decode (or speculative) step for the slots; returns the previous step's result."""
+        self._owners.append(owners)
+        return self._result(self.stepper.step())
+
+    def drain(self) -> StepResult | None:
+        """The last dispatched step's result (None if every step was read)."""
+        return self._result(self.stepper.drain())
+
+    @property
+    def pending(self) -> bool:
+        """A dispatched step's result is still unread."""
+        return bool(self._owners)
+
+    def reset(self) -> None:
+        """Fresh slots after a failure (the old ones may have been donated to a step that failed)."""
+        try:
+            self.stepper.drain()  # forgets the pending report even if reading it fails
+        except Exception:
+            pass
+        self._owners.clear()
+        self.stepper.slots = self._new_slots()
+
+    def _new_slots(self):
+        import jax
+
+        from spec.engine import new_slots
+
+        # A verify pass writes num_steps + 1 positions past the slot's length: room for them beyond
+        # the longest sequence the server admits.
+        width = self.speculative_steps + 1
+        slots = new_slots(self.model, self.max_batch, self.max_seq_len + width, self.max_seq_len)
+        # Committed to the device(s) like every step's output, so the first real call finds the
+        # programs the warm-up compiled (an uncommitted input is another cache key). An
+        # expert-parallel model keeps the slots replicated over its mesh.
+        from moe.parallel import model_mesh, replicate
+
+        mesh = model_mesh(self.model)
+        return replicate(slots, mesh) if mesh is not None else jax.device_put(slots, jax.devices()[0])
+
+    def _result(self, report) -> StepResult | None:
+        if report is None:
+            return None
+        tokens, done = report
+        return StepResult(self._owners.popleft(), tokens, done)
+
+    @staticmethod
+    def read_first(first) -> np.ndarray:
+        return np.asarray(first)
+
+    def warmup_prefill(self, chunk_size: int) -> None:
+        """Compiles the prefill chunk (with JAX's persistent cache, a restart loads it instead) by
+        prefilling one token into slot 0 with max_tokens 1, which leaves the slot done."""
+        b, one = self.max_batch, np.eye(self.max_batch, dtype=bool)[0]
+        chunk = PrefillChunk(start=one, tokens=np.zeros((b, chunk_size), np.int32),
+                             next_tokens=np.zeros((b, chunk_size), np.int32), valid=one.astype(np.int32), ends=one,
+                             owners=[None] * b, temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),
+                             top_p=np.ones(b, np.float32), seed=np.zeros(b, np.uint32), max_new=np.ones(b, np.int32),
+                             eos=np.full(b, -1, np.int32))
+        self.read_first(self.prefill(chunk))
+
+    def warmup_step(self) -> None:
+        """Compiles the decode (or speculative) step; every slot is done, so nothing changes."""
+        self.step([None] * self.max_batch)
+        self.drain()

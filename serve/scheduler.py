@@ -1,0 +1,121 @@
+"""Which request runs in which slot, and what the next prefill chunk holds. Host bookkeeping only:
+no JAX here.
+
+A request waits in a FIFO queue until a slot is free. Admitted, it prefills one chunk per engine
+iteration (all prefilling slots share one [B, C] chunk call), each iteration also running one
+decode step for the slots already decoding: chunked prefill interleaved with decode. After its last
+chunk the slot decodes until the request finishes; then the slot is free again."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from serve.request import Request
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    """The arguments of one `spec.loop.ChunkPrefiller` call (host arrays, B slots, C tokens)."""
+
+    start: np.ndarray  # [B] bool: slots reset for a newly admitted request
+    tokens: np.ndarray  # [B, C] int32
+    next_tokens: np.ndarray  # [B, C] int32
+    valid: np.ndarray  # [B] int32
+    ends: np.ndarray  # [B] bool: the prompt's last chunk
+    owners: list  # [B] the request of each slot whose prompt ends here, else None
+    temperature: np.ndarray  # [B] per-slot sampling parameters (used for the started slots only)
+    top_k: np.ndarray
+    top_p: np.ndarray
+    seed: np.ndarray
+    max_new: np.ndarray
+    eos: np.ndarray
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, chunk: int, eos_id: int | None):
+        self.num_slots, self.chunk, self.eos_id = num_slots, chunk, eos_id
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.slots: list[Request | None] = [None] * num_slots
+        self.prefilled: list[int | None] = [None] * num_slots  # prompt tokens done; None once decoding
+        self.slot_of: dict[int, int] = {}  # request id -> slot
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Takes a finished or cancelled request out of the queue or its slot (the slot is free
+        from now on; whatever the device still computes for it is ignored, and the next request
+        there resets it)."""
+        slot = self.slot_of.pop(request.id, None)
+        if slot is not None:
+            self.slots[slot] = None
+            self.prefilled[slot] = None
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.slot_of)
+
+    @property
+    def free_slots(self) -> int:
+        return self.num_slots - len(self.slot_of)
+
+    def decoding(self) -> list[Request | None]:
+        """Per slot, the request it decodes for (None: idle or still prefilling)."""
+        return [r if r is not None and self.prefilled[b] is None else None for b, r in enumerate(self.slots)]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or bool(self.slot_of)
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def next_chunk(self) -> PrefillChunk | None:
+        """Admits waiting requests into free slots, then the next chunk of every prefilling slot."""
+        b, c = self.num_slots, self.chunk
+        start = np.zeros(b, bool)
+        for slot in range(b):
+            if self.slots[slot] is None and self.waiting:
+                r = self.waiting.popleft()
+                self.slots[slot], self.prefilled[slot], self.slot_of[r.id] = r, 0, slot
+                start[slot] = True
+        if all(p is None for p in self.prefilled):
+            return None
+        p = PrefillChunk(start=start, tokens=np.zeros((b, c), np.int32), next_tokens=np.zeros((b, c), np.int32),
+                         valid=np.zeros(b, np.int32), ends=np.zeros(b, bool), owners=[None] * b,
+                         temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),
+                         top_p=np.ones(b, np.float32), seed=np.zeros(b, np.uint32), max_new=np.zeros(b, np.int32),
+                         eos=np.full(b, -1, np.int32))
+        for slot, done in enumerate(self.prefilled):
+            if done is None:
+                continue
+            r = self.slots[slot]
+            prompt = r.prompt_ids
+            n = min(c, len(prompt) - done)
+            p.tokens[slot, :n] = prompt[done:done + n]
+            # Each token's successor in the prompt (the NEXTN pairs); the last one's is sampled later.
+            succ = prompt[done + 1:done + n + 1]
+            p.next_tokens[slot, :len(succ)] = succ
+            p.valid[slot] = n
+            self.prefilled[slot] = done + n
+            if done + n == len(prompt):
+                p.ends[slot], p.owners[slot] = True, r
+                self.prefilled[slot] = None  # decoding from the next step on
+            if start[slot]:
+                s = r.sampling
+                p.temperature[slot], p.top_k[slot], p.top_p[slot] = s.temperature, s.top_k, s.top_p
+                p.seed[slot], p.max_new[slot] = s.seed, s.max_tokens
+                p.eos[slot] = -1 if s.ignore_eos or self.eos_id is None else self.eos_id
+        return p

@@ -1,0 +1,340 @@
+"""The server over real HTTP on 127.0.0.1: `python -m serve.run` with the embedded default model in
+float32 (greedy outputs are then exact, whatever shares the batch), a small batch, short prompts and
+outputs. Nothing here asserts a timing."""
+
+import asyncio
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve.run import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+from serve.tokenizer import Tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEY = "test-key"
+BATCH = 4  # slots
+CONTEXT = 384
+CHUNK = 32  # prefill chunk: the longer prompts below take several, interleaved with decode steps
+AUTH = {"Authorization": f"Bearer {KEY}"}
+START_TIMEOUT_S = 600  # a bound for a hung start-up, not a timing assertion
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    cmd = [sys.executable, "-m", "serve.run", "--port", "0", "--max-batch", str(BATCH), "--max-seq-len", str(CONTEXT),
+           "--prefill-chunk", str(CHUNK), "--dtype", "float32", "--speculative-num-steps", "3", "--api-key", KEY,
+           "--profile-dir", str(tmp / "profiles"), "--compile-cache", str(tmp / "jax-cache")]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    log = open(tmp / "server.log", "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
+    url, deadline = None, time.monotonic() + START_TIMEOUT_S
+    while url is None:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"the server did not start:\n{open(tmp / 'server.log').read()[-4000:]}")
+            continue
+        if "http://" in line:
+            url = line.split("http://")[1].split()[0]
+    try:
+        yield f"http://{url}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server, headers=AUTH, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer(DEFAULT_MODEL)
+
+
+def complete(client, **body):
+    r = client.post("/v1/completions", json={"model": DEFAULT_MODEL_NAME, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(client, path, body):
+    """(concatenated text, finish_reason, usage or None, number of data events) of an SSE response."""
+    text, reason, use, events = "", None, None, []
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    for e in events[:-1]:
+        chunk = json.loads(e)
+        use = chunk.get("usage") or use
+        for c in chunk["choices"]:
+            text += c["text"] if "text" in c else c["delta"].get("content") or ""
+            reason = c["finish_reason"] or reason
+    return text, reason, use, len(events) - 1
+
+
+def health(client):
+    r = client.get("/health")
+    assert r.status_code == 200
+    return r.json()
+
+
+def wait_idle(client, deadline_s=120):
+    """Until no request holds a slot or waits (the server settles after aborts)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        h = health(client)
+        if h["running"] == 0 and h["waiting"] == 0:
+            return h
+        time.sleep(0.05)
+    pytest.fail(f"the server did not become idle: {health(client)}")
+
+
+def metric(client, name, labels=None):
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for s in family.samples:
+            if s.name == name and (labels is None or all(s.labels.get(k) == v for k, v in labels.items())):
+                return s.value
+    return 0.0
+
+
+# -- generation ---------------------------------------------------------------------------------
+
+
+def test_health_and_models(client):
+    assert health(client) == {"status": "ok", "running": 0, "waiting": 0, "free_slots": BATCH, "max_batch": BATCH}
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [DEFAULT_MODEL_NAME]
+    assert models["data"][0]["max_model_len"] == CONTEXT
+
+
+def test_completion(client, tokenizer):
+    prompt = "def fibonacci(n):\n    "
+    out = complete(client, prompt=prompt, max_tokens=12, ignore_eos=True)
+    assert out["object"] == "text_completion" and out["model"] == DEFAULT_MODEL_NAME
+    (choice,) = out["choices"]
+    assert isinstance(choice["text"], str) and choice["text"] and choice["finish_reason"] == "length"
+    assert out["usage"] == {"prompt_tokens": len(tokenizer.encode(prompt)), "completion_tokens": 12,
+                            "total_tokens": len(tokenizer.encode(prompt)) + 12}
+    # The same prompt as token ids gives the same greedy text.
+    by_ids = complete(client, prompt=tokenizer.encode(prompt), max_tokens=12, ignore_eos=True)
+    assert by_ids["choices"][0]["text"] == choice["text"]
+
+
+def test_completion_stream_equals_non_stream(client):
+    body = {"model": DEFAULT_MODEL_NAME, "prompt": "import os\nimport sys\n", "max_tokens": 20, "temperature": 0,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    whole = complete(client, **body)
+    text, reason, use, n = stream(client, "/v1/completions", body)
+    assert text == whole["choices"][0]["text"]
+    assert reason == "length" and use == whole["usage"] and n >= 3
+
+
+def test_chat(client, tokenizer):
+    body = {"model": DEFAULT_MODEL_NAME, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "system", "content": "You write Python."},
+                         {"role": "user", "content": [{"type": "text", "text": "Sort a list."}]}]}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "chat.completion"
+    msg = out["choices"][0]["message"]
+    assert msg["role"] == "assistant" and isinstance(msg["content"], str)
+    rendered = tokenizer.apply_chat_template([{"role": "system", "content": "You write Python."},
+                                              {"role": "user", "content": "Sort a list."}])
+    assert out["usage"]["prompt_tokens"] == len(tokenizer.encode(rendered, special=False))
+    assert out["usage"]["completion_tokens"] == 10
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+        first = json.loads(next(l for l in s.iter_lines() if l.startswith("data: "))[6:])
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+    text, reason, _, _ = stream(client, "/v1/chat/completions", body)
+    assert text == msg["content"] and reason == "length"
+
+
+def test_stop_strings(client):
+    body = {"prompt": "class Parser:\n", "max_tokens": 40, "ignore_eos": True}
+    full = complete(client, **body)["choices"][0]["text"]
+    stop = next(full[i:i + 3] for i in range(8, len(full) - 3) if "\ufffd" not in full[i:i + 3])
+    expect = full[: full.index(stop)]
+    out = complete(client, **body, stop=[stop, "never-generated-string"])
+    assert out["choices"][0]["text"] == expect and out["choices"][0]["finish_reason"] == "stop"
+    assert out["usage"]["completion_tokens"] < 40
+    text, reason, _, _ = stream(client, "/v1/completions", {**body, "temperature": 0, "stop": stop})
+    assert text == expect and reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(client):
+    body = {"prompt": "for i in range(", "max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "top_k": 50,
+            "ignore_eos": True}
+    a = complete(client, **body, seed=7)["choices"][0]["text"]
+    assert complete(client, **body, seed=7)["choices"][0]["text"] == a
+    others = {complete(client, **body, seed=s)["choices"][0]["text"] for s in (8, 9, 10)}
+    assert others != {a}
+
+
+def test_concurrent_greedy_equals_sequential(server, client, tokenizer):
+    """16 requests, 4 slots: queueing, chunked prefills (prompts up to ~4 chunks) interleaved with
+    speculative decode steps of the others, half of them streamed; each output equals the one the
+    request gets alone."""
+    words = "def class return import yield lambda async await with open(path) as f: print".split()
+    prompts = [" ".join(words[(i * 3 + j) % len(words)] for j in range(3 + 9 * i)) for i in range(16)]
+    assert max(len(tokenizer.encode(p)) for p in prompts) > 3 * CHUNK
+    bodies = [{"model": DEFAULT_MODEL_NAME, "prompt": p, "max_tokens": 8 + (i % 5) * 3, "temperature": 0}
+              for i, p in enumerate(prompts)]
+    alone = [complete(client, **b)["choices"][0]["text"] for b in bodies]
+
+    async def one(c, i, b):
+        if i % 2:
+            r = await c.post("/v1/completions", json=b)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        text = ""
+        async with c.stream("POST", "/v1/completions", json={**b, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def together():
+        async with httpx.AsyncClient(base_url=server, headers=AUTH, timeout=300) as c:
+            return await asyncio.gather(*(one(c, i, b) for i, b in enumerate(bodies)))
+
+    assert asyncio.run(together()) == alone
+    assert wait_idle(client)["free_slots"] == BATCH
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+BAD = [
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": ', 400, None),
+    ("/v1/completions", b'[1, 2]', 400, None),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "4"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "x", "stop": [1]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": CONTEXT}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": [7] * CONTEXT, "max_tokens": 1}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x " * (2 * CONTEXT)}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": -1}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404, "model"),
+    ("/v1/nothing", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{p}:{b!r:.60}" for p, b, _, _ in BAD])
+def test_bad_input_is_a_clear_4xx(client, path, body, status, param):
+    r = (client.post(path, content=body, headers={"Content-Type": "application/json"}) if isinstance(body, bytes)
+         else client.post(path, json=body))
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
+def test_api_key_is_required(server, headers):
+    for path in ("/v1/models", "/v1/completions"):
+        r = httpx.request("GET" if path == "/v1/models" else "POST", server + path, headers=headers,
+                          json={"prompt": "x"})
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server + "/health").status_code == 200  # health and metrics stay open
+    assert httpx.get(server + "/metrics").status_code == 200
+
+
+def test_bad_input_changed_nothing(client):
+    assert wait_idle(client)["free_slots"] == BATCH
+    assert complete(client, prompt="x = 1", max_tokens=3, ignore_eos=True)["usage"]["completion_tokens"] == 3
+
+
+# -- cancellation, metrics, profiles -------------------------------------------------------------
+
+
+def test_disconnect_mid_stream_frees_the_slot(server, client):
+    aborted = metric(client, "ling:request_success_total", {"finish_reason": "abort"})
+    body = {"model": DEFAULT_MODEL_NAME, "prompt": "while True:", "max_tokens": CONTEXT - 10, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server, headers=AUTH, timeout=120) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                    break  # leaving the block closes the connection mid-stream
+    assert wait_idle(client)["free_slots"] == BATCH
+    assert metric(client, "ling:request_success_total", {"finish_reason": "abort"}) == aborted + 1
+
+    async def full_batch():  # every slot busy at once, each request served to its end
+        async with httpx.AsyncClient(base_url=server, headers=AUTH, timeout=300) as c:
+            rs = await asyncio.gather(*(c.post("/v1/completions", json={
+                "prompt": f"x = {i}", "max_tokens": 24, "temperature": 0, "ignore_eos": True}) for i in range(BATCH)))
+        return [r.json()["usage"]["completion_tokens"] for r in rs]
+
+    assert asyncio.run(full_batch()) == [24] * BATCH
+    assert wait_idle(client)["free_slots"] == BATCH
+
+
+def test_metrics_parse(client):
+    complete(client, prompt="print(", max_tokens=6, ignore_eos=True)
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    for name in ("ling:request_success", "ling:prompt_tokens", "ling:generation_tokens",
+                 "ling:time_to_first_token_seconds", "ling:time_per_output_token_seconds",
+                 "ling:inter_token_latency_seconds", "ling:spec_accept_length", "ling:num_requests_waiting",
+                 "ling:num_requests_running"):
+        assert name in families, name
+    assert families["ling:time_to_first_token_seconds"].type == "histogram"
+    assert metric(client, "ling:time_to_first_token_seconds_count") >= 1
+    assert metric(client, "ling:generation_tokens_total") >= 6
+    assert metric(client, "ling:spec_accept_length") >= 1.0
+    assert metric(client, "ling:num_requests_running") == 0
+
+
+def test_profile_writes_a_trace(client, tmp_path):
+    assert client.post("/stop_profile").status_code == 409  # nothing to stop
+    r = client.post("/start_profile", json={"output_dir": str(tmp_path)})
+    assert r.status_code == 200, r.text
+    assert client.post("/start_profile").status_code == 409  # already running
+    complete(client, prompt="with open(", max_tokens=4)
+    r = client.post("/stop_profile")
+    assert r.status_code == 200, r.text
+    files = r.json()["files"]
+    assert any(f.endswith(".xplane.pb") and os.path.getsize(f) > 0 for f in files), files
+    assert all(f.startswith(str(tmp_path)) for f in files)

@@ -1,0 +1,149 @@
+"""The server's device loop without HTTP: the scheduler's chunked prefills interleaved with
+speculative (or plain) decode steps, slots reused by queued requests, requests arriving mid-run — each greedy output
+equals plain greedy decoding of the prompt alone (`spec.loop.generate_batch`), and a seeded sampled
+request gives the same tokens alone and in company."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import ling
+from serve.request import Request, Sampling
+from serve.runner import Runner
+from serve.scheduler import Scheduler
+from spec.loop import generate_batch
+
+SLOTS, CHUNK, STEPS, CONTEXT = 3, 16, 3, 160
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ling.load("ling-tiny", dtype="float32", seed=1)
+
+
+def make_runner(model, steps):
+    r = Runner(model, max_batch=SLOTS, max_seq_len=CONTEXT, speculative_steps=steps)
+    r.warmup_prefill(CHUNK)
+    r.warmup_step()
+    return r
+
+
+@pytest.fixture(scope="module")
+def runner(model):
+    return make_runner(model, STEPS)
+
+
+def serve(runner, requests, arrivals):
+    """Runs the engine's iteration (admit + chunk, step, deliver one step late) until every request
+    has max_tokens tokens; request i joins at iteration arrivals[i]. Returns the token lists."""
+    sched = Scheduler(SLOTS, CHUNK, eos_id=None)
+    out = {r.id: [] for r in requests}
+
+    def take(r, tokens):
+        if r is not None and not r.finished:
+            out[r.id] += tokens
+            if len(out[r.id]) >= r.sampling.max_tokens:
+                r.finished = True
+                sched.remove(r)
+
+    for it in range(10_000):
+        for r, at in zip(requests, arrivals):
+            if at == it:
+                sched.add(r)
+        chunk = sched.next_chunk()
+        first = runner.prefill(chunk) if chunk is not None else None
+        owners = sched.decoding()
+        result = runner.step(owners) if any(o is not None for o in owners) else runner.drain()
+        if result is not None:
+            for b, r in enumerate(result.owners):
+                take(r, result.tokens[b])
+        if chunk is not None:
+            first = runner.read_first(first)
+            for b, r in enumerate(chunk.owners):
+                take(r, [int(first[b])])
+        if all(r.finished for r in requests) and not runner.pending:
+            break
+    return [out[r.id][: r.sampling.max_tokens] for r in requests]
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_interleaved_serving_equals_plain_greedy(model, runner, speculative):
+    runner = runner if speculative else make_runner(model, 0)  # plain: models without a NEXTN layer
+    rng = np.random.default_rng(0)
+    lengths, max_new = (40, 7, 50, 23, 33, 3), (30, 24, 12, 30, 20, 25)
+    prompts = [rng.integers(2, model.cfg.vocab_size, n).tolist() for n in lengths]
+    reference = generate_batch(model, prompts, max(max_new), speculative=False, prefill_chunk=CHUNK)
+    requests = [Request(p, Sampling(max_tokens=n, temperature=0.0)) for p, n in zip(prompts, max_new)]
+    got = serve(runner, requests, arrivals=(0, 0, 2, 3, 9, 10))  # 6 requests, 3 slots: queueing and reuse
+    assert got == [ref[:n] for ref, n in zip(reference, max_new)]
+
+
+def test_seeded_sampling_does_not_depend_on_company(model, runner):
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(2, model.cfg.vocab_size, 37).tolist()
+    sampled = lambda: Request(prompt, Sampling(max_tokens=25, temperature=0.8, top_p=0.9, seed=11))
+    (alone,) = serve(runner, [sampled()], arrivals=(0,))
+    others = [Request(rng.integers(2, model.cfg.vocab_size, n).tolist(), Sampling(max_tokens=20, temperature=1.0,
+                                                                                   seed=n)) for n in (45, 9)]
+    together = serve(runner, [others[0], sampled(), others[1]], arrivals=(0, 1, 1))
+    assert together[1] == alone
+
+
+def test_a_paused_prefill_keeps_its_nextn_cache(model, runner):
+    """Speculative steps of other slots run between a prompt's chunks and rewrite the paused slot's
+    NEXTN entry at its last prefilled position: with the true pair (prefill_step's job), so the
+    cache below the prompt's end equals that of one uninterrupted prefill."""
+    from spec.engine import new_slots
+    from spec.loop import prefill
+    from spec.sampling import SamplingParams
+
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(2, model.cfg.vocab_size, 3 * CHUNK + 5).tolist()
+    busy = Request(rng.integers(2, model.cfg.vocab_size, 5).tolist(), Sampling(max_tokens=60, temperature=0.0))
+    target = Request(prompt, Sampling(max_tokens=2, temperature=0.0))
+    serve(runner, [busy, target], arrivals=(0, 1))  # slot 0 decodes while slot 1 prefills 4 chunks
+    got = np.asarray(runner.stepper.slots.model.nextn.latent[1, : len(prompt) - 1])
+    ref = prefill(model, new_slots(model, 1, CONTEXT + STEPS + 1, CONTEXT), [prompt], [True], SamplingParams.make(1),
+                  [1], [-1], chunk=CHUNK)
+    np.testing.assert_allclose(got, np.asarray(ref.model.nextn.latent[0, : len(prompt) - 1]), rtol=1e-4, atol=1e-5)
+
+
+def test_engine_fails_the_requests_of_a_failed_step_and_keeps_serving(runner, monkeypatch):
+    from serve.engine import Engine
+    from serve.metrics import Metrics
+    from serve.request import Failed, Finished
+    from serve.run import DEFAULT_MODEL
+    from serve.tokenizer import Tokenizer
+
+    engine = Engine(runner, Tokenizer(DEFAULT_MODEL), Metrics("test"), chunk=CHUNK, eos_id=None, stop_ids=set())
+    real_step, calls = runner.step, []
+
+    def failing_once(owners):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected device failure")
+        return real_step(owners)
+
+    monkeypatch.setattr(runner, "step", failing_once)
+
+    async def requests():
+        loop = asyncio.get_running_loop()
+
+        async def one():
+            r = Request([5, 6, 7], Sampling(max_tokens=10, temperature=0.0), loop=loop)
+            engine.submit(r)
+            while not isinstance(ev := await asyncio.wait_for(r.events.get(), 300), (Finished, Failed)):
+                pass
+            return ev
+
+        engine.start()
+        try:
+            return await one(), await one()
+        finally:
+            engine.shutdown()
+
+    failed, served = asyncio.run(requests())
+    assert isinstance(failed, Failed) and "injected device failure" in failed.message
+    assert isinstance(served, Finished) and served.completion_tokens == 10 and engine.error is None
+    assert engine.stats()["free_slots"] == SLOTS
