@@ -265,7 +265,7 @@ class Plan:
 
 
 def plan_for(m: int, k: int, quantized: bool) -> Plan:
-    """Launch heuristics: the H200 sweep's winners (bench/moe.py, bench/RESULTS.md 2026-11-30).
+    """Launch heuristics: the H200 sweep's winners (bench/fused_moe.py, bench/RESULTS.md 2026-11-30).
 
     bf16: block 16, tensor-core dot, weight tiles pipelined by cp.async; [64, 128] tiles, 6 / 5
     stages won at M = 1, 6, 16 (27.0 / 138.1 / 369.5 us); M = 64 was measured on [128, 64] x 4.

@@ -1,9 +1,9 @@
 """H200 benchmark of the fused MoE kernels (pallas_kernels/fused_moe.py) against XLA peers.
 
 Run on the GPU machine from the repository root:
-    python3 bench/moe.py [--budget 160]          (log and JSON under $OUT, else ./bench_out)
-    python3 bench/moe.py --smoke                 (CPU, interpret mode, tiny shapes: the script runs)
-    python3 bench/moe.py --lower DIR             (CPU: lower every timed kernel to Triton IR in DIR)
+    python3 bench/fused_moe.py [--budget 160]          (log and JSON under $OUT, else ./bench_out)
+    python3 bench/fused_moe.py --smoke                 (CPU, interpret mode, tiny shapes: the script runs)
+    python3 bench/fused_moe.py --lower DIR             (CPU: lower every timed kernel to Triton IR in DIR)
 
 Ling-3.0-flash's MoE layer: E = 512 experts, top-8, D = 2560, I = 768; bf16 weights and grouped
 int4 (G = 128, symmetric, B_N = 64); M in {1, 6, 16, 64} tokens. Per row:
