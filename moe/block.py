@@ -2,9 +2,10 @@
 
 Expert weights are stacked per layer: w13 [E, D, 2I] with gate and up interleaved column by column
 (column 2j is gate j, column 2j+1 is up j, so a fused kernel forms silu(gate) * up from adjacent
-columns), and w2 [E, I, D]. The routed experts (`routed_experts`) run the fused MoE Pallas kernels
-(pallas_kernels/fused_moe.py) at decode and verify sizes when the kernel backend is not the
-reference; otherwise, and beyond GATHER_MAX_PAIRS pairs, plain jnp (`experts_reference`).
+columns), and w2 [E, I, D]. The routed experts (`routed_experts`) run Pallas kernels when the kernel
+backend is not the reference: the fused MoE kernels (pallas_kernels/fused_moe.py) at decode and
+verify sizes, the grouped GEMM (pallas_kernels/grouped_gemm.py) beyond GATHER_MAX_PAIRS pairs
+(prefill); otherwise plain jnp (`experts_reference`).
 """
 
 from __future__ import annotations
@@ -18,17 +19,20 @@ from moe.parallel import expert_parallel
 from moe.router import route
 from pallas_kernels.backend import resolve
 from pallas_kernels.fused_moe import fused_moe
+from pallas_kernels.grouped_gemm import grouped_moe
 
 
 GATHER_MAX_PAIRS = 64  # decode and verify sizes: read only the routed experts
 
 
 def routed_experts(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend="auto"):
-    """The routed experts: the fused Pallas kernels up to GATHER_MAX_PAIRS (token, slot) pairs
-    unless the backend resolves to the reference; `experts_reference` otherwise."""
+    """The routed experts: unless the backend resolves to the reference, the fused Pallas kernels
+    up to GATHER_MAX_PAIRS (token, slot) pairs and the grouped GEMM beyond; `experts_reference`
+    otherwise."""
     backend = resolve(backend)
-    if backend != "reference" and topk_ids.size <= GATHER_MAX_PAIRS:
-        return fused_moe(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, backend=backend)
+    if backend != "reference":
+        kernel = fused_moe if topk_ids.size <= GATHER_MAX_PAIRS else grouped_moe
+        return kernel(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, backend=backend)
     return experts_reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit)
 
 

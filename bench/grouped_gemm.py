@@ -1,0 +1,462 @@
+"""H200 benchmark of the prefill grouped GEMM (pallas_kernels/grouped_gemm.py) against its peers.
+
+Run on the GPU machine from the repository root:
+    python3 bench/grouped_gemm.py [--budget 420]     (log and JSON under $OUT, else ./bench_out)
+    python3 bench/grouped_gemm.py --smoke            (CPU, interpret mode, tiny shapes: the script runs)
+    python3 bench/grouped_gemm.py --lower DIR        (CPU: lower every timed kernel to Triton IR in DIR
+                                                      and, where triton imports, compile it for sm_90a)
+
+Ling-3.0-flash's MoE layer: E = 512 experts, top-8, D = 2560, I = 768; bf16 weights and grouped
+int4 (G = 128, symmetric, B_N = 64, random codes and scales); M in {512, 2048, 4096} tokens with
+uniform random routing (distinct experts per token), so every expert has rows (M = 512: ~8 each).
+Per row (format, M):
+  ours     grouped_moe = align (argsort) + up GEMM/SwiGLU + down GEMM/weights + combine, with
+           `plan_for`'s plan, then the sweep's plans (the best is shown with its plan)
+  ragged   XLA `lax.ragged_dot` on bf16 weights (moe/block.py `_experts_grouped`)
+  torch    torch._grouped_mm on its own random bf16 weights, same routing: argsort, gather,
+           gate_up, SiLU*up, down, weights, index_add; eager, CUDA events over 20 layers (its
+           ~10 launches a layer are noise at ~2 ms); the row says n/a if torch fails
+Correctness first: every plan's y on the first CHECK_TOKENS tokens against `grouped_gemm.reference`
+(fp32, HIGHEST) before it is timed (a token's output depends on its own row only).
+Timing: one jit per call, many dispatches queued, difference of two counts (dispatch and sync
+cancel); every call streams all ~6 GB (bf16) of experts, far beyond the 60 MB L2.
+Figures: TFLOP/s over the useful 6*P*D*I FLOPs; TB/s over the bytes that must move (the distinct
+experts' weights once + x + y); floor = max(bytes / copy bandwidth measured in the same run,
+FLOPs / 989 TFLOP/s, the H200's dense bf16 peak from the data sheet). A table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+E, K, D, I = 512, 8, 2560, 768
+MS = (512, 2048, 4096)
+G, BN_Q = 128, 64
+PEAK_TFLOPS = 989.0  # H200 SXM dense bf16, data sheet
+CHECK_TOKENS = 256
+TORCH_ANCHOR = {512: 1950.0, 4096: 2090.0}  # µs, perf-anchors.md (another run)
+T0 = time.time()
+LOG = None
+RESULTS: dict = {"rows": [], "sweep": [], "checks": [], "errors": [], "compiled": []}
+
+
+def log(*a):
+    s = " ".join(str(x) for x in a)
+    print(s, flush=True)
+    if LOG is not None:
+        LOG.write(s + "\n")
+        LOG.flush()
+
+
+def sweep_plans(fmt: str, m: int):
+    """Plans timed after the default (`plan_for`), most promising first (the budget cuts the tail)."""
+    from pallas_kernels.grouped_gemm import Plan, Tile as T
+
+    if fmt == "bf16":
+        base = [Plan(16, T(64, 128, 4, 5), T(64, 128, 4, 5)),
+                Plan(16, T(64, 128, 4, 4), T(64, 128, 4, 4), swap=True),
+                Plan(32, T(64, 128, 4, 4), T(64, 128, 4, 4)),
+                Plan(32, T(64, 128, 4, 4), T(64, 128, 4, 4), swap=True),
+                Plan(64, T(64, 128, 4, 4), T(64, 128, 4, 4)),
+                Plan(64, T(64, 256, 8, 3), T(64, 256, 8, 3)),
+                Plan(64, T(64, 128, 4, 4), T(64, 128, 4, 4), combine="atomic"),
+                Plan(128, T(64, 128, 8, 3), T(64, 128, 8, 3)),
+                Plan(128, T(64, 256, 8, 3), T(64, 256, 8, 3)),
+                Plan(64, T(128, 128, 4, 3), T(128, 128, 4, 3))]
+        order = {512: [0, 1, 2, 3, 6, 4], 2048: [2, 3, 4, 6, 0, 5, 7], 4096: [4, 7, 6, 5, 8, 2, 9, 3]}
+    else:
+        base = [Plan(16, T(0, 0, 4, 3), T(0, 0, 4, 3)),
+                Plan(16, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True),
+                Plan(64, T(0, 0, 4, 3), T(0, 0, 4, 3)),
+                Plan(64, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True),
+                Plan(64, T(0, 0, 8, 3), T(0, 0, 8, 3)),
+                Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3)),
+                Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3), swap=True),
+                Plan(64, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True, combine="atomic"),
+                Plan(32, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True)]
+        order = {512: [0, 1, 8, 3], 2048: [8, 3, 2, 1, 7], 4096: [3, 2, 6, 5, 4, 7]}
+    return [base[i] for i in order.get(m, range(len(base)))]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds; then the rest is skipped")
+    ap.add_argument("--smoke", action="store_true", help="CPU, interpret mode, tiny shapes")
+    ap.add_argument("--lower", metavar="DIR", help="CPU: Triton IR of every timed kernel (+ sm_90a compile)")
+    ap.add_argument("--no-sweep", action="store_true", help="only the default plans and the peers")
+    args = ap.parse_args()
+    global E, D, I, MS, CHECK_TOKENS, LOG
+    if args.smoke or args.lower:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    else:  # leave room for torch's peer
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+    if args.smoke:
+        E, D, I, MS, CHECK_TOKENS = 13, 256, 128, (24, 64), 16
+    out_dir = os.environ.get("OUT", "bench_out")
+    os.makedirs(out_dir, exist_ok=True)
+    LOG = open(os.path.join(out_dir, "grouped_gemm_log.txt"), "w")
+    try:
+        run(args)
+    except Exception:
+        log("FAILED:", traceback.format_exc())
+    with open(os.path.join(out_dir, "grouped_gemm.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+    if args.lower:
+        compile_report(args.lower)
+    else:
+        table()
+
+
+# ---------------------------------------------------------------------------------- lowering
+def _patch_lowering(lowered: list):
+    """Capture each pallas_call's Triton module; tell jax 0.11 (which asks the local GPU) sm_90."""
+    import types
+
+    from jax._src.pallas.triton import lowering as tlow
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    real = tlow.lower_jaxpr_to_triton_module
+
+    def capture(*a, **kw):
+        res = real(*a, **kw)
+        lowered.append(res.module.operation.get_asm())
+        return res
+
+    tlow.lower_jaxpr_to_triton_module = capture
+    reg.lowering.lower_jaxpr_to_triton_module = capture
+    if hasattr(reg, "gpu_info_lib"):
+        reg.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
+
+
+def compile_report(ttir_dir: str):
+    """Compile every dumped kernel with triton for sm_90a (when triton imports): shared memory,
+    registers, spills and the SASS opcodes that say tensor cores / async copies / atomics."""
+    try:
+        import collections
+        import subprocess
+        import tempfile
+
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except Exception as e:  # noqa: BLE001
+        log(f"triton not importable ({e!r}): lowered only, not compiled")
+        return
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    log(f"compiling for sm_90a with triton {triton.__version__}")
+    for name in sorted(os.listdir(ttir_dir)):
+        if not name.endswith(".ttir"):
+            continue
+        nw, ns = map(int, re.search(r"_w(\d+)_s(\d+)\.ttir$", name).groups())
+        path = os.path.join(ttir_dir, name)
+        try:
+            k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=nw, num_stages=ns))
+            with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+                f.write(k.asm["cubin"])
+            sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", f.name], capture_output=True,
+                                  text=True).stdout
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                f.write(k.asm["ptx"])
+            ptxas = subprocess.run([os.path.join(bin_dir, "ptxas"), "--gpu-name", "sm_90a", "-v", f.name, "-o",
+                                    os.devnull], capture_output=True, text=True).stderr
+            regs = re.search(r"Used (\d+) registers", ptxas)
+            spill = re.search(r"(\d+) bytes spill stores", ptxas)
+            ops = collections.Counter(o.split(".")[0] for o in re.findall(
+                r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M))
+            keys = {o: ops[o] for o in ("HGMMA", "HMMA", "LDGSTS", "STS", "ATOMG", "RED") if ops[o]}
+            smem = k.metadata.shared
+            ok = smem <= 232448 and (ops["HGMMA"] or ops["HMMA"])
+            rec = dict(kernel=name, ok=bool(ok), smem=smem, regs=regs and int(regs.group(1)),
+                       spill=spill and int(spill.group(1)), ops=keys)
+            log(f"{'OK  ' if ok else 'BAD '} {name}: smem {smem} B, {rec['regs']} regs, spill {rec['spill']}, {keys}")
+        except Exception as e:  # noqa: BLE001
+            rec = dict(kernel=name, ok=False, error=repr(e)[:1500])
+            log(f"FAIL {name}: {repr(e)[:600]}")
+        RESULTS["compiled"].append(rec)
+    n_ok = sum(r["ok"] for r in RESULTS["compiled"])
+    log(f"compiled {n_ok} / {len(RESULTS['compiled'])} kernels for sm_90a")
+    with open(os.path.join(ttir_dir, "compile.json"), "w") as f:
+        json.dump(RESULTS["compiled"], f, indent=1)
+
+
+# ---------------------------------------------------------------------------------- the run
+def run(args):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import grouped_gemm as gg
+    from pallas_kernels.quant import QuantizedWeight
+
+    backend = "interpret" if args.smoke else "pallas"
+    lowered: list[str] = []
+    if args.lower:
+        _patch_lowering(lowered)
+        os.makedirs(args.lower, exist_ok=True)
+    dev = jax.devices()[0]
+    RESULTS["device"] = f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}"
+    log("device:", RESULTS["device"], f"E={E} k={K} D={D} I={I}")
+    deadline = T0 + args.budget
+    key = jax.random.PRNGKey(0)
+    sds = jax.ShapeDtypeStruct
+
+    def left():
+        return deadline - time.time()
+
+    # ------------------------------------------------------------------ weights and routings
+    def weights(fmt):
+        if args.lower:
+            if fmt == "bf16":
+                return sds((E, D, 2 * I), jnp.bfloat16), sds((E, I, D), jnp.bfloat16)
+            q = lambda n, k: QuantizedWeight(  # noqa: E731
+                sds((E, n // BN_Q, k // 8, BN_Q), jnp.uint32), sds((E, n // BN_Q, k // G, BN_Q), jnp.bfloat16),
+                None, 4, G, True, (n, k))
+            return q(2 * I, D), q(D, I)
+        k1, k2, k3, k4 = jax.random.split(jax.random.fold_in(key, fmt == "int4"), 4)
+        if fmt == "bf16":  # std chosen so h and y stay O(1)
+            return (jax.random.normal(k1, (E, D, 2 * I), jnp.bfloat16) * 0.03,
+                    jax.random.normal(k2, (E, I, D), jnp.bfloat16) * 0.05)
+
+        def q(ka, kb, n, k):  # random codes and scales: a valid quantised weight
+            words = jax.random.bits(ka, (E, n // BN_Q, k // 8, BN_Q), jnp.uint32)
+            scales = (jax.random.uniform(kb, (E, n // BN_Q, k // G, BN_Q)) * 0.01 + 1e-3).astype(jnp.bfloat16)
+            return QuantizedWeight(words, scales, None, 4, G, True, (n, k))
+
+        return q(k1, k2, 2 * I, D), q(k3, k4, D, I)
+
+    routes = {}
+
+    def routing(m):
+        """(x, ids, weights, distinct experts) for M tokens, distinct experts per token."""
+        if m in routes:
+            return routes[m]
+        if args.lower:
+            routes[m] = (sds((m, D), jnp.bfloat16), sds((m, K), jnp.int32), sds((m, K), jnp.float32), float(E))
+            return routes[m]
+        kx, ka, kb = jax.random.split(jax.random.fold_in(key, 1000 + m), 3)
+        x = jax.random.normal(kx, (m, D), jnp.bfloat16)
+        ids = jax.lax.top_k(jax.random.uniform(ka, (m, E)), K)[1].astype(jnp.int32)
+        ws = jax.random.uniform(kb, (m, K), jnp.float32) / K + 0.05
+        routes[m] = (x, ids, ws, float(np.unique(np.asarray(ids)).size))
+        return routes[m]
+
+    def expert_bytes(fmt):
+        return 3 * D * I * 2 if fmt == "bf16" else 3 * D * I // 2 + 3 * D * I // G * 2
+
+    # ------------------------------------------------------------------ copy ceiling
+    def copy_ceiling():
+        n = (1 << 30) // 4
+        a = jnp.zeros((n,), jnp.uint32)
+        f = jax.jit(lambda a: a ^ jnp.uint32(1))
+        jax.block_until_ready(f(a))
+
+        def batch(c):
+            t = time.perf_counter()
+            jax.block_until_ready([f(a) for _ in range(c)])
+            return time.perf_counter() - t
+
+        return 2 * n * 4 * 8 / min(batch(10) - batch(2) for _ in range(3)) / 1e12
+
+    # ------------------------------------------------------------------ timing
+    def timed(fn, w, m, label="", plan=None, reps=(8, 2)):
+        """(µs per call, y of one call)."""
+        x, ids, ws, _ = routing(m)
+        f = jax.jit(fn)
+        if args.lower:
+            f.trace(x, ids, ws, w).lower(lowering_platforms=("cuda",))
+            if plan is not None:
+                for text in list(lowered):
+                    kname = re.search(r'(?:tt\.func (?:\w+ )?@|sym_name = ")(\w+)', text).group(1)
+                    t = plan.up if "_up" in kname else plan.down
+                    with open(os.path.join(args.lower, f"{label}_{kname}_w{t.num_warps}_s{t.num_stages}.ttir"),
+                              "w") as fh:
+                        fh.write(text)
+            lowered.clear()
+            return 0.0, None
+        y = jax.block_until_ready(f(x, ids, ws, w))
+        if args.smoke:
+            return 0.0, y
+
+        def batch(n):
+            t = time.perf_counter()
+            jax.block_until_ready([f(x, ids, ws, w) for _ in range(n)])
+            return time.perf_counter() - t
+
+        hi, lo = reps
+        batch(lo)
+        best = min(batch(hi) - batch(lo) for _ in range(2))
+        return best / (hi - lo) * 1e6, y
+
+    refs = {}
+
+    def check(fmt, m, w, y, tag):
+        """Relative error of y's first CHECK_TOKENS rows against the fp32 reference."""
+        if args.lower or y is None:
+            return None
+        x, ids, ws, _ = routing(m)
+        s = min(CHECK_TOKENS, m)
+        if (fmt, m) not in refs:
+            refs[(fmt, m)] = jax.jit(lambda x, i, t, w: gg.reference(x, i, t, *w))(x[:s], ids[:s], ws[:s], w)
+        ref = refs[(fmt, m)].astype(jnp.float32)
+        got = y[:s].astype(jnp.float32)
+        err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+        RESULTS["checks"].append(dict(fmt=fmt, m=m, tag=tag, rel_err=err))
+        if not err < 1e-2:
+            raise AssertionError(f"{tag} {fmt} M={m}: rel err {err:.2e} vs reference")
+        return err
+
+    def ours(plan):
+        return lambda x, i, s, w: gg.grouped_moe(x, i, s, *w, backend=backend, plan=plan)
+
+    # ------------------------------------------------------------------ peers
+    def torch_peer(m):
+        """torch._grouped_mm MoE layer on its own random bf16 weights, this routing; µs (events)."""
+        import torch
+
+        _, ids, ws, _ = routing(m)
+        dv = "cuda"
+        g = torch.Generator(device=dv).manual_seed(0)
+        # B operands in the layout torch's grouped GEMM wants: [E, N, K] stored, K-major view.
+        w13 = (torch.randn(E, 2 * I, D, device=dv, dtype=torch.bfloat16, generator=g) * 0.03).transpose(1, 2)
+        w2 = (torch.randn(E, D, I, device=dv, dtype=torch.bfloat16, generator=g) * 0.05).transpose(1, 2)
+        x = torch.randn(m, D, device=dv, dtype=torch.bfloat16, generator=g)
+        tid = torch.from_numpy(np.asarray(ids)).to(dv).long()
+        tw = torch.from_numpy(np.asarray(ws)).to(dv)
+
+        def layer():
+            flat = tid.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+            tok = order // K
+            h = torch._grouped_mm(x[tok], w13, offs=offs)  # [P, 2I]
+            h = (torch.nn.functional.silu(h[:, 0::2].float()) * h[:, 1::2].float()).to(torch.bfloat16)
+            out = torch._grouped_mm(h, w2, offs=offs).float() * tw.reshape(-1)[order, None]
+            return torch.zeros(m, D, device=dv).index_add_(0, tok, out).to(torch.bfloat16)
+
+        for _ in range(3):
+            layer()
+        torch.cuda.synchronize()
+        n = 20
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            layer()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) * 1e3 / n
+
+    # ------------------------------------------------------------------ tasks
+    if not (args.smoke or args.lower):
+        RESULTS["copy_tbs"] = copy_ceiling()
+        log(f"copy ceiling: {RESULTS['copy_tbs']:.2f} TB/s (XLA, 1 GiB read + write, queued dispatches)")
+    wts = {fmt: weights(fmt) for fmt in ("bf16", "int4")}
+    rows = {(fmt, m): dict(fmt=fmt, m=m) for fmt in ("bf16", "int4") for m in MS}
+    RESULTS["rows"] = list(rows.values())
+
+    def default(fmt, m):
+        _, _, _, u = routing(m)
+        plan = gg.plan_for(m * K, E, fmt == "int4")
+        nbytes = u * expert_bytes(fmt) + 2 * m * D * 2
+        row = rows[(fmt, m)]
+        row.update(distinct=u, mbytes=nbytes / 1e6, gflop=6 * m * K * D * I / 1e9, plan=str(plan))
+        us, y = timed(ours(None), wts[fmt], m, f"{fmt}_m{m}_default", plan)
+        row.update(err=check(fmt, m, wts[fmt], y, "default"), us=us)
+        if us:
+            log(f"ours {fmt} M={m}: {us:.1f} µs, {row['gflop'] / us * 1e3:.0f} TFLOP/s, "
+                f"{nbytes / us / 1e6:.2f} TB/s, err {row['err']:.2e}, {plan}")
+        else:
+            log(f"ours {fmt} M={m}: checked (err {row['err']}), {plan}")
+
+    def variants(fmt, m):
+        for n, plan in enumerate(sweep_plans(fmt, m)):
+            if left() < 0:
+                log(f"budget spent: sweep stopped at {fmt} M={m}")
+                return
+            try:
+                us, y = timed(ours(plan), wts[fmt], m, f"{fmt}_m{m}_sweep{n}", plan)
+                err = check(fmt, m, wts[fmt], y, "sweep")
+                RESULTS["sweep"].append(dict(fmt=fmt, m=m, us=us, err=err, plan=str(plan)))
+                log(f"sweep {fmt} M={m}: {us:.1f} µs err {err} {plan}")
+                row = rows[(fmt, m)]
+                if us and (not row.get("best_us") or us < row["best_us"]):
+                    row.update(best_us=us, best_plan=str(plan))
+            except Exception as e:  # noqa: BLE001
+                log(f"FAILED sweep {fmt} M={m} {plan}: {e!r}")
+                RESULTS["errors"].append(f"sweep {fmt} M={m} {plan}: " + traceback.format_exc(limit=4)[-1500:])
+
+    def ragged(m):
+        from moe.block import _experts_grouped
+
+        us, y = timed(lambda x, i, s, w: _experts_grouped(x, i, s, w[0], w[1], None), wts["bf16"], m,
+                      reps=(3, 1))
+        check("bf16", m, wts["bf16"], y, "ragged")
+        for fmt in ("bf16", "int4"):
+            rows[(fmt, m)]["ragged"] = us
+        log(f"ragged_dot bf16 M={m}: {us:.1f} µs")
+
+    def torch_row(m):
+        import torch
+
+        us = torch_peer(m)
+        torch.cuda.empty_cache()  # its weights are gone with torch_peer's frame
+        for fmt in ("bf16", "int4"):
+            rows[(fmt, m)]["torch"] = us
+        log(f"torch._grouped_mm bf16 M={m}: {us:.1f} µs")
+
+    tasks = [(default, (fmt, m)) for fmt in ("bf16", "int4") for m in MS]
+    if not args.lower:
+        tasks += [(ragged, (MS[0],))]
+        if not args.smoke:
+            tasks += [(torch_row, (m,)) for m in MS]
+    if not args.no_sweep:
+        tasks += [(variants, (fmt, m)) for m in MS[::-1] for fmt in ("bf16", "int4")]
+    if not args.lower:
+        tasks += [(ragged, (m,)) for m in MS[1:]]
+    for fn, a in tasks:
+        if left() < 0 and not args.lower:
+            log(f"budget spent: skipped {fn.__name__}{a}")
+            continue
+        try:
+            fn(*a)
+        except Exception as e:  # noqa: BLE001
+            log(f"FAILED {fn.__name__}{a}: {e!r}")
+            RESULTS["errors"].append(f"{fn.__name__}{a}: " + traceback.format_exc(limit=4)[-1500:])
+    log(f"[{time.time() - T0:.0f} s] done")
+
+
+def table():
+    cbw = RESULTS.get("copy_tbs")
+    lines = ["", f"grouped GEMM MoE layer, E={E} top-{K} D={D} I={I}, on {RESULTS.get('device')}; copy ceiling "
+                 f"{cbw and round(cbw, 2)} TB/s; floor = max(bytes / copy, FLOPs / {PEAK_TFLOPS:.0f} TFLOP/s)",
+             "fmt     M  experts     GB  GFLOP  default µs  best µs  TFLOP/s  TB/s  floor µs  %floor  "
+             "ragged µs      x  torch µs     x"]
+    for r in RESULTS["rows"]:
+        cands = [v for v in (r.get("us"), r.get("best_us")) if v]
+        us = min(cands) if cands else None
+        if not us or "mbytes" not in r:
+            lines.append(f"{r['fmt']:4} {r['m']:5}  (no timing; rel err of the default plan {r.get('err')})")
+            continue
+        floor = max(r["mbytes"] / cbw if cbw else 0.0, r["gflop"] / PEAK_TFLOPS * 1e3)
+        rat = lambda p: f"{p:9.0f} {p / us:6.2f}" if p else "      n/a       "  # noqa: E731
+        lines.append(
+            f"{r['fmt']:4} {r['m']:5} {r['distinct']:7.1f} {r['mbytes'] / 1e3:6.2f} {r['gflop']:6.1f} "
+            f"{r.get('us') or 0:10.1f} {us:8.1f} {r['gflop'] / us * 1e3:8.0f} {r['mbytes'] / us / 1e6:5.2f} "
+            f"{floor:9.1f} {100 * floor / us:6.0f}%  {rat(r.get('ragged'))} {rat(r.get('torch'))}")
+    lines.append("x = peer µs / ours (best): > 1 means ours is faster; the int4 rows' peers run bf16 weights. "
+                 f"torch anchors (perf-anchors.md, another run): {TORCH_ANCHOR} µs")
+    for r in RESULTS["rows"]:
+        if r.get("best_plan"):
+            lines.append(f"best {r['fmt']} M={r['m']}: {r['best_plan']}")
+    for line in lines:
+        log(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,391 @@
+"""Grouped GEMM for the MoE at prefill sizes: gate/up GEMM + SwiGLU, down GEMM + routed-weight combine.
+
+    y [M, D] = sum_k topk_weights[m, k] * expert_{topk_ids[m, k]}(x[m])
+    expert_e(x) = swiglu(x @ W13_e) @ W2_e   (pallas_kernels/fused_moe.py: the same maths)
+
+The decode-size kernels (fused_moe) stream each routed expert once for a handful of rows; here
+every expert has tens to hundreds of rows (Ling, 4096 tokens x top-8 over 512 experts: 64 on
+average), so the work is a grouped GEMM: one [rows_e, K] @ [K, N] product per expert on the
+tensor cores. XLA's `lax.ragged_dot` computes every expert against every row (298 ms a layer
+at 4096 tokens on the H200); this reads each expert's weights once per row block.
+
+Layout. Pairs p = m*k + slot. `fused_moe.moe_align` (argsort path beyond 64 pairs) sorts them by
+expert, stable, each expert's run padded to BM rows, one expert per block:
+  sorted_pairs [S] int32 (P = padding), block_expert [NBP] int32 (-1: unused block);
+  NB = n + (P - n) // BM, n = min(P, E), bounds the blocks of any routing.
+Weights as in fused_moe: w13 [E, D, 2I] with gate/up INTERLEAVED by column (2j gate, 2j+1 up:
+an output tile holds both halves of its SwiGLU), w2 [E, I, D]; or the grouped low-bit format of
+`fused_moe.quantize_experts` (per expert torch orientation, words [E, T, K*b/32, B_N], bf16
+scales [E, T, K/G, B_N]; the tile B_N is the layout's).
+
+Kernels (Triton lowering; `jnp.dot` -> tt.dot: wgmma on sm_90 for BM >= 64 or plan.swap, mma.sync
+for BM 16 / 32 unswapped):
+  up    grid (2I/BN, NB), tile t fastest: program (t, j) gathers block j's BM rows of x (masked:
+        padding rows are 0), multiplies them by expert e_j's [D, BN] column tile in BK steps
+        (cp.async pipelined), pairs gate/up columns in registers, SwiGLU (optional limit),
+        rounds to the activation dtype -> h [NB*BM, I] in slot order (padding rows 0).
+  down  grid (D/BN, NB): block j's h rows (contiguous) @ W2_e[:, tile]; the epilogue scales each
+        row by its pair's routed weight (fp32) and
+          combine "sum"    stores it to out [P + 1, D] fp32 at the pair's row (row P: padding,
+                           masked), then one XLA fusion sums the k rows of each token;
+          combine "atomic" adds it into y32 [M + 1, D] fp32 with atomics (row M: padding; the
+                           sum order, and so the last bits, vary run to run).
+        y is rounded once to x's dtype.
+  Tile t fastest: the N/BN programs of one row block run together, so its A rows come from L2
+  after the first tile; sibling blocks of one expert are adjacent, so their second read of a
+  weight tile is an L2 hit. Unused blocks (e < 0) exit before any load.
+  Quantised weights: per K step of one group G, the [G*b/32, B_N] words are unpacked in
+  registers to the exact integers u - z (shift, and-or into the float 2^23, subtract), cast to
+  bf16 (exact) and reshaped to the natural [G, B_N] row order (lane i of word w is row w + i*WPG),
+  so one dot [BM, G] @ [G, B_N] per group; the group's scale multiplies the fp32 partial once per
+  column. plan.swap computes (W^T A^T)^T instead: the dequantised tile is the dot's first operand
+  (wgmma can take it from registers) and the rows its N.
+Rounding: h is rounded to the activation dtype between the GEMMs (as in moe.block); y once.
+
+FLOPs (useful) 6*P*D*I: up 2*P*D*2I, down 2*P*I*D; the padding adds (NB_used*BM - P)/P of it.
+Bytes: the U distinct experts' weights once, U*3*D*I*2 (bf16) or U*3*D*I*(b + 16/G)/8, x and y
+(M*D*2 each); by design also h (NB_used*BM*I*2, written and read) and, combine "sum", out
+(P*D*4, written and read).
+Ling (E 512, top-8, D 2560, I 768) at M = 4096 tokens, P = 32768, U = 512 (every expert):
+  386.5 GFLOP useful (0.39 ms at the H200's 989 TFLOP/s dense bf16);
+  bf16 weights 6.04 GB -> 1.40 ms at 4.3 TB/s: the floor (x + y add 0.04 GB); h ~0.15 GB and the
+  "sum" combine's out 0.67 GB more -> ~1.6 ms as designed; 250 TFLOP/s (issue 11) is 1.55 ms.
+  int4 G128 weights 1.56 GB -> 0.36 ms: the compute floor 0.39 ms binds.
+Not yet measured on the GPU: `plan_for` is a guess; bench/grouped_gemm.py sweeps it. Every plan
+it times compiles for sm_90a offline (triton 3.6 from jax 0.11.2's Triton IR, 2026-11-30): no
+spills, <= 144 KB shared memory, HGMMA (BM 64/128 or swap) or HMMA, LDGSTS (cp.async) loads, the
+swapped int4 dot reads the dequantised tile from registers, "atomic" adds 4 floats per ATOMG.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.backend import resolve
+from pallas_kernels.fused_moe import _dims, _swiglu, align_sizes, moe_align
+from pallas_kernels.quant import QuantizedWeight, dequantize
+
+COMBINES = ("sum", "atomic")
+
+
+# ---------------------------------------------------------------------------------- plans
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """One GEMM's launch. block_k: K per loop step and block_n: output columns per program (up:
+    interleaved, h gets block_n / 2), both for bf16 weights; quantised weights step one group
+    and take their layout's B_N."""
+
+    block_k: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    block_m: int = 64  # rows per block: a power of two >= 16 (64 and 128: wgmma on sm_90)
+    up: Tile = Tile()
+    down: Tile = Tile()
+    combine: str = "sum"  # "sum" | "atomic", see the module docstring ("atomic" in interpret
+    # mode: a block's rows must be distinct tokens, as top-k ids are: the interpreter's atomics
+    # are a gather-add-scatter)
+    swap: bool = False  # acc^T = W^T A^T: wgmma's M is the tile's N, its N the rows (BM 16 and
+    # 32 then run on wgmma too); quantised weights: the dequantised tile stays in registers
+
+
+def plan_for(p: int, e: int, quantized: bool) -> Plan:
+    """Launch heuristics (a guess, not yet measured): BM near the mean rows per expert P/E, so an
+    expert takes ~one block (its weights read once) without mostly padding."""
+    r = p / e
+    if quantized:
+        if r <= 24:
+            return Plan(16, Tile(0, 0, 4, 3), Tile(0, 0, 4, 3))
+        if r <= 96:
+            return Plan(64, Tile(0, 0, 4, 3), Tile(0, 0, 4, 3))
+        return Plan(128, Tile(0, 0, 8, 3), Tile(0, 0, 8, 3))
+    if r <= 24:
+        return Plan(16, Tile(64, 128, 4, 5), Tile(64, 128, 4, 5))
+    if r <= 48:
+        return Plan(32, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))
+    if r <= 96:
+        return Plan(64, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))
+    return Plan(128, Tile(64, 128, 8, 3), Tile(64, 128, 8, 3))
+
+
+# ---------------------------------------------------------------------------------- reference
+def _dense(w):
+    """[E, K, N] float32 (x @ W orientation) from either weight format; exact."""
+    if isinstance(w, QuantizedWeight):
+        return jax.vmap(dequantize)(w).transpose(0, 2, 1)
+    return w.astype(jnp.float32)
+
+
+def reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None):
+    """Plain jnp, any size: pairs sorted by expert, `lax.ragged_dot` at HIGHEST precision in
+    float32 on the (dequantised) weights, h rounded to the activation dtype, fp32 combine."""
+    m, k = topk_ids.shape
+    e, d, _ = _dims(w13, w2)
+    act = jnp.bfloat16 if isinstance(w13, QuantizedWeight) else w13.dtype
+    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(ids, stable=True)
+    tok = order // k
+    rows = x.astype(act).astype(jnp.float32)[tok]  # [P, D] by expert
+    sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
+    hi = lax.Precision.HIGHEST
+    h = lax.ragged_dot(rows, _dense(w13), sizes, precision=hi, preferred_element_type=jnp.float32)
+    h = _swiglu(h[:, 0::2], h[:, 1::2], swiglu_limit).astype(act).astype(jnp.float32)  # [P, I]
+    out = lax.ragged_dot(h, _dense(w2), sizes, precision=hi, preferred_element_type=jnp.float32)
+    out = out * topk_weights.reshape(-1)[order, None].astype(jnp.float32)
+    return jnp.zeros((m, d), jnp.float32).at[tok].add(out).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------- kernels
+@dataclasses.dataclass(frozen=True)
+class _QMeta:
+    """Static description of quantised weights (the kernel never closes over arrays)."""
+
+    bits: int
+    group_size: int
+    symmetric: bool
+    block_n: int
+    n_groups: int  # groups of K
+
+
+def _unpack(words, qm: _QMeta, magic, zero, dtype):
+    """words uint32 [WPG, B_N] -> (u - z) [G, B_N] in dtype, rows in natural K order; exact.
+
+    Lane i (bits [i*b, (i+1)*b)) of word w is row w + i*WPG: the lanes stacked on a leading axis
+    and reshaped are the group's rows in order. Or-ing a code into the mantissa of 2^23 gives
+    2^23 + u exactly; subtracting 2^23 + z gives u - z (a small integer: exact in bf16)."""
+    lanes = 32 // qm.bits
+    shifts = (lax.broadcasted_iota(jnp.int32, (lanes, 1, 1), 0) * qm.bits).astype(jnp.uint32)
+    codes = (words[None, :, :] >> shifts) & jnp.uint32(2**qm.bits - 1)  # [L, WPG, B_N]
+    f = lax.bitcast_convert_type(codes | magic, jnp.float32)  # 2^23 + u
+    f = f.reshape(qm.group_size, qm.block_n)  # [G, B_N]
+    return (f - (2.0**23 + zero)).astype(dtype)
+
+
+def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, interpret, n_init):
+    """Program (t, j): block j's rows times expert e_j's column tile t; see the module doc."""
+    refs = list(refs)
+    a_ref = refs.pop(0)  # up: x [M, D]; down: h [NB*BM, I]
+    blk_ref = refs.pop(0)  # block_expert [NBP]
+    sorted_ref = refs.pop(0)  # sorted_pairs [S]
+    tw_ref = refs.pop(0) if stage == "down" else None  # topk weights [P] f32
+    if qm is None:
+        w_ref = refs.pop(0)  # [E, K, N]
+    else:  # magic [1], words [E, T, K*b/32, B_N], scales (zeros) [E, T, K/G, B_N]
+        magic_ref, words_ref, scales_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+        zeros_ref = None if qm.symmetric else refs.pop(0)
+    del refs[:n_init]  # aliased initial outputs (tests poison them): only the output ref is used
+    out_ref = refs.pop(0)  # up: h; down: out [P + 1, D] ("sum") or y32 [M + 1, D] ("atomic")
+
+    t, j = pl.program_id(0), pl.program_id(1)
+    e = blk_ref[j]
+    pair = sorted_ref[pl.ds(j * bm, bm)]  # [BM], P = padding
+    valid = pair < p
+
+    if stage == "up":  # x's rows gathered by token
+        tok = jnp.where(valid, pair // k, 0)[:, None]  # [BM, 1]
+
+        def a_load(k0, size):
+            cols = (k0 + jnp.arange(size, dtype=jnp.int32))[None, :]
+            return pltriton.load(a_ref.at[tok, cols], mask=valid[:, None], other=0.0)
+    else:  # the block's own h rows
+        def a_load(k0, size):
+            return a_ref[pl.ds(j * bm, bm), pl.ds(k0, size)]
+
+    @pl.when(e >= 0)  # an unused block reads and writes nothing
+    def _():
+        shape = (bn, bm) if swap else (bm, bn)  # swap: acc^T
+        if qm is None:
+            def body(i, acc):
+                k0 = pl.multiple_of(i * bk, bk)
+                w = w_ref[e, pl.ds(k0, bk), pl.ds(t * bn, bn)]  # [BK, BN]
+                a = a_load(k0, bk)  # [BM, BK]
+                if swap:
+                    return acc + jnp.dot(w.T, a.T, preferred_element_type=jnp.float32)
+                return acc + jnp.dot(a, w, preferred_element_type=jnp.float32)
+
+            acc = lax.fori_loop(0, n_k, body, jnp.zeros(shape, jnp.float32))
+        else:
+            wpg, g_size = qm.group_size * qm.bits // 32, qm.group_size
+            magic = magic_ref[0]  # 2^23 as a register operand: the and-or fuses into one LOP3
+
+            def body(g, acc):
+                words = words_ref[e, t, pl.ds(g * wpg, wpg), :]  # [WPG, B_N]
+                zero = (2.0 ** (qm.bits - 1) if zeros_ref is None
+                        else zeros_ref[e, t, g, :].astype(jnp.float32)[None, :])
+                a = a_load(pl.multiple_of(g * g_size, g_size), g_size)  # [BM, G]
+                v = _unpack(words, qm, magic, zero, a.dtype)  # [G, B_N]
+                scale = scales_ref[e, t, g, :].astype(jnp.float32)  # [B_N]
+                if swap:
+                    part = jnp.dot(v.T, a.T, preferred_element_type=jnp.float32)
+                    return acc + part * scale[:, None]
+                return acc + jnp.dot(a, v, preferred_element_type=jnp.float32) * scale[None, :]
+
+            acc = lax.fori_loop(0, qm.n_groups, body, jnp.zeros(shape, jnp.float32))
+        if swap:
+            acc = acc.T
+
+        if stage == "up":  # interleaved columns: (gate, up) side by side
+            pairs = acc.reshape(bm, bn // 2, 2)
+            gate = jnp.arange(2, dtype=jnp.int32) == 0  # select + sum: lowers everywhere, exact
+            g = jnp.sum(jnp.where(gate, pairs, 0.0), axis=-1)
+            u = jnp.sum(jnp.where(gate, 0.0, pairs), axis=-1)
+            h = _swiglu(g, u, limit).astype(out_ref.dtype)  # padding rows: x = 0 -> h = 0
+            out_ref[pl.ds(j * bm, bm), pl.ds(t * (bn // 2), bn // 2)] = h
+        else:
+            w = pltriton.load(tw_ref.at[jnp.where(valid, pair, 0)], mask=valid, other=0.0)  # [BM]
+            val = acc * w[:, None]  # padding rows: h = 0, w = 0 -> 0
+            cols = (t * bn + jnp.arange(bn, dtype=jnp.int32))[None, :]
+            if combine == "sum":
+                rows = jnp.where(valid, pair, p)[:, None]  # padding goes nowhere (masked, row P)
+                pltriton.store(out_ref.at[rows, cols], val, mask=valid[:, None])
+            else:
+                n_tok = out_ref.shape[0] - 1
+                rows = jnp.where(valid, pair // k, n_tok)[:, None]  # padding: row M (adds 0)
+                # The interpreter has no masked atomics; unmasked, padding adds 0 to row M.
+                mask = None if interpret else jnp.broadcast_to(valid[:, None], val.shape)
+                pltriton.atomic_add(out_ref, (rows, cols), val, mask=mask)
+
+
+
+def _gemm(stage, a, block_expert, sorted_pairs, w, *, tw=None, n_blocks, k, p, plan: Plan,
+          out_shape, limit, interpret, init=None):
+    """One grouped-GEMM pallas_call (stage "up" or "down"), grid (N / BN, n_blocks).
+    init: an initial output to alias (tests poison it; the atomic combine starts from zeros)."""
+    tile = plan.up if stage == "up" else plan.down
+    qm = None
+    if isinstance(w, QuantizedWeight):
+        (_, n_tiles, _, bn), (_, k_in) = w.words.shape, w.shape
+        qm = _QMeta(w.bits, w.group_size, w.symmetric, bn, k_in // w.group_size)
+        bk = n_k = None
+        magic = jnp.array([0x4B000000], jnp.uint32)
+        w_inputs = [magic, w.words, w.scales] + ([] if w.symmetric else [w.zeros])
+    else:
+        _, k_in, n_out = w.shape
+        bn, bk = min(tile.block_n, n_out), min(tile.block_k, k_in)
+        if n_out % bn or k_in % bk or bn < 16 or bk < 16:
+            raise ValueError(f"block_n={bn} and block_k={bk} must be >= 16 and divide the {stage} "
+                             f"GEMM's N={n_out} and K={k_in}")
+        n_tiles, n_k = n_out // bn, k_in // bk
+        w_inputs = [w]
+    inputs = [a, block_expert, sorted_pairs] + ([tw] if stage == "down" else []) + w_inputs
+    inits = [] if init is None else [init]
+    kernel = functools.partial(
+        _kernel, stage=stage, k=k, p=p, bm=plan.block_m, bk=bk, bn=bn, n_k=n_k, qm=qm, limit=limit,
+        combine=plan.combine, swap=plan.swap, interpret=interpret, n_init=len(inits))
+    name = f"grouped_{stage}" + ("" if qm is None else f"_int{qm.bits}") + f"_m{plan.block_m}_n{bn}"
+    if plan.swap:
+        name += "_swap"
+    if stage == "down" and plan.combine == "atomic":
+        name += "_atomic"
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(n_tiles, n_blocks),
+        input_output_aliases={len(inputs) + i: i for i in range(len(inits))},
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=tile.num_warps, num_stages=tile.num_stages),
+        name=name,
+    )(*inputs, *inits)
+
+
+def _check_plan(plan: Plan):
+    bm = plan.block_m
+    if bm < 16 or bm & (bm - 1):
+        raise ValueError(f"plan.block_m must be a power of two >= 16, got {bm}")
+    if plan.combine not in COMBINES:
+        raise ValueError(f"plan.combine must be one of {COMBINES}, got {plan.combine!r}")
+
+
+def gate_up(x, sorted_pairs, block_expert, w13, *, k: int, n_blocks: int, plan: Plan,
+            swiglu_limit=None, backend="pallas", init=None):
+    """Stage 1. h [n_blocks*BM, I] (x's dtype) = swiglu(x[pair // k] @ W13_e), one row per slot
+    of the align's layout (`moe_align(ids, E, plan.block_m)`; n_blocks = align_sizes(...).nb);
+    padding rows are 0, rows of unused blocks are not written. x [M, D] in the activation dtype
+    (bf16 for quantised weights)."""
+    _check_plan(plan)
+    i = (w13.shape[0] if isinstance(w13, QuantizedWeight) else w13.shape[2]) // 2
+    out_shape = jax.ShapeDtypeStruct((n_blocks * plan.block_m, i), x.dtype)
+    return _gemm("up", x, block_expert, sorted_pairs, w13, n_blocks=n_blocks, k=k, p=x.shape[0] * k,
+                 plan=plan, out_shape=out_shape, limit=swiglu_limit, interpret=backend == "interpret",
+                 init=init)
+
+
+def down(h, sorted_pairs, block_expert, topk_weights, w2, *, n_blocks: int, plan: Plan,
+         backend="pallas", init=None):
+    """Stage 2. The down GEMM of gate_up's h with each row scaled by its routed weight, combined
+    per token: "sum" returns out [P + 1, D] fp32 (pair rows; row P untouched), "atomic" y32
+    [M + 1, D] fp32 (token rows, added into init or zeros; row M collects padding zeros)."""
+    _check_plan(plan)
+    m, k = topk_weights.shape
+    d = w2.shape[0] if isinstance(w2, QuantizedWeight) else w2.shape[2]
+    tw = topk_weights.reshape(-1).astype(jnp.float32)
+    if plan.combine == "atomic":
+        out_shape = jax.ShapeDtypeStruct((m + 1, d), jnp.float32)
+        init = jnp.zeros(out_shape.shape, jnp.float32) if init is None else init
+    else:
+        out_shape = jax.ShapeDtypeStruct((m * k + 1, d), jnp.float32)
+    return _gemm("down", h, block_expert, sorted_pairs, w2, tw=tw, n_blocks=n_blocks, k=k, p=m * k,
+                 plan=plan, out_shape=out_shape, limit=None, interpret=backend == "interpret",
+                 init=init)
+
+
+def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poison=False):
+    """The kernel path; returns (y, h, out). poison: h and ("sum") out start as NaN (tests)."""
+    m, k = topk_ids.shape
+    p = m * k
+    e, _, _ = _dims(w13, w2)
+    act = jnp.bfloat16 if isinstance(w13, QuantizedWeight) else w13.dtype
+    plan = plan or plan_for(p, e, isinstance(w13, QuantizedWeight))
+    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    sorted_pairs, block_expert = moe_align(ids, e, plan.block_m, backend=backend)
+    nb = align_sizes(p, e, plan.block_m).nb
+    nan = (lambda shape, dt: jnp.full(shape, jnp.nan, dt)) if poison else (lambda shape, dt: None)
+    i = (w13.shape[0] if isinstance(w13, QuantizedWeight) else w13.shape[2]) // 2
+    d = x.shape[1]
+    h = gate_up(x.astype(act), sorted_pairs, block_expert, w13, k=k, n_blocks=nb, plan=plan,
+                swiglu_limit=swiglu_limit, backend=backend, init=nan((nb * plan.block_m, i), act))
+    init = None if plan.combine == "atomic" else nan((p + 1, d), jnp.float32)
+    out = down(h, sorted_pairs, block_expert, topk_weights, w2, n_blocks=nb, plan=plan,
+               backend=backend, init=init)
+    if plan.combine == "atomic":
+        y = out[:m]
+    else:
+        y = jnp.sum(out[:p].reshape(m, k, d), axis=1)  # one XLA fusion, fp32
+    return y.astype(x.dtype), h, out
+
+
+def grouped_moe(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend="auto",
+                plan: Plan | None = None):
+    """y [M, D] = sum_k topk_weights * expert_{topk_ids}(x), fp32 accumulation, rounded once.
+
+    The prefill-size counterpart of `fused_moe.fused_moe`, with its arguments: x [M, D];
+    topk_ids [M, k] int in [0, E); topk_weights [M, k]; w13 [E, D, 2I] (gate/up interleaved by
+    column), w2 [E, I, D] in bf16 (or any float dtype: x is cast to it), or both fields of
+    `fused_moe.quantize_experts` (x in bf16). swiglu_limit: None or L. backend: "pallas" |
+    "interpret" | "reference" | "auto" (pallas_kernels.backend.resolve). plan overrides
+    `plan_for`. Any M works; it pays off once every expert has rows (prefill chunks).
+    """
+    backend = resolve(backend)
+    e, d, _ = _dims(w13, w2)
+    if x.ndim != 2 or x.shape[1] != d:
+        raise ValueError(f"x must be [M, D={d}], got shape {x.shape}")
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must both be [M={x.shape[0]}, k], got "
+                         f"{topk_ids.shape} and {topk_weights.shape}")
+    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise ValueError(f"topk_ids must be integers, got {topk_ids.dtype}")
+    if backend == "reference":
+        return reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit)
+    return _run(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, backend=backend,
+                plan=plan)[0]

@@ -1,0 +1,196 @@
+"""The prefill grouped GEMM (interpret mode) against `moe.block.experts_reference` and float64
+experts, and the MoE block / model wired to it above GATHER_MAX_PAIRS pairs.
+
+Small shapes (D 256, I 128, E 13: not a power of two) keep Pallas' interpreter fast; every case
+draws fresh random inputs and starts the kernels' outputs as NaN, so a row left unwritten shows.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe.block import GATHER_MAX_PAIRS, experts_reference
+from pallas_kernels import fused_moe as fm
+from pallas_kernels import grouped_gemm as gg
+from pallas_kernels.quant import QuantizedWeight, dequantize
+
+E, D, I = 13, 256, 128
+EMPTY = (4, 9)  # experts no token picks
+T = gg.Tile
+
+
+def _weights(rng, kind):
+    """kind: "bf16", "f32", "int4" (symmetric) or "int8a" (asymmetric: zero points)."""
+    w13 = rng.standard_normal((E, D, 2 * I)) * 0.06
+    w2 = rng.standard_normal((E, I, D)) * 0.09
+    if kind == "f32":
+        return jnp.asarray(w13, jnp.float32), jnp.asarray(w2, jnp.float32)
+    w13, w2 = jnp.asarray(w13, jnp.bfloat16), jnp.asarray(w2, jnp.bfloat16)
+    if kind == "bf16":
+        return w13, w2
+    bits = 4 if kind == "int4" else 8
+    q = fm.quantize_experts(w13, w2, bits=bits, group_size=128, symmetric=kind == "int4", block_n=64)
+    return q.w13, q.w2
+
+
+def _dense32(w):
+    """[E, K, N] float32 in x @ W orientation (exact for quantised weights)."""
+    if isinstance(w, QuantizedWeight):
+        return jax.vmap(dequantize)(w).transpose(0, 2, 1)
+    return w.astype(jnp.float32)
+
+
+def _routing(rng, m, k):
+    """Ragged: expert 0 in every token (one expert with many rows, several blocks), experts
+    EMPTY never, the others skewed (a few popular ones)."""
+    others = np.array([e for e in range(1, E) if e not in EMPTY])
+    p = np.where(others < 4, 6.0, 1.0)
+    p /= p.sum()
+    ids = np.stack([np.r_[0, rng.choice(others, k - 1, replace=False, p=p)] for _ in range(m)])
+    ids = np.stack([rng.permutation(row) for row in ids])  # expert 0 in any slot
+    w = rng.random((m, k)).astype(np.float32) + 0.1
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(w)
+
+
+def _swiglu64(g, u, limit):
+    g = g / (1 + np.exp(-g))
+    if limit is not None:
+        g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+    return g * u
+
+
+def _exact64(x, ids, w, w13, w2, limit):
+    """(exact y, S = sum_k |w| (|h| @ |W2|)) in float64, per expert."""
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    a, b = np.asarray(_dense32(w13), np.float64), np.asarray(_dense32(w2), np.float64)
+    ids, w = np.asarray(ids), np.asarray(w, np.float64)
+    y, s = np.zeros((x.shape[0], D)), np.zeros((x.shape[0], D))
+    for e in range(E):
+        tok, slot = np.nonzero(ids == e)
+        if tok.size:
+            hh = x64[tok] @ a[e]
+            h = _swiglu64(hh[:, 0::2], hh[:, 1::2], limit)
+            np.add.at(y, tok, w[tok, slot, None] * (h @ b[e]))
+            np.add.at(s, tok, w[tok, slot, None] * (np.abs(h) @ np.abs(b[e])))
+    return y, s
+
+
+def _assert_close(y, want, s, rel, name):
+    y = np.asarray(jnp.asarray(y).astype(jnp.float32), np.float64)
+    want = np.asarray(jnp.asarray(want).astype(jnp.float32), np.float64)
+    assert y.shape == want.shape and np.isfinite(y).all(), name
+    bound = rel * np.abs(want) + 2 * rel * s
+    assert np.all(np.abs(y - want) <= bound), (name, float(np.max(np.abs(y - want) / bound)))
+
+
+# (M, k, weights, limit, plan)
+CASES = [
+    (40, 8, "bf16", None, gg.Plan(16, T(64, 64, 4, 2), T(128, 64, 4, 2))),  # 320 pairs, block 16
+    (100, 1, "bf16", 0.5, gg.Plan(32, T(64, 128, 4, 2), T(64, 128, 4, 2), swap=True)),  # k = 1
+    (33, 3, "f32", 1.0, gg.Plan(64, T(128, 64, 4, 2), T(64, 256, 4, 2), combine="atomic")),
+    (57, 5, "int4", None, gg.Plan(16, T(0, 0, 4, 2), T(0, 0, 4, 2))),
+    (29, 6, "int4", 2.0, gg.Plan(64, T(0, 0, 4, 2), T(0, 0, 4, 2), swap=True, combine="atomic")),
+    (21, 4, "int8a", None, gg.Plan(128, T(0, 0, 8, 2), T(0, 0, 8, 2), swap=True)),  # zero points
+    (70, 2, "bf16", 7.0, None),  # plan_for's choice
+]
+
+
+@pytest.mark.parametrize("m,k,kind,limit,plan", CASES)
+def test_grouped_moe_matches_experts_reference(m, k, kind, limit, plan):
+    rng = np.random.default_rng([m, k, len(kind)])
+    w13, w2 = _weights(rng, kind)
+    act = jnp.float32 if kind == "f32" else jnp.bfloat16
+    x = jnp.asarray(rng.standard_normal((m, D)), act)
+    ids, w = _routing(rng, m, k)
+    assert m * k > GATHER_MAX_PAIRS  # the sizes the MoE block sends here
+    y, h, out = gg._run(x, ids, w, w13, w2, swiglu_limit=limit, backend="interpret", plan=plan, poison=True)
+    assert y.dtype == x.dtype
+
+    # Every pair written once, padding nowhere; h: padding rows 0, unused blocks untouched (NaN).
+    plan = plan or gg.plan_for(m * k, E, kind.startswith("int"))
+    p = m * k
+    out = np.asarray(out)
+    if plan.combine == "sum":
+        assert np.isfinite(out[:p]).all() and np.isnan(out[p]).all()
+    sorted_pairs, block_expert = (np.asarray(a) for a in fm.moe_align(ids, E, plan.block_m, backend="reference"))
+    used = int(np.sum(block_expert >= 0))
+    h = np.asarray(h.astype(jnp.float32)).reshape(-1, plan.block_m, I)
+    slots = sorted_pairs[: h.shape[0] * plan.block_m].reshape(-1, plan.block_m)
+    assert np.isfinite(h[:used]).all() and np.all(h[:used][slots[:used] == p] == 0)
+    assert np.isnan(h[used:]).all()
+    assert not set(EMPTY) & set(block_expert[:used].tolist())
+
+    # Against the block's own reference (dense, fp32 for quantised weights: the kernel's exact
+    # dequantisation) and against float64 experts; the bound covers h's and y's roundings.
+    exact, s = _exact64(x, ids, w, w13, w2, limit)
+    if kind == "f32":
+        ref = experts_reference(x, ids, w, w13, w2, swiglu_limit=limit)
+        _assert_close(y, ref, s, 1e-5, "vs experts_reference")
+        _assert_close(y, exact, s, 1e-5, "vs float64")
+        return
+    if kind == "bf16":
+        ref = experts_reference(x, ids, w, w13, w2, swiglu_limit=limit)  # h and y rounded to bf16 too
+    else:
+        ref = experts_reference(x.astype(jnp.float32), ids, w, _dense32(w13), _dense32(w2), swiglu_limit=limit)
+    _assert_close(y, ref, s, 2.0**-7, "vs experts_reference")
+    _assert_close(y, exact, s, 2.0**-8, "vs float64")
+
+
+def test_public_entry_reference_and_errors():
+    rng = np.random.default_rng(11)
+    w13, w2 = _weights(rng, "bf16")
+    x = jnp.asarray(rng.standard_normal((12, D)), jnp.float32)  # y keeps x's dtype
+    ids, w = _routing(rng, 12, 8)
+    y = gg.grouped_moe(x, ids, w, w13, w2, swiglu_limit=1.5, backend="interpret")
+    r = gg.grouped_moe(x, ids, w, w13, w2, swiglu_limit=1.5, backend="reference")
+    assert y.dtype == r.dtype == jnp.float32
+    exact, s = _exact64(x.astype(jnp.bfloat16), ids, w, w13, w2, 1.5)
+    _assert_close(r, exact, s, 2.0**-8, "reference vs float64")
+    _assert_close(y, exact, s, 2.0**-8, "kernel vs float64")
+    with pytest.raises(ValueError, match="x must be"):
+        gg.grouped_moe(x[:, :100], ids, w, w13, w2, backend="interpret")
+    with pytest.raises(ValueError, match="topk_ids and topk_weights"):
+        gg.grouped_moe(x, ids, w[:, :1], w13, w2, backend="interpret")
+    with pytest.raises(ValueError, match="block_m"):
+        gg.grouped_moe(x, ids, w, w13, w2, backend="interpret", plan=gg.Plan(48))
+    with pytest.raises(ValueError, match="block_n"):
+        gg.grouped_moe(x, ids, w, w13, w2, backend="interpret", plan=gg.Plan(16, T(64, 96)))
+
+
+# ------------------------------------------------------------------------------------- wiring
+def _count_calls(monkeypatch):
+    import moe.block
+
+    calls = []
+    real = moe.block.grouped_moe
+
+    def counted(*a, **kw):
+        calls.append(a[1].shape)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(moe.block, "grouped_moe", counted)
+    return calls
+
+
+def test_model_prefill_through_the_kernel(monkeypatch):
+    """ling-tiny (fp32) prefill of 2 x 24 tokens (96 pairs per MoE layer) through the grouped GEMM
+    equals the reference path."""
+    import ling
+    from ling.state import init_state
+
+    model = ling.load("ling-tiny", dtype="float32", seed=5)
+    prompt = jnp.asarray(np.random.default_rng(2).integers(0, model.cfg.vocab_size, (2, 24)))
+    assert prompt.size * model.cfg.num_experts_per_tok > GATHER_MAX_PAIRS
+
+    def prefill(kernels):
+        monkeypatch.setenv("LING_KERNELS", kernels)
+        state = init_state(model.cfg, 2, 32, jnp.float32)
+        logits, _, _ = model(prompt, state, valid=jnp.asarray([24, 17]), form="prefill")
+        return np.asarray(logits)
+
+    want = prefill("reference")
+    calls = _count_calls(monkeypatch)
+    got = prefill("interpret")
+    assert len(calls) == sum(t == "moe" for t in model.cfg.mlp_types) and calls[0] == (48, 2)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4  # oracle.rel_err
