@@ -260,6 +260,113 @@ def load_hub(directory: str, cfg: ModelConfig, *, dtype=jnp.bfloat16, progress: 
 
 
 # ----------------------------------------------------------------------------------------------
+# Writing hub safetensors (the inverse of hub_plan)
+
+
+def save_hub(model, directory: str, *, dtype=None) -> None:
+    """Writes `model` in the hub layout that `load_hub` reads: config.json in transformers'
+    `bailing_hybrid` format and model.safetensors under the hub tensor names, the NEXTN layer (if
+    the model has one) as model.layers.{num_hidden_layers}.*.
+
+    dtype: the stored dtype of floating tensors (None: as the model holds them); parameters the
+    model keeps in fp32 whatever its dtype (router gate and expert bias, KDA decay and conv) stay
+    fp32. Every tensor is the plan's source read backwards; each parameter is rebuilt from the
+    written tensors through `hub_plan` and must come back bit for bit, or nothing is written.
+    """
+    from safetensors.numpy import save_file
+
+    from ling.config import KDA, MOE, from_hub_config
+    from ling.model import LingModel
+    from ling.quantize import QLinear
+
+    cfg = model.cfg
+    if cfg.model_type != "bailing_hybrid":
+        raise CheckpointError(f"save_hub writes bailing_hybrid checkpoints; this model is {cfg.model_type!r}")
+    if any(isinstance(m, QLinear) for _, m in nnx.iter_graph(model)):
+        raise CheckpointError("save_hub writes full-precision weights; this model holds quantised projections")
+
+    # config.json: the names transformers' save_pretrained writes, read back by from_hub_config.
+    n, heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    first_dense = next((i for i, t in enumerate(cfg.mlp_types) if t == MOE), n)
+
+    def limit_list(limits):
+        return None if not limits else [x if x is not None else 0 for x in limits]
+
+    hub_cfg = {
+        "architectures": ["BailingHybridForCausalLM"], "model_type": "bailing_hybrid",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": n,
+        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "rms_norm_eps": cfg.rms_norm_eps, "hidden_act": "silu",
+        "layer_types": ["linear_attention" if t == KDA else "full_attention" for t in cfg.layer_types],
+        "mlp_layer_types": ["sparse" if t == MOE else "dense" for t in cfg.mlp_types],
+        "first_k_dense_replace": first_dense,
+        # The KDA head dim is `head_dim` in the original hub config; transformers keeps it in
+        # `linear_head_dim` (and its KDA has num_attention_heads heads).
+        "head_dim": cfg.kda_head_dim, "linear_head_dim": cfg.kda_head_dim, "linear_num_heads": cfg.kda_num_heads,
+        "short_conv_kernel_size": cfg.conv_size, "kda_safe_gate": cfg.kda_gate == "safe",
+        "kda_lower_bound": cfg.kda_lower_bound,
+        "num_attention_heads": heads, "num_key_value_heads": heads, "q_lora_rank": None,
+        "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "num_experts": cfg.num_experts, "num_experts_per_token": cfg.num_experts_per_tok,
+        "num_shared_experts": cfg.num_shared_experts, "num_expert_group": cfg.n_group,
+        "topk_group": cfg.topk_group, "routed_scaling_factor": cfg.routed_scaling_factor,
+        "moe_renormalize": cfg.norm_topk_prob, "num_nextn_predict_layers": cfg.num_nextn_layers,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "model_max_length": cfg.max_position_embeddings,
+        "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id, "bos_token_id": cfg.bos_token_id,
+    }
+    for key, limits in (("expert_swiglu_limit_list", cfg.expert_swiglu_limits),
+                        ("share_expert_swiglu_limit_list", cfg.shared_swiglu_limits)):
+        if limits:
+            hub_cfg[key] = limit_list(limits)
+    if from_hub_config(hub_cfg) != cfg:
+        raise AssertionError(f"config.json would not read back as the model's config: {from_hub_config(hub_cfg)} != {cfg}")
+
+    with_nextn = model.nextn is not None
+    plan = hub_plan(cfg, set(), with_nextn)  # no names available: the first (save_pretrained) spelling
+    flat = {path: np.asarray(var[...]) for path, var in nnx.to_flat_state(nnx.split(model)[1])}
+    if set(flat) != set(plan):
+        raise AssertionError(f"plan/model mismatch: {sorted(set(flat) ^ set(plan), key=str)[:10]}")
+    always_fp32 = {path for path, var in nnx.to_flat_state(nnx.split(nnx.eval_shape(
+        lambda: LingModel(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), nextn=with_nextn)))[1])
+        if var.dtype == jnp.float32}
+
+    tensors: dict[str, np.ndarray] = {}
+    for path, src in plan.items():
+        a = flat[path]
+        if dtype is not None and jnp.issubdtype(a.dtype, jnp.floating) and path not in always_fp32:
+            a = np.asarray(jnp.asarray(a).astype(dtype))
+        names = list(src.shapes)
+        if path[-1] == "w13":  # [E, D, 2I], gate and up interleaved -> per-expert gate, up [I, D]
+            e = a.shape[0]
+            out = {**{g: a[j][:, 0::2].T for j, g in enumerate(names[:e])},
+                   **{u: a[j][:, 1::2].T for j, u in enumerate(names[e:])}}
+        elif path[-1] == "w2":  # [E, I, D] -> per-expert down [D, I]
+            out = {d: a[j].T for j, d in enumerate(names)}
+        else:
+            (name,), hub_shape = names, tuple(src.shapes[names[0]])
+            if path[-1] in ("kernel", "lm_head"):  # [in, out] -> torch [out, in]
+                out = {name: a.T}
+            else:  # vectors, conv [C, W] -> [C, 1, W], router gate and embeddings as they are
+                out = {name: a.reshape(hub_shape)}
+        for k, v in out.items():
+            if v.shape != tuple(src.shapes[k]):
+                raise AssertionError(f"tensor {k!r}: wrote shape {v.shape}, the plan expects {src.shapes[k]}")
+            tensors[k] = np.ascontiguousarray(v)
+        back = src.build(tensors.__getitem__)
+        if back.dtype != a.dtype or not np.array_equal(back, a):
+            raise AssertionError(f"parameter {'.'.join(map(str, path))} does not read back from its hub tensors")
+
+    os.makedirs(directory, exist_ok=True)
+    stored = {str(np.dtype(v.dtype)) for v in tensors.values()} - {"float32"}
+    hub_cfg["torch_dtype"] = stored.pop() if len(stored) == 1 else "float32"
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hub_cfg, f, indent=1)
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+
+
+# ----------------------------------------------------------------------------------------------
 # Orbax: the converted format (`ling_config.json` + `params/`)
 
 CONFIG_FILE = "ling_config.json"
