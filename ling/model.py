@@ -152,14 +152,3 @@ class LingModel(nnx.Module):
 def apply(model: LingModel, tokens, state: State, valid=None, form: str = "auto"):
     """model(tokens, state) compiled once per (shapes, form): the convenient entry for tests and tools."""
     return model(tokens, state, valid=valid, form=form)
-
-
-def jit_forward(model: LingModel, *, form: str = "auto"):
-    """A pure jitted step (params, tokens, state) -> (logits, hidden, state); the state is donated."""
-    graphdef, params = nnx.split(model)
-
-    @functools.partial(jax.jit, donate_argnums=2)
-    def step(params, tokens, state):
-        return nnx.merge(graphdef, params)(tokens, state, form=form)
-
-    return step, params

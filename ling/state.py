@@ -33,13 +33,6 @@ class State:
     lengths: jnp.ndarray  # [B] int32
     nextn: MLACache | None = None
 
-    @property
-    def max_len(self) -> int:
-        for layer in self.layers:
-            if isinstance(layer, MLACache):
-                return layer.latent.shape[1]
-        return 1 << 30  # a pure-KDA stack has no length limit
-
 
 def kda_state(cfg: ModelConfig, batch: int, dtype) -> KDAState:
     return KDAState(
