@@ -49,7 +49,6 @@ from flax import nnx
 
 import ling
 from ling import data
-from ling.model import apply
 from ling.routing import moe_blocks, routed_ids, tap_moe
 
 VARIANTS = ("bf16", "int8", "int4", "int4+experts")

@@ -13,18 +13,50 @@ import jax
 import jax.numpy as jnp
 
 from moe.block import MoE
+from moe.nn import swiglu
 from moe.router import route
 
 
-class _Tap:
-    """Stands in for a MoE block: records the input, then calls the block."""
+def dense_experts_moe(moe: MoE, x):
+    """The MoE block's function computed for training: x [B, T, D] -> [B, T, D].
 
-    def __init__(self, moe: MoE, sink: list):
-        self.moe, self.sink = moe, sink
+    The same router (`moe.router.route`) and shared expert as `MoE.__call__`; the routed experts
+    run as two dense GEMMs over all E experts, [M, D] @ [D, E*2I] and (SwiGLU output scaled by
+    each token's routing weight per expert, zero for unchosen experts) [M, E*I] @ [E*I, D].
+    That is E/k times the routed FLOPs, but plain GEMMs on any backend, where a grouped
+    `ragged_dot` (the reference path) runs every row against every expert anyway on XLA:CPU and
+    XLA:GPU, with k times the rows; and it has a gradient, which the Pallas kernels lack. Equal
+    to the block's output up to summation order (and, in bf16, the rounding of the scaled SwiGLU
+    output)."""
+    b, t, d = x.shape
+    flat = x.reshape(b * t, d)
+    weights, ids = route(flat, moe.gate_weight[...], moe.expert_bias[...], top_k=moe.top_k, n_group=moe.n_group,
+                         topk_group=moe.topk_group, routed_scaling_factor=moe.routed_scaling_factor,
+                         norm_topk_prob=moe.norm_topk_prob)
+    w13, w2 = moe.w13[...], moe.w2[...]  # [E, D, 2I], [E, I, D]
+    e, _, i2 = w13.shape
+    m = flat.shape[0]
+    combine = jnp.zeros((m, e), jnp.float32).at[jnp.arange(m)[:, None], ids].add(weights)  # [M, E]
+    h = jnp.dot(flat, w13.transpose(1, 0, 2).reshape(d, e * i2).astype(x.dtype),
+                preferred_element_type=jnp.float32).reshape(m, e, i2)
+    h = swiglu(h[..., 0::2], h[..., 1::2], moe.swiglu_limit)  # [M, E, I] fp32
+    h = (h * combine[..., None]).astype(x.dtype).reshape(m, e * (i2 // 2))
+    y = jnp.dot(h, w2.reshape(e * (i2 // 2), d).astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    if moe.shared_experts is not None:
+        y = y + moe.shared_experts(flat)
+    return y.reshape(b, t, d)
+
+
+class _Tap:
+    """Stands in for a MoE block: records the input, then calls the block (or, for training,
+    `dense_experts_moe`)."""
+
+    def __init__(self, moe: MoE, sink: list, dense: bool):
+        self.moe, self.sink, self.dense = moe, sink, dense
 
     def __call__(self, x):
         self.sink.append(x)
-        return self.moe(x)
+        return dense_experts_moe(self.moe, x) if self.dense else self.moe(x)
 
 
 def _moe_layers(model) -> list:
@@ -37,16 +69,17 @@ def moe_blocks(model) -> list[MoE]:
     return [layer.mlp.moe if isinstance(layer.mlp, _Tap) else layer.mlp for layer in _moe_layers(model)]
 
 
-def tap_moe(model) -> list[tuple[MoE, list]]:
+def tap_moe(model, *, dense_experts: bool = False) -> list[tuple[MoE, list]]:
     """Replaces every MoE block of `model` (target layers, then the NEXTN layer) by a recording
-    stand-in; returns (block, inputs) per block, the inputs filled as the model runs. Use it on a
-    throw-away copy made inside the trace: the model is changed in place."""
+    stand-in; returns (block, inputs) per block, the inputs filled as the model runs. With
+    dense_experts the stand-in computes `dense_experts_moe` (training). Use it on a throw-away
+    copy made inside the trace: the model is changed in place."""
     taps = []
     for layer in _moe_layers(model):
         moe = layer.mlp.moe if isinstance(layer.mlp, _Tap) else layer.mlp
         sink: list = []
         taps.append((moe, sink))
-        layer.mlp = _Tap(moe, sink)
+        layer.mlp = _Tap(moe, sink, dense_experts)
     return taps
 
 

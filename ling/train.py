@@ -11,8 +11,12 @@ routing: n_group > 1, topk_group < n_group) and one NEXTN (MTP) layer. It is tra
   embedding of token t+1, exactly as `LingModel.draft` runs at decode time. Gradients of the MTP
   loss also reach the target (DeepSeek-V3's MTP).
 - the model's own prefill form (`model(tokens, init_state(...), form="prefill")`: chunked KDA
-  through `lax.scan` and `solve_triangular`, plain MLA, the MoE's grouped `ragged_dot`); the
-  router learns through the routing weights (renormalised sigmoid scores of the chosen experts).
+  through `lax.scan` and `solve_triangular`, plain MLA), traced with the plain-jnp kernels (the
+  Pallas ones have no VJP). Only the MoE blocks are swapped, inside the trace, for the same
+  function in a differentiable, GEMM-only form (`ling.routing.dense_experts_moe`: same router,
+  all experts computed, each token's output weighted by its routing weights, zero for unchosen
+  experts). The router learns through the routing weights (renormalised sigmoid scores of the
+  chosen experts); the top-k choice itself has no gradient.
 - load balancing without an auxiliary loss (DeepSeek-V3): after each step every MoE block's
   `expert_bias` (which steers the choice, never the weights) moves by `--bias-rate` towards the
   experts picked less than the mean in that batch, away from those picked more.
@@ -26,16 +30,18 @@ layer as model.layers.{n}; `ling.load(dir)` and `python -m ling.convert` read it
 held-out sequences the figures are measured on (heldout_tokens.npy), train_log.jsonl (one JSON
 line per logged step and per held-out evaluation), train_meta.json and a README.md.
 
-Time at the `small` preset (15.0 M parameters, 5.6 M active per token of which 1.05 M lm_head;
-31 MB in bf16). FLOPs per trained token (`flops_per_token`, forward of target + NEXTN incl.
-KDA chunk and MLA score terms, x3 for the backward): 5.6e7. Measured on this project's CPU machine
-(2 cores, fp32, batch 4 x 512): 2.0e3 tokens/s, i.e. 1.1e11 FLOP/s. On one H200 at a pessimistic
-5 % MFU of 1e15 FLOP/s bf16: 5e13 / 5.6e7 = 8.9e5 tokens/s, so the preset's 2000 steps of 64 x 512
-tokens (65.5 M tokens, ~8 epochs of the 8.4 M-token train split) take ~75 s; at a 10x worse
-launch-bound rate, ~12 min. `--time-budget` (the preset sets 330 s) therefore measures the real
-step time after compilation and, if needed, shortens the run (the cosine schedule is re-fitted
-to the steps that fit), so one device call stays under 9 minutes: ~40 s of data and tokenizer,
-compilation, at most 330 s of steps, a few seconds to save.
+Time at the `small` preset: 15.3 M parameters (30.8 MB of bf16 safetensors). Training FLOPs per
+token (`flops_per_token`: target + NEXTN, backward = 2x forward, KDA chunk and MLA score terms
+included, 512-token sequences): 51 M as the model routes, 101 M as training executes it (routed
+experts dense over all 32, `ling.routing.dense_experts_moe`). Measured on this project's CPU
+machine (2 cores, fp32, 4 x 512 tokens a step, `--estimate`): 110 tokens/s, 1.1e10 FLOP/s
+executed (XLA:CPU's batched triangular solve in the chunked KDA dominates). One H200 at a
+pessimistic 5 % MFU of 1e15 FLOP/s: 5e13 / 1.01e8 = 5.0e5 tokens/s, so the preset's 2000 steps of
+64 x 512 tokens (65.5 M tokens, ~8 epochs of the 8.4 M-token train split) take ~130 s. As that
+MFU is a guess for such small matrices, `--time-budget` (the preset sets 330 s, compilation
+included) measures the real step time after warm-up and shortens the run if needed, the cosine
+schedule refitted to the steps that fit. One device call: ~20-40 s of corpus and tokenizer, at
+most ~365 s of training (budget + 10 % hard stop), seconds to save: under 9 minutes.
 """
 
 from __future__ import annotations
@@ -43,7 +49,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -129,11 +134,12 @@ PRESETS = {
 # FLOP count
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def flops_per_token(cfg: ModelConfig, seq_len: int, *, executed: bool = False) -> float:
     """Training FLOPs per token (3x the forward: backward = 2x forward) of the target and the
     NEXTN layer in the prefill form at sequence length seq_len. Counts every matmul with its
     weights (lm_head included, embedding lookups not), MLA's scores and values over the whole
-    cache (the plain form computes them masked), and KDA's chunked terms."""
+    cache (the plain form computes them masked), and KDA's chunked terms. executed: the routed
+    experts as training runs them (`ling.routing.dense_experts_moe`: all E, not the top k)."""
     d, h, kd, c = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_dim
     kda = 5 * d * c + c * d + d * h + h * (4 * 64 * kd + 3 * kd * kd + 64 * kd)  # projections + chunk/state
     nh = cfg.num_attention_heads
@@ -141,8 +147,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
            + cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) + d * nh + nh * cfg.v_head_dim * d
            + nh * seq_len * (cfg.qk_head_dim + cfg.v_head_dim))
     dense = 3 * d * cfg.intermediate_size
-    moe = (3 * d * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.num_shared_experts)
-           + d * cfg.num_experts)
+    routed = cfg.num_experts if executed else cfg.num_experts_per_tok
+    moe = 3 * d * cfg.moe_intermediate_size * (routed + cfg.num_shared_experts) + d * cfg.num_experts
     macs = sum(kda if t == KDA else mla for t in cfg.layer_types)
     macs += sum(dense if t == DENSE else moe for t in cfg.mlp_types)
     macs += d * cfg.vocab_size
@@ -202,7 +208,7 @@ def forward_losses(model: LingModel, tokens):
     cfg = model.cfg
     b, t = tokens.shape
     dtype = model.embed_tokens[...].dtype
-    taps = tap_moe(model)
+    taps = tap_moe(model, dense_experts=True)
     logits, hidden, _ = model(tokens, init_state(cfg, b, t, dtype), form="prefill")
     main = _nll(logits[:, :-1], tokens[:, 1:])
     mtp = jnp.float32(0.0)
@@ -415,9 +421,9 @@ def main(argv=None) -> int:
     cfg = p.config(vocab)
     trainer = Trainer(cfg, seed=args.seed, lr=lr, warmup=warmup, mtp_weight=args.mtp_weight,
                       bias_rate=args.bias_rate, compute_dtype=args.compute_dtype)
-    fpt = flops_per_token(cfg, seq_len)
-    print(f"model: {trainer.n_params() / 1e6:.2f} M parameters, {fpt / 1e6:.1f} MFLOP per trained token; "
-          f"device {jax.devices()[0].device_kind}", flush=True)
+    fpt, fpt_run = flops_per_token(cfg, seq_len), flops_per_token(cfg, seq_len, executed=True)
+    print(f"model: {trainer.n_params() / 1e6:.2f} M parameters, {fpt / 1e6:.1f} MFLOP per trained token "
+          f"({fpt_run / 1e6:.1f} executed, all experts dense); device {jax.devices()[0].device_kind}", flush=True)
     batches = data.Batches(stream, batch, seq_len, args.seed)
 
     if args.estimate:
@@ -428,9 +434,10 @@ def main(argv=None) -> int:
             m = trainer.step(next(batches), i + 1, steps)
         jax.block_until_ready(m)
         tps = n * batch * seq_len / (time.perf_counter() - t0)
-        print(f"estimate: {tps:.0f} tokens/s, {tps * fpt:.3g} FLOP/s on {jax.devices()[0].device_kind}; "
-              f"an H200 at 5% MFU of 1e15: {5e13 / fpt:.3g} tokens/s, {steps} steps x {batch * seq_len} tokens "
-              f"in {steps * batch * seq_len / (5e13 / fpt):.0f} s")
+        h200 = 5e13 / fpt_run
+        print(f"estimate: {tps:.0f} tokens/s, {tps * fpt_run:.3g} FLOP/s executed on {jax.devices()[0].device_kind}; "
+              f"an H200 at 5% MFU of 1e15 FLOP/s: {h200:.3g} tokens/s, so the preset's {p.steps} steps x "
+              f"{p.batch * p.seq_len} tokens take {p.steps * p.batch * p.seq_len / h200:.0f} s")
         return 0
 
     os.makedirs(args.out, exist_ok=True)
@@ -446,6 +453,8 @@ def main(argv=None) -> int:
     t_loop = time.perf_counter()
     calib = (min(5, steps), min(25, steps))
     t_calib = None
+    hl, hm = trainer.evaluate(held, eval_batch)  # the untrained baseline; compiles the evaluation up front
+    write({"step": 0, "heldout_loss": hl, "heldout_mtp_loss": hm})
     bar = tqdm(total=total, desc=f"train {args.preset}", unit="step", disable=args.quiet, dynamic_ncols=True)
     step = 0
     last = {}
@@ -500,7 +509,7 @@ def main(argv=None) -> int:
         "bias_rate": args.bias_rate, "compute_dtype": args.compute_dtype, "seed": args.seed,
         "train_seconds": train_seconds, "total_seconds": time.perf_counter() - t_start,
         "heldout_loss": hl, "heldout_mtp_loss": hm, "final_train_loss": last.get("loss"),
-        "flops_per_token": fpt, "int_group": p.int_group,
+        "flops_per_token": fpt, "flops_per_token_executed": fpt_run, "int_group": p.int_group,
         "command": "python -m ling.train " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     with open(os.path.join(args.out, "train_meta.json"), "w") as f:
