@@ -110,6 +110,18 @@ def _expert_matrices(w, ids):
     return w[ids].astype(jnp.float32)
 
 
+def check_args(x, topk_ids, topk_weights, w13, w2) -> None:
+    """Raises ValueError naming the argument whose shape or dtype does not fit the others."""
+    _, d, _ = _dims(w13, w2)
+    if x.ndim != 2 or x.shape[1] != d:
+        raise ValueError(f"x must be [M, D={d}], got shape {x.shape}")
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must both be [M={x.shape[0]}, k], got "
+                         f"{topk_ids.shape} and {topk_weights.shape}")
+    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise ValueError(f"topk_ids must be integers, got {topk_ids.dtype}")
+
+
 def _dims(w13, w2):
     """(E, D, I) from either weight format, with the shapes checked against each other."""
     if isinstance(w13, QuantizedWeight):
@@ -537,14 +549,7 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend=
     align. plan overrides the launch heuristics (`plan_for`).
     """
     backend = resolve(backend)
-    e, d, _ = _dims(w13, w2)
-    if x.ndim != 2 or x.shape[1] != d:
-        raise ValueError(f"x must be [M, D={d}], got shape {x.shape}")
-    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_ids and topk_weights must both be [M={x.shape[0]}, k], got "
-                         f"{topk_ids.shape} and {topk_weights.shape}")
-    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
-        raise ValueError(f"topk_ids must be integers, got {topk_ids.dtype}")
+    check_args(x, topk_ids, topk_weights, w13, w2)
     if backend == "reference":
         return reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit)
     return _run(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, backend=backend,

@@ -69,7 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import resolve
-from pallas_kernels.fused_moe import _dims, _swiglu, align_sizes, moe_align
+from pallas_kernels.fused_moe import _dims, _swiglu, align_sizes, check_args, moe_align
 from pallas_kernels.quant import QuantizedWeight, dequantize
 
 COMBINES = ("sum", "atomic")
@@ -377,14 +377,7 @@ def grouped_moe(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backen
     `plan_for`. Any M works; it pays off once every expert has rows (prefill chunks).
     """
     backend = resolve(backend)
-    e, d, _ = _dims(w13, w2)
-    if x.ndim != 2 or x.shape[1] != d:
-        raise ValueError(f"x must be [M, D={d}], got shape {x.shape}")
-    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_ids and topk_weights must both be [M={x.shape[0]}, k], got "
-                         f"{topk_ids.shape} and {topk_weights.shape}")
-    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
-        raise ValueError(f"topk_ids must be integers, got {topk_ids.dtype}")
+    check_args(x, topk_ids, topk_weights, w13, w2)
     if backend == "reference":
         return reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit)
     return _run(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, backend=backend,
