@@ -15,7 +15,9 @@ acceptance, and how much the verified positions share their experts (rho).
 - Accepted length: greedy NEXTN chain speculative decoding (`spec.loop.generate_batch`) of
   --new-tokens tokens after each of --prompts held-out prompts of --prompt-len tokens, for every
   num_steps S in --num-steps; `spec.loop.mean_accepted_length`: tokens emitted per verify step,
-  the bonus token included (1 .. S+1). Each row also says whether the output equals plain greedy.
+  the bonus token included (1 .. S+1). Each row also says whether the output equals plain greedy
+  (at bf16 a near-tie of the top two logits can round differently in the verify pass than in a
+  decode step; the shipped-checkpoint test checks equality at fp32).
 - Expert sharing, measured on the same runs: in every verify step of every live slot and every
   target MoE layer, let E_0 .. E_S be the top-k expert sets of the w = S+1 verified tokens
   [last token, d_1 .. d_S] (recomputed from the verify pass's own MoE inputs). Reported:

@@ -155,7 +155,7 @@ def test_save_hub_round_trip_and_hub_compatibility(tmp_path):
 @pytest.fixture(scope="module")
 def toy_dir(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("train") / "ling-toy")
-    assert train.main(["--preset", "toy", "--steps", "12", "--lr", "1e-2", "--warmup", "2",
+    assert train.main(["--preset", "toy", "--steps", "10", "--lr", "1e-2", "--warmup", "2",
                        "--max-train-bytes", "200000", "--out", out, "--quiet"]) == 0
     return out
 
@@ -164,7 +164,7 @@ def test_train_loss_and_mtp_loss_fall(toy_dir):
     log = [json.loads(line) for line in open(os.path.join(toy_dir, "train_log.jsonl"))]
     steps = [r for r in log if "loss" in r]
     first, last = steps[0], steps[-1]
-    assert first["step"] == 1 and last["step"] == 12
+    assert first["step"] == 1 and last["step"] == 10
     assert last["loss"] < first["loss"] - 0.4, (first["loss"], last["loss"])
     assert last["mtp_loss"] < first["mtp_loss"] - 0.4, (first["mtp_loss"], last["mtp_loss"])
     # Every part of the model got a gradient: KDA (chunked scan), MLA, the router through the
@@ -173,10 +173,10 @@ def test_train_loss_and_mtp_loss_fall(toy_dir):
         norms = [r[f"grad_norm/{part}"] for r in steps]
         assert all(np.isfinite(norms)) and min(norms) > 0, part
     held = [r for r in log if "heldout_loss" in r]
-    assert held[0]["step"] == 0 and held[-1]["step"] == 12
+    assert held[0]["step"] == 0 and held[-1]["step"] == 10
     assert held[-1]["heldout_loss"] < held[0]["heldout_loss"] - 0.4
     meta = json.load(open(os.path.join(toy_dir, "train_meta.json")))
-    assert meta["steps_done"] == 12 and meta["heldout_loss"] == held[-1]["heldout_loss"]
+    assert meta["steps_done"] == 10 and meta["heldout_loss"] == held[-1]["heldout_loss"]
 
 
 def test_train_writes_a_loadable_checkpoint_with_its_tokenizer(toy_dir):
@@ -230,7 +230,9 @@ def test_shipped_checkpoint_reproduces_its_perplexity(model_dir):
 def test_shipped_checkpoint_greedy_speculative_equals_plain(model_dir):
     from spec.loop import generate_batch
 
-    model = ling.load(model_dir, dtype="bfloat16", progress=False)
+    # fp32: in bf16 the verify pass (S+1 tokens at once) and the decode step round differently,
+    # and a near-tie of the top two logits may then flip over hundreds of tokens.
+    model = ling.load(model_dir, dtype="float32", progress=False)
     seqs = ling_eval.heldout_sequences(model_dir)
     for prompt in (seqs[0, :64].tolist(), seqs[len(seqs) // 2, :32].tolist()):
         plain = generate_batch(model, [prompt], 256, speculative=False)[0]
