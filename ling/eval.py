@@ -177,7 +177,8 @@ def speculative_figures(model, prompts: list[list[int]], new_tokens: int, num_st
     reference's batched bf16 dot ("bhtl,blr->bthr", B > 1), and the slots are independent anyway."""
     from spec.loop import generate_batch
 
-    plain = [generate_batch(model, [p], new_tokens, speculative=False)[0] for p in prompts]
+    chunk = min(256, -(-max(len(p) for p in prompts) // 64) * 64)  # one prefill chunk, not 256 padded tokens
+    plain = [generate_batch(model, [p], new_tokens, speculative=False, prefill_chunk=chunk)[0] for p in prompts]
     moes = moe_blocks(model)
     e, k = (moes[0].gate_weight.shape[0], moes[0].top_k) if moes else (1, 1)
     rows = []
@@ -188,7 +189,7 @@ def speculative_figures(model, prompts: list[list[int]], new_tokens: int, num_st
         same = True
         for p, ref in zip(prompts, plain):
             out, slots = generate_batch(model, [p], new_tokens, speculative=True, num_steps=s, return_slots=True,
-                                        drafter=rec.drafter)
+                                        drafter=rec.drafter, prefill_chunk=chunk)
             n_steps, n_produced = jax.device_get((slots.steps.sum(), slots.produced.sum()))
             steps, produced = steps + int(n_steps), produced + int(n_produced)
             same &= out[0] == ref
