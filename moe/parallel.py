@@ -111,7 +111,12 @@ def _replicated(x, ids, weights, w13, w2, limit, mesh, compute):
         e_local = w13.shape[0]
         lo = jax.lax.axis_index(EXPERT) * e_local
         mine = (ids >= lo) & (ids < lo + e_local)
-        y = compute(x, jnp.where(mine, ids - lo, 0), jnp.where(mine, weights, 0.0), w13, w2, swiglu_limit=limit)
+        # Pairs of other ranks keep weight 0 and borrow the expert of one local pair, so they add
+        # rows to a block already read instead of reading another expert.
+        flat = mine.reshape(-1)
+        borrow = jnp.where(jnp.any(flat), (ids - lo).reshape(-1)[jnp.argmax(flat)], 0)
+        y = compute(x, jnp.where(mine, ids - lo, borrow), jnp.where(mine, weights, 0.0), w13, w2,
+                    swiglu_limit=limit)
         return jax.lax.psum(y, EXPERT)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(EXPERT), P(EXPERT)), out_specs=P(),
