@@ -4,6 +4,9 @@ Run on the GPU machine from the repository root:
     python3 bench/fused_moe.py [--budget 160]          (log and JSON under $OUT, else ./bench_out)
     python3 bench/fused_moe.py --smoke                 (CPU, interpret mode, tiny shapes: the script runs)
     python3 bench/fused_moe.py --lower DIR             (CPU: lower every timed kernel to Triton IR in DIR)
+    python3 bench/fused_moe.py --mixed --profile-tiles [--tile-model PATH] [--budget 200]
+        decode + prefill tokens in one MoE layer (union / split / tile-scheduled launches) and the
+        tile-aware latency model's profile and fit: bench/mixed_moe.py (log, tiles.json under $OUT)
 
 Ling-3.0-flash's MoE layer: E = 512 experts, top-8, D = 2560, I = 768; bf16 weights and grouped
 int4 (G = 128, symmetric, B_N = 64); M in {1, 6, 16, 64} tokens. Per row:
@@ -73,6 +76,12 @@ def main():
     ap.add_argument("--budget", type=float, default=105.0, help="seconds; then the rest is skipped")
     ap.add_argument("--smoke", action="store_true", help="CPU, interpret mode, tiny shapes")
     ap.add_argument("--lower", metavar="DIR", help="CPU: dump the Triton IR of every timed kernel")
+    ap.add_argument("--mixed", action="store_true", help="decode + prefill tokens of one layer: one grouped "
+                    "launch, two launches, the tile-scheduled kernel (bench/mixed_moe.py)")
+    ap.add_argument("--profile-tiles", action="store_true", help="profile the tile kernel over (decode, prefill) "
+                    "shapes and fit moe/tiles.py's latency model")
+    ap.add_argument("--tile-model", metavar="PATH", help="--profile-tiles: where the fitted model goes "
+                    "(default $OUT/tile_model.json)")
     args = ap.parse_args()
     global E, D, I, LOG
     if args.smoke or args.lower:
@@ -81,6 +90,14 @@ def main():
         E, D, I = 13, 256, 128
     out_dir = os.environ.get("OUT", "bench_out")
     os.makedirs(out_dir, exist_ok=True)
+    if args.mixed or args.profile_tiles:
+        if args.lower:
+            ap.error("--lower applies to the fused MoE sweep, not to --mixed / --profile-tiles")
+        import mixed_moe  # bench/mixed_moe.py, beside this script
+
+        LOG = open(os.path.join(out_dir, "tiles_log.txt"), "w")
+        mixed_moe.main(args, (E, D, I), out_dir, log)
+        return
     LOG = open(os.path.join(out_dir, "moe_log.txt"), "w")
     try:
         run(args)

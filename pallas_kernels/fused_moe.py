@@ -35,6 +35,9 @@ and streams expert e_j's [K, BN] weight tile t once (unused blocks exit before a
   path "fma": BM = 1 (one pair per block, never padded), CUDA-core multiply-adds into a [BK, BN]
         fp32 tile summed once (quantised: codes or-ed into magic floats, see `_acc_quant`).
 Combine (one XLA fusion): y = sum_k w * out[m*k + slot] in fp32, rounded once to x's dtype.
+Shared with the tile-scheduled kernel (expert_tiles.py): `weight_operands` (either weight format as
+pallas_call inputs), `pop_weight_refs`, `expert_tile` (one block's rows times one weight tile) and
+`swiglu_columns` (the interleaved gate/up epilogue).
 Rounding: h is rounded to the activation dtype between the GEMMs (as in moe.block); nothing else
 (the quantised "fma" path sums terms up to ~(256 + 2^b) / 2^b times larger in fp32: ~1e-6).
 
@@ -391,16 +394,81 @@ def _acc_quant(qrefs, qm: _QMeta, e, t, a_load, *, bm, fma):
     return lax.fori_loop(0, qm.n_groups, body_dot, jnp.zeros((bm, bn), jnp.float32))
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightOperands:
+    """One expert GEMM's weights as pallas_call inputs, with the static facts its kernel needs.
+
+    inputs: [w] (dense [E, K, N]) or [magic, words, scales(, zeros)] (quantised; `pop_weight_refs`
+    takes their refs back in this order). bn: output columns per tile (quantised: the layout's
+    B_N); bk, n_k: K per step and steps (dense; None when quantised: one group per step);
+    n_tiles: N / bn; qm: the quantised layout (None: dense)."""
+
+    inputs: list
+    qm: _QMeta | None
+    bk: int | None
+    bn: int
+    n_k: int | None
+    n_tiles: int
+
+
+def weight_operands(w, block_k: int, block_n: int, *, dot: bool, stage: str) -> WeightOperands:
+    """The operands of `expert_tile` for stacked experts w (dense [E, K, N] or a grouped
+    `QuantizedWeight`); block_k / block_n apply to dense weights. stage names the GEMM in errors."""
+    if isinstance(w, QuantizedWeight):
+        (_, n_tiles, _, bn), (_, k_in) = w.words.shape, w.shape
+        if dot and w.group_size * w.bits // 32 < 16:
+            raise ValueError("the dot path needs >= 16 words per group (group_size * bits >= 512)")
+        qm = _QMeta(w.bits, w.group_size, w.symmetric, bn, k_in // w.group_size)
+        # Magic floats as register operands (the and-or fuses into one LOP3, qmatvec): 2^23, then
+        # 2^(23 - off) for the "fma" path's code offsets off = 15 + i * bits.
+        magic = jnp.array([0x4B000000] + [(127 + 8 - i * w.bits) << 23 for i in range(8 // w.bits)],
+                          jnp.uint32)
+        inputs = [magic, w.words, w.scales] + ([] if w.symmetric else [w.zeros])
+        return WeightOperands(inputs, qm, None, bn, None, n_tiles)
+    _, k_in, n_out = w.shape
+    bn, bk = min(block_n, n_out), min(block_k, k_in)
+    if n_out % bn or k_in % bk:
+        raise ValueError(f"block_n={bn} and block_k={bk} must divide the {stage} GEMM's "
+                         f"N={n_out} and K={k_in}")
+    return WeightOperands([w], None, bk, bn, k_in // bk, n_out // bn)
+
+
+def pop_weight_refs(refs: list, qm: _QMeta | None):
+    """Pops one GEMM's weight refs off the front of refs (the order of `weight_operands`):
+    w [E, K, N], or (magic [1], words [E, T, K*b/32, B_N], scales [E, T, K/G, B_N], zeros or None)."""
+    if qm is None:
+        return refs.pop(0)
+    return refs.pop(0), refs.pop(0), refs.pop(0), None if qm.symmetric else refs.pop(0)
+
+
+def expert_tile(wrefs, qm: _QMeta | None, e, t, a_load, *, n_k, bk, bn, bm, fma):
+    """a @ W_e[:, tile t] in fp32 for either weight format: [BM, BN] ("dot") or [BN] ("fma").
+    a_load(k0, size) gives the rows' columns [k0, k0 + size): [BM, size] in the activation dtype
+    ("dot") or [size] fp32 ("fma")."""
+    if qm is None:
+        return _acc_dense(wrefs, e, t * bn, a_load, n_k=n_k, bk=bk, bn=bn, bm=bm, fma=fma)
+    return _acc_quant(wrefs, qm, e, t, a_load, bm=bm, fma=fma)
+
+
+def swiglu_columns(acc, limit):
+    """acc [..., BN] fp32 with (gate, up) interleaved by column -> swiglu [..., BN/2] fp32.
+
+    The pairs are split by a select and a sum over the pair axis (exact, and it lowers everywhere:
+    Triton has no strided column slice)."""
+    pairs = acc.reshape(*acc.shape[:-1], acc.shape[-1] // 2, 2)  # [..., BN/2, (gate, up)]
+    gate = jnp.arange(2, dtype=jnp.int32) == 0
+    g = jnp.sum(jnp.where(gate, pairs, 0.0), axis=-1)
+    u = jnp.sum(jnp.where(gate, 0.0, pairs), axis=-1)
+    return _swiglu(g, u, limit)
+
+
 def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, limit, n_init):
     """Program (j, t): block j's rows times expert e_j's weight tile t; see the module doc."""
     refs = list(refs)
     a_ref = refs.pop(0)  # up: x [M, D]; down: h [NB*BM, I]
     route_ref = refs.pop(0)  # direct: topk ids [P]; else block_expert [NBP]
     sorted_ref = None if direct else refs.pop(0)  # [S]
-    if qm is None:
-        w_ref = refs.pop(0)  # [E, K, N]
-    else:  # magic [1], words [E, T, K*b/32, B_N], scales (zeros) [E, T, K/G, B_N]
-        qrefs = (refs.pop(0), refs.pop(0), refs.pop(0), None if qm.symmetric else refs.pop(0))
+    wrefs = pop_weight_refs(refs, qm)
     del refs[:n_init]  # aliased initial outputs (tests poison them): only the output ref is used
     out_ref = refs.pop(0)  # up: h [NB*BM, I]; down: out [P + 1, D] f32
 
@@ -435,16 +503,9 @@ def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, limit, n_
 
     @pl.when(e >= 0)  # an unused block reads and writes nothing
     def _():
-        if qm is None:
-            acc = _acc_dense(w_ref, e, t * bn, a_load, n_k=n_k, bk=bk, bn=bn, bm=bm, fma=fma)
-        else:
-            acc = _acc_quant(qrefs, qm, e, t, a_load, bm=bm, fma=fma)
-        if stage == "up":  # interleaved columns: (gate, up) pairs side by side
-            pairs = acc.reshape(*acc.shape[:-1], bn // 2, 2)  # [..., BN/2, (gate, up)]
-            gate = jnp.arange(2, dtype=jnp.int32) == 0  # select + sum: lowers everywhere, exact
-            g = jnp.sum(jnp.where(gate, pairs, 0.0), axis=-1)
-            u = jnp.sum(jnp.where(gate, 0.0, pairs), axis=-1)
-            h = _swiglu(g, u, limit).astype(out_ref.dtype)  # padding rows: x = 0 -> h = 0
+        acc = expert_tile(wrefs, qm, e, t, a_load, n_k=n_k, bk=bk, bn=bn, bm=bm, fma=fma)
+        if stage == "up":
+            h = swiglu_columns(acc, limit).astype(out_ref.dtype)  # padding rows: x = 0 -> h = 0
             if fma:
                 out_ref[j, pl.ds(t * (bn // 2), bn // 2)] = h
             else:
@@ -463,26 +524,8 @@ def _gemm(stage, a, route, sorted_pairs, w, *, n_blocks, k, p, plan: Plan, gp: G
 
     route: topk ids [P] when sorted_pairs is None (direct), else block_expert [NBP].
     init: an initial output to alias (tests poison it)."""
-    qm = None
-    if isinstance(w, QuantizedWeight):
-        (_, n_tiles, _, bn), (_, k_in) = w.words.shape, w.shape
-        if plan.path == "dot" and w.group_size * w.bits // 32 < 16:
-            raise ValueError("the dot path needs >= 16 words per group (group_size * bits >= 512)")
-        qm = _QMeta(w.bits, w.group_size, w.symmetric, bn, k_in // w.group_size)
-        bk = n_k = None
-        # Magic floats as register operands (the and-or fuses into one LOP3, qmatvec): 2^23, then
-        # 2^(23 - off) for the "fma" path's code offsets off = 15 + i * bits.
-        magic = jnp.array([0x4B000000] + [(127 + 8 - i * w.bits) << 23 for i in range(8 // w.bits)],
-                          jnp.uint32)
-        w_inputs = [magic, w.words, w.scales] + ([] if w.symmetric else [w.zeros])
-    else:
-        _, k_in, n_out = w.shape
-        bn, bk = min(gp.block_n, n_out), min(gp.block_k, k_in)
-        if n_out % bn or k_in % bk:
-            raise ValueError(f"block_n={bn} and block_k={bk} must divide the {stage} GEMM's "
-                             f"N={n_out} and K={k_in}")
-        n_tiles, n_k = n_out // bn, k_in // bk
-        w_inputs = [w]
+    ops = weight_operands(w, gp.block_k, gp.block_n, dot=plan.path == "dot", stage=stage)
+    qm, bk, bn, n_k, n_tiles, w_inputs = ops.qm, ops.bk, ops.bn, ops.n_k, ops.n_tiles, ops.inputs
     direct = sorted_pairs is None
     inputs = [a, route] + ([] if direct else [sorted_pairs]) + w_inputs
     inits = [] if init is None else [init]

@@ -29,9 +29,10 @@ _ADD, _ABORT = "add", "abort"
 
 class Engine:
     def __init__(self, runner: Runner, tokenizer: Tokenizer, metrics: Metrics, *, chunk: int, eos_id: int | None,
-                 stop_ids: set[int]):
+                 stop_ids: set[int], sizer=None):
+        """sizer: None (fixed chunk) or a moe.tiles.ChunkSizer whose candidates were compiled."""
         self.runner, self.tokenizer, self.metrics = runner, tokenizer, metrics
-        self.scheduler = Scheduler(runner.max_batch, chunk, eos_id)
+        self.scheduler = Scheduler(runner.max_batch, chunk, eos_id, sizer=sizer, decode_width=runner.stepper.width)
         self.stop_ids = set(stop_ids) | ({eos_id} if eos_id is not None else set())
         self.outputs: dict[int, TextOutput] = {}
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -3,11 +3,17 @@
     python -m serve.run [--model DIR_OR_PRESET] [--host 127.0.0.1] [--port 30000]
                         [--speculative-num-steps N] [--max-batch B] [--max-seq-len L] [--api-key KEY]
                         [--quantize int8|int4|int2] [--dtype bfloat16|float32] [--prefill-chunk C]
+                        [--tile-model PATH --tpot-slo-ms MS]
 
-With no --model it serves serve/default_model (a tiny random-weight model and its tokenizer, shipped
-with the project). Start-up loads the tokenizer and the model and compiles the prefill chunk and the
+With no --model it serves serve/default_model: ling-small, a 15 M-parameter Ling-architecture model
+trained by `python -m ling.train` on the Python standard library's sources, and its tokenizer. Start-up loads the tokenizer and the model and compiles the prefill chunk and the
 decode step (JAX's persistent compilation cache makes a restart skip the compiling), then prints
 one line with the address.
+
+With --tile-model (a fitted moe.tiles.TileModel: `python bench/fused_moe.py --profile-tiles`) and
+--tpot-slo-ms, the prefill chunk is sized per iteration: --prefill-chunk wide when no request
+decodes, else the widest power-of-two width (>= 16) the model predicts to keep an iteration (decode
+step + chunk) within the budget; every such width is compiled at start-up.
 """
 
 from __future__ import annotations
@@ -43,7 +49,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-batch", type=int, default=16, help="state slots: requests decoded at once (default 16)")
     ap.add_argument("--max-seq-len", type=int, default=None, help="context length per request, prompt + output "
                     f"(default: the model's max_position_embeddings, at most {DEFAULT_MAX_SEQ_LEN})")
-    ap.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per slot per prefill chunk")
+    ap.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per slot per prefill chunk "
+                    "(with --tile-model: the widest chunk)")
+    ap.add_argument("--tile-model", default=None, metavar="PATH", help="fitted MoE tile model (JSON from "
+                    "bench/fused_moe.py --profile-tiles): size prefill chunks to --tpot-slo-ms")
+    ap.add_argument("--tpot-slo-ms", type=float, default=None, help="with --tile-model: the budget of one iteration "
+                    "(a decode step and the prefill chunk beside it), milliseconds")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="weights and activations (default auto: bfloat16 on an accelerator, float32 on CPU, where "
                     "XLA has no bf16 x bf16 -> f32 dot)")
@@ -61,6 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     f"(default {DEFAULT_CACHE}; '' turns it off)")
     ap.add_argument("--seed", type=int, default=0, help="weight seed for a preset (random weights)")
     args = ap.parse_args(argv)
+    if (args.tile_model is None) != (args.tpot_slo_ms is None):
+        ap.error("--tile-model and --tpot-slo-ms go together")
+    if args.tpot_slo_ms is not None and args.tpot_slo_ms <= 0:
+        ap.error(f"--tpot-slo-ms must be positive, got {args.tpot_slo_ms}")
     for name, low in (("max_batch", 1), ("prefill_chunk", 1), ("max_seq_len", 2), ("speculative_num_steps", 0)):
         v = getattr(args, name)
         if v is not None and v < low:
@@ -87,6 +102,28 @@ def _load_model(args):
                      group_size=args.group_size, ep_size=args.ep_size)
 
 
+def chunk_sizer(args, cfg):
+    """The moe.tiles.ChunkSizer of --tile-model / --tpot-slo-ms for the model config cfg, or None
+    without them. StartupError when the file is unusable or was fitted for other experts."""
+    if args.tile_model is None:
+        return None
+    from ling.config import MOE
+    from moe.tiles import ChunkSizer, TileModel, chunk_candidates
+
+    try:
+        tm = TileModel.load(args.tile_model)
+    except (OSError, ValueError) as e:
+        raise StartupError(f"--tile-model: {e}") from None
+    layers = sum(t == MOE for t in cfg.mlp_types)
+    if layers == 0:
+        raise StartupError("--tile-model: the model has no MoE layer to size chunks by")
+    if (tm.n_experts, tm.top_k) != (cfg.num_experts, cfg.num_experts_per_tok):
+        raise StartupError(f"--tile-model {args.tile_model} was fitted for {tm.n_experts} experts top-{tm.top_k}; "
+                           f"the model has {cfg.num_experts} experts top-{cfg.num_experts_per_tok}")
+    return ChunkSizer(tm, args.tpot_slo_ms * 1e3, tuple(chunk_candidates(args.prefill_chunk)), rows=args.max_batch,
+                      layers=layers)
+
+
 @dataclasses.dataclass
 class Loaded:
     tokenizer: object
@@ -94,6 +131,7 @@ class Loaded:
     runner: object
     max_seq_len: int
     speculative_steps: int
+    sizer: object = None  # moe.tiles.ChunkSizer or None
 
 
 def start(args, bar) -> Loaded:
@@ -144,6 +182,7 @@ def start(args, bar) -> Loaded:
     elif steps > 0 and model.nextn is None:
         bar.write("warning: the model has no NEXTN layer: speculative decoding is off", file=sys.stderr)
         steps = 0
+    sizer = chunk_sizer(args, cfg)
     bar.update()
 
     bar.set_description(f"slots ({args.max_batch} x {max_seq_len})")
@@ -151,7 +190,8 @@ def start(args, bar) -> Loaded:
     bar.update()
     try:
         bar.set_description("compiling prefill")
-        runner.warmup_prefill(args.prefill_chunk)
+        for width in (sizer.candidates if sizer is not None else (args.prefill_chunk,)):
+            runner.warmup_prefill(width)
         bar.update()
         bar.set_description("compiling decode step")
         runner.warmup_step()
@@ -159,7 +199,7 @@ def start(args, bar) -> Loaded:
     except Exception as e:  # the model cannot run here (dtype, memory, kernels): say so, no traceback
         raise StartupError(f"the warm-up step failed ({args.dtype}, {args.max_batch} slots x {max_seq_len} "
                            f"tokens): {type(e).__name__}: {e}") from None
-    return Loaded(tokenizer, model, runner, max_seq_len, steps)
+    return Loaded(tokenizer, model, runner, max_seq_len, steps, sizer)
 
 
 def main(argv=None) -> int:
@@ -190,7 +230,7 @@ def main(argv=None) -> int:
     eos_id = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.token_id(tokenizer.eos_token)
     metrics = Metrics(name)
     engine = Engine(s.runner, tokenizer, metrics, chunk=args.prefill_chunk, eos_id=eos_id,
-                    stop_ids=tokenizer.stop_token_ids(args.tokenizer or args.model))
+                    stop_ids=tokenizer.stop_token_ids(args.tokenizer or args.model), sizer=s.sizer)
     app = create_app(engine, tokenizer, metrics, Profiler(args.profile_dir),
                      ServerInfo(model_name=name, max_seq_len=s.max_seq_len, vocab_size=cfg.vocab_size,
                                 api_key=args.api_key))

@@ -4,7 +4,13 @@ no JAX here.
 A request waits in a FIFO queue until a slot is free. Admitted, it prefills one chunk per engine
 iteration (all prefilling slots share one [B, C] chunk call), each iteration also running one
 decode step for the slots already decoding: chunked prefill interleaved with decode. After its last
-chunk the slot decodes until the request finishes; then the slot is free again."""
+chunk the slot decodes until the request finishes; then the slot is free again.
+
+Chunk width. Fixed (`chunk`) by default. With a `sizer` (moe.tiles.ChunkSizer, built from a fitted
+tile model and a TPOT budget) each iteration's width is the largest the model predicts to fit
+the budget next to the decode step: the widest when no slot decodes, narrower while slots do.
+The compiled decode step computes every slot (idle ones too), so its MoE work is
+num_slots * decode_width tokens whenever any slot decodes."""
 
 from __future__ import annotations
 
@@ -35,8 +41,11 @@ class PrefillChunk:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, chunk: int, eos_id: int | None):
+    def __init__(self, num_slots: int, chunk: int, eos_id: int | None, *, sizer=None, decode_width: int = 1):
+        """sizer: None (every chunk is `chunk` wide) or a callable decode_tokens -> chunk width;
+        decode_width: tokens per slot in a decode step (speculative: draft steps + 1)."""
         self.num_slots, self.chunk, self.eos_id = num_slots, chunk, eos_id
+        self.sizer, self.decode_width = sizer, decode_width
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * num_slots
         self.prefilled: list[int | None] = [None] * num_slots  # prompt tokens done; None once decoding
@@ -82,9 +91,17 @@ class Scheduler:
 
     # -- planning ------------------------------------------------------------------------------
 
+    def chunk_width(self) -> int:
+        """This iteration's chunk width, from the slots decoding before it (a prompt that ends in
+        this chunk decodes in this iteration already, under the width chosen without it)."""
+        if self.sizer is None:
+            return self.chunk
+        decoding = any(r is not None for r in self.decoding())
+        return self.sizer(self.num_slots * self.decode_width if decoding else 0)
+
     def next_chunk(self) -> PrefillChunk | None:
         """Admits waiting requests into free slots, then the next chunk of every prefilling slot."""
-        b, c = self.num_slots, self.chunk
+        b, c = self.num_slots, self.chunk_width()
         start = np.zeros(b, bool)
         for slot in range(b):
             if self.slots[slot] is None and self.waiting:

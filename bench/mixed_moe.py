@@ -1,0 +1,322 @@
+"""`bench/fused_moe.py --mixed` and `--profile-tiles`: one MoE layer with decode and prefill tokens.
+
+--mixed. Ling's MoE (E 512, top-8, D 2560, I 768), 8 decode tokens plus a prefill chunk of 512,
+2048 and 8192 tokens, three ways:
+  (a) union   one grouped launch over all tokens (grouped_gemm.grouped_moe: the large-M path);
+              the decode rows are done when it is (its combine sums at the end)
+  (b) split   fused_moe over the decode tokens, then grouped_moe over the prefill chunk, one jit;
+              decode done = fused_moe alone (timed separately), total = both
+  (c) tiles   expert_tiles.tile_moe: one persistent launch, decode tiles claimed first; total timed
+              like the others; decode done = total - (kernel span - decode span), the spans read
+              from the kernel's %globaltimer stamps in a separate traced run (first program start
+              to last decode tile's end, and to the last tile's end): the work before the kernel
+              (both aligns, the concatenations) counts as decode latency, the prefill tiles after
+              the last decode tile do not. Also the decode-only tile launch (the exclusive time).
+--profile-tiles. The tile kernel at one plan (BM 64) over a grid of (decode, prefill) token
+counts; x_moe from each call's routing (per class, as the kernel aligns them); a least-squares
+fit of moe/tiles.py's model t = alpha + beta x (s = 1) on two thirds of the shapes, its error on
+the held-out third, the model written as JSON (--tile-model PATH, default $OUT/tile_model.json).
+
+Timing as bench/fused_moe.py: one jit of R calls, each with its own random routing (distinct
+experts per token, uniform), many dispatches queued, the difference of two counts divided out.
+Every kernel is checked against grouped_moe (itself checked against grouped_gemm.reference at the
+smallest chunk) on the same routing before it is timed. --smoke: CPU, interpret mode, tiny
+shapes (no timing, no stamps: decode completion is shown as the claim ticket of the last decode
+tile instead).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+
+import numpy as np
+
+K = 8
+DECODE = 8
+PREFILLS = (512, 2048, 8192)
+PROFILE = [(1, 0), (8, 0), (32, 0), (0, 512), (8, 512), (32, 512), (0, 2048), (8, 2048), (32, 2048),
+           (8, 4096), (0, 8192), (8, 8192)]  # (decode, prefill); every third is held out
+PROFILE_BM = 64
+
+
+class Bench:
+    def __init__(self, args, dims, out_dir, log):
+        import jax
+
+        self.args, self.log, self.out_dir = args, log, out_dir
+        self.e, self.d, self.i = dims
+        self.smoke = args.smoke
+        self.backend = "interpret" if self.smoke else "pallas"
+        self.key = jax.random.PRNGKey(1)
+        self.deadline = time.time() + args.budget
+        self.results = {"mixed": [], "profile": [], "errors": []}
+        dev = jax.devices()[0]
+        self.results["device"] = f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}"
+        self.programs = 4 if self.smoke else (getattr(dev, "core_count", None) or 132)
+        self._w = None
+
+    # ------------------------------------------------------------------ inputs
+    def weights(self):
+        import jax
+        import jax.numpy as jnp
+
+        if self._w is None:
+            k1, k2 = jax.random.split(self.key)
+            self._w = (jax.random.normal(k1, (self.e, self.d, 2 * self.i), jnp.bfloat16) * 0.03,
+                       jax.random.normal(k2, (self.e, self.i, self.d), jnp.bfloat16) * 0.05)
+        return self._w
+
+    def routings(self, md, mp, r, salt=0):
+        """r random routings of md + mp tokens (decode first): x, [ids], [weights]."""
+        import jax
+        import jax.numpy as jnp
+
+        m = md + mp
+        key = jax.random.fold_in(self.key, 1000 * m + md + salt)
+        x = jax.random.normal(key, (m, self.d), jnp.bfloat16)
+        ids, ws = [], []
+        for j in range(r):
+            ka, kb = jax.random.split(jax.random.fold_in(key, j + 1))
+            ids.append(jax.lax.top_k(jax.random.uniform(ka, (m, self.e)), K)[1].astype(jnp.int32))
+            ws.append(jax.random.uniform(kb, (m, K), jnp.float32) / K + 0.05)
+        return x, ids, ws
+
+    # ------------------------------------------------------------------ timing
+    def timed(self, fn, x, ids, ws):
+        """(µs per call, outputs of the first dispatch): one jit of R calls, dispatched n times."""
+        import jax
+
+        r = len(ids)
+        w = self.weights()
+        f = jax.jit(lambda w, x, ids, ws: [fn(x, ids[j], ws[j], w) for j in range(r)])
+        outs = jax.block_until_ready(f(w, x, ids, ws))
+        if self.smoke:
+            return 0.0, outs
+
+        def batch(n):
+            t = time.perf_counter()
+            jax.block_until_ready([f(w, x, ids, ws) for _ in range(n)])
+            return time.perf_counter() - t
+
+        batch(2)
+        best = min(batch(8) - batch(2) for _ in range(2))
+        return best / (6 * r) * 1e6, outs
+
+    def once(self, fn, x, ids, ws):
+        import jax
+
+        return jax.jit(fn)(x, ids, ws, self.weights())
+
+    def check(self, y, ref, what):
+        """Relative (Frobenius) error of y against ref; raises beyond 1e-2."""
+        import jax.numpy as jnp
+
+        y, ref = y.astype(jnp.float32), ref.astype(jnp.float32)
+        err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+        if not err < 1e-2:
+            raise AssertionError(f"{what}: rel err {err:.2e}")
+        return err
+
+    def left(self):
+        return self.deadline - time.time()
+
+    # ------------------------------------------------------------------ kernels
+    def kernels(self, md, plan):
+        from pallas_kernels import expert_tiles as et
+        from pallas_kernels.fused_moe import fused_moe
+        from pallas_kernels.grouped_gemm import grouped_moe
+
+        b = self.backend
+        union = lambda x, i, s, w: grouped_moe(x, i, s, *w, backend=b)  # noqa: E731
+
+        def split(x, i, s, w):
+            yd = fused_moe(x[:md], i[:md], s[:md], *w, backend=b)
+            yp = grouped_moe(x[md:], i[md:], s[md:], *w, backend=b)
+            return yd, yp
+
+        decode = lambda x, i, s, w: fused_moe(x[:md], i[:md], s[:md], *w, backend=b)  # noqa: E731
+        tiles = lambda x, i, s, w: et.tile_moe(x, i, s, *w, n_decode=md, backend=b, plan=plan)  # noqa: E731
+        tiles_decode = lambda x, i, s, w: et.tile_moe(x[:md], i[:md], s[:md], *w, n_decode=md, backend=b,  # noqa: E731
+                                                      plan=plan)
+
+        def traced(x, i, s, w):
+            run = et._run(x, i, s, *w, n_decode=md, swiglu_limit=None, backend=b, plan=plan, trace=True,
+                          stamps=not self.smoke)
+            return run.y, run.trace, run.stamps
+
+        return dict(union=union, split=split, decode=decode, tiles=tiles, tiles_decode=tiles_decode, traced=traced)
+
+    def plan(self, mp, bm=None):
+        from pallas_kernels import expert_tiles as et
+
+        p = et.plan_for(mp * K, self.e, False)
+        return et.Plan(bm or p.block_m, p.up, p.down, p.num_warps, p.num_stages, self.programs)
+
+    @staticmethod
+    def spans(trace, stamps, programs):
+        """(decode span, kernel span) in µs from one traced call, or tickets (smoke): the last decode
+        tile's finish ticket + 1 and the tile count."""
+        trace = np.asarray(trace)
+        claimed = trace[trace[:, 0] >= 0]
+        decode = claimed[:, 0] < 2
+        if stamps is None:
+            last = int(claimed[decode, 4].max()) + 1 if decode.any() else 0
+            return last, len(claimed)
+        st = np.asarray(stamps).view(np.uint32)
+        start = st[:programs].min()
+        ends = (st[programs:programs + len(trace)][trace[:, 0] >= 0] - start).astype(np.uint32)  # mod 2^32
+        dec = float(ends[decode].max()) if decode.any() else 0.0
+        return dec / 1e3, float(ends.max()) / 1e3
+
+    # ------------------------------------------------------------------ --mixed
+    def mixed(self):
+        from pallas_kernels.grouped_gemm import reference
+
+        prefills = (32, 64) if self.smoke else PREFILLS
+        md = DECODE
+        for mp in prefills:
+            if self.left() < 0:
+                self.log(f"budget spent: --mixed stopped before prefill {mp}")
+                break
+            row = dict(decode=md, prefill=mp)
+            self.results["mixed"].append(row)
+            try:
+                r = 2
+                x, ids, ws = self.routings(md, mp, r)
+                plan = self.plan(mp)
+                row["plan"] = str(plan)
+                k = self.kernels(md, plan)
+                row["union_us"], ys = self.timed(k["union"], x, ids, ws)
+                base = ys[0]
+                if mp == prefills[0]:
+                    w = self.weights()
+                    row["union_err"] = self.check(base, reference(x, ids[0], ws[0], *w), "union vs reference")
+                row["split_us"], ys = self.timed(k["split"], x, ids, ws)
+                row["split_err"] = self.check(np.concatenate([np.asarray(a, np.float32) for a in ys[0]]),
+                                              base, "split vs union")
+                row["decode_us"], _ = self.timed(k["decode"], x, ids, ws)
+                row["tiles_us"], ys = self.timed(k["tiles"], x, ids, ws)
+                row["tiles_err"] = self.check(ys[0], base, "tiles vs union")
+                row["tiles_decode_us"], _ = self.timed(k["tiles_decode"], x, ids, ws)
+                traced_us, outs = self.timed(k["traced"], x, ids, ws)
+                spans = [self.spans(t, s, self.programs) for _, t, s in outs]
+                if self.smoke:
+                    row["decode_ticket"], row["tiles_claimed"] = spans[0]
+                else:
+                    dec, span = np.mean([s[0] for s in spans]), np.mean([s[1] for s in spans])
+                    row.update(traced_us=traced_us, decode_span_us=dec, kernel_span_us=span,
+                               tiles_decode_done_us=traced_us - (span - dec))
+                row["x_moe"] = self.x_moe(ids, md, plan.block_m)
+                self.log(f"mixed {md}+{mp}: " + ", ".join(f"{a}={b:.1f}" if isinstance(b, float) else f"{a}={b}"
+                                                          for a, b in row.items() if a != "plan"))
+            except Exception as e:
+                self.log(f"FAILED mixed {md}+{mp}: {e!r}")
+                self.results["errors"].append(f"mixed {md}+{mp}: " + traceback.format_exc(limit=6)[-2000:])
+
+    def x_moe(self, ids, md, bm):
+        """Mean x_moe over the routings: decode and prefill classes aligned apart."""
+        from moe.tiles import x_moe_of_ids
+
+        return float(np.mean([x_moe_of_ids(np.asarray(i[:md]), self.e, bm)
+                              + x_moe_of_ids(np.asarray(i[md:]), self.e, bm) for i in ids]))
+
+    # ------------------------------------------------------------------ --profile-tiles
+    def profile(self):
+        from moe.tiles import LatencyFit, TileModel
+
+        shapes = [(1, 0), (2, 16), (0, 32), (4, 64)] if self.smoke else PROFILE
+        for n, (md, mp) in enumerate(shapes):
+            if self.left() < 0:
+                self.log(f"budget spent: --profile-tiles stopped before {md}+{mp}")
+                break
+            try:
+                x, ids, ws = self.routings(md, mp, 2 if mp > 1024 else 3, salt=7)
+                plan = self.plan(mp, PROFILE_BM if not self.smoke else 16)
+                k = self.kernels(md, plan)
+                us, ys = self.timed(k["tiles"], x, ids, ws)
+                if n == 0 or mp >= 2048:  # spot checks against the union launch
+                    self.check(ys[0], self.once(k["union"], x, ids[0], ws[0]), f"tiles {md}+{mp} vs union")
+                row = dict(decode=md, prefill=mp, x_moe=self.x_moe(ids, md, plan.block_m), us=us,
+                           held_out=n % 3 == 2, block_m=plan.block_m)
+                self.results["profile"].append(row)
+                self.log(f"profile {md}+{mp}: x_moe {row['x_moe']:.1f}, {us:.1f} µs")
+            except Exception as e:
+                self.log(f"FAILED profile {md}+{mp}: {e!r}")
+                self.results["errors"].append(f"profile {md}+{mp}: " + traceback.format_exc(limit=6)[-2000:])
+        rows = self.results["profile"]
+        train = [r for r in rows if not r["held_out"]]
+        if self.smoke:  # no times on CPU: fit the shape of the pipeline on a synthetic time
+            for r in rows:
+                r["us"] = 10.0 + 0.5 * r["x_moe"]
+        if len({r["x_moe"] for r in train}) < 2:
+            self.log("profile: too few shapes measured to fit")
+            return
+        fit = LatencyFit.fit([r["x_moe"] for r in train], [r["us"] for r in train])
+        for r in rows:
+            r["pred_us"] = fit(r["x_moe"])
+            r["err"] = r["pred_us"] / r["us"] - 1
+        held = [abs(r["err"]) for r in rows if r["held_out"]]
+        info = dict(device=self.results["device"], kernel="pallas_kernels.expert_tiles.tile_moe (bf16)",
+                    plan=str(self.plan(0, rows[0]["block_m"])), samples=rows,
+                    held_out_max_rel_err=max(held) if held else None, date=time.strftime("%Y-%m-%d"),
+                    synthetic=self.smoke)
+        model = TileModel(fit, rows[0]["block_m"], self.e, K, 0.0, info)
+        path = self.args.tile_model or os.path.join(self.out_dir, "tile_model.json")
+        model.save(path)
+        self.results["fit"] = dict(path=path, **{c: getattr(fit, c) for c in ("alpha", "beta")})
+        self.log(f"profile: t = {fit.alpha:.2f} + {fit.beta:.4f} x µs, held-out max |rel err| "
+                 f"{max(held) if held else float('nan'):.3f}; written to {path}")
+
+    # ------------------------------------------------------------------ report
+    def table(self):
+        lines = ["", f"mixed decode + prefill MoE, E={self.e} top-{K} D={self.d} I={self.i}, on "
+                      f"{self.results['device']}"]
+        if self.results["mixed"]:
+            lines.append("decode+prefill  x_moe   (a) union µs | (b) split: decode done / total µs | "
+                         "(c) tiles: decode done / total µs (decode-only tiles µs)")
+            for r in self.results["mixed"]:
+                if "tiles_us" not in r:
+                    lines.append(f"{r['decode']}+{r['prefill']}  (failed)")
+                    continue
+                if self.smoke:
+                    done = f"ticket {r.get('decode_ticket')}/{r.get('tiles_claimed')}"
+                else:
+                    done = f"{r.get('tiles_decode_done_us', float('nan')):8.1f}"
+                lines.append(f"{r['decode']:3}+{r['prefill']:<6} {r['x_moe']:7.1f} {r['union_us']:12.1f} | "
+                             f"{r['decode_us']:10.1f} / {r['split_us']:8.1f} | {done} / {r['tiles_us']:8.1f} "
+                             f"({r['tiles_decode_us']:.1f})")
+            lines.append("(a) decode done = total. (c) decode done = total - (kernel span - decode span), "
+                         "spans from %globaltimer stamps")
+        if self.results["profile"]:
+            lines.append("profile (tiles, BM %d): decode+prefill  x_moe  µs  predicted  err" %
+                         self.results["profile"][0]["block_m"])
+            for r in self.results["profile"]:
+                lines.append(f"  {r['decode']:3}+{r['prefill']:<6} {r['x_moe']:8.1f} {r['us']:9.1f} "
+                             f"{r.get('pred_us', float('nan')):9.1f} {100 * r.get('err', float('nan')):+6.1f}%"
+                             f"{'  held out' if r['held_out'] else ''}")
+            if "fit" in self.results:
+                f = self.results["fit"]
+                lines.append(f"fit: t = {f['alpha']:.2f} + {f['beta']:.4f} * x_moe µs -> {f['path']}")
+        for e in self.results["errors"]:
+            lines.append("error: " + e.strip().splitlines()[-1])
+        for line in lines:
+            self.log(line)
+
+
+def main(args, dims, out_dir, log):
+    """Runs the requested modes, writes $OUT/tiles.json, prints the table last."""
+    b = Bench(args, dims, out_dir, log)
+    log("device:", b.results["device"], f"E={b.e} k={K} D={b.d} I={b.i}, {b.programs} programs")
+    for flag, fn in (("mixed", b.mixed), ("profile_tiles", b.profile)):
+        if getattr(args, flag):
+            try:
+                fn()
+            except Exception:
+                log(f"FAILED {flag}:", traceback.format_exc())
+                b.results["errors"].append(f"{flag}: " + traceback.format_exc(limit=6)[-2000:])
+    with open(os.path.join(out_dir, "tiles.json"), "w") as f:
+        json.dump(b.results, f, indent=1, default=str)
+    b.table()

@@ -1,0 +1,250 @@
+"""The tile-aware latency model of an MoE layer (seed 002, ExpertPlex §6.2) and the prefill chunk
+it allows next to a decode batch under a TPOT budget.
+
+    t(x, s) = alpha + beta*x + gamma*x*s + delta*x*s^2        (µs, one kernel launch)
+
+The seed fits this form per profiled component: for attention x is the batch and s the sequence
+length; for the MoE, raw routed tokens mispredict (the same tokens cost more when they spread
+over more experts), so x is the executed row tiles
+
+    x_moe = sum over experts e with m_e > 0 of ceil(m_e / M_t)
+
+(m_e: (token, slot) rows routed to expert e, M_t: the kernel's tile height `block_m`), and s = 1.
+At s = 1 the three slopes merge into one (beta + gamma + delta): a fit on MoE samples keeps alpha
+and beta and sets gamma = delta = 0, since they cannot be told apart there; samples with several
+values of s (an attention profile) determine all four.
+
+Decode and prefill are aligned separately (pallas_kernels/expert_tiles.py; and the server runs
+them as two programs), so a step's x_moe is the sum of the two classes' tiles.
+
+Routing is unknown when the scheduler plans a step (it happens on device, per layer), so the
+planner uses the expectation of x_moe under routing with per-expert probabilities p_e
+(sum p_e = k): a token's k picks are distinct experts, so it adds 0 or 1 row to expert e; with
+tokens routed independently, m_e ~ Binomial(tokens, p_e) and E[x_moe] = sum_e E[ceil(m_e / M_t)]
+(linearity: the dependence between experts does not matter). The default is uniform routing, p_e = k / E (what the
+expert-bias balancing trains for); observed loads can be passed instead. Exact per-expert counts
+give the exact x_moe.
+
+A fitted model is a JSON file (`TileModel.save` / `load`), written by
+`python bench/fused_moe.py --profile-tiles --tile-model PATH` on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+
+import numpy as np
+
+FORMAT = "ling-tile-model/1"
+COEFFS = ("alpha", "beta", "gamma", "delta")
+
+
+# ---------------------------------------------------------------------------------- the form
+@dataclasses.dataclass(frozen=True)
+class LatencyFit:
+    """t(x, s) = alpha + beta*x + gamma*x*s + delta*x*s^2, in µs."""
+
+    alpha: float
+    beta: float
+    gamma: float = 0.0
+    delta: float = 0.0
+
+    def __call__(self, x, s=1.0):
+        x, s = np.asarray(x, np.float64), np.asarray(s, np.float64)
+        t = self.alpha + x * (self.beta + self.gamma * s + self.delta * s * s)
+        return float(t) if t.ndim == 0 else t
+
+    @classmethod
+    def fit(cls, x, t, s=None) -> LatencyFit:
+        """Least squares over samples (x_i, s_i, t_i) in relative error (each row weighted by
+        1 / t_i: timing noise grows with the time, and a small decode launch must be predicted as
+        well as a large prefill one); s None means s = 1 throughout.
+
+        Identifiability: with one distinct s the columns x, x*s, x*s^2 are proportional, so only
+        alpha and beta are fitted (gamma = delta = 0); with two distinct s, delta is left 0.
+        Raises ValueError when the samples cannot determine the kept coefficients."""
+        x = np.asarray(x, np.float64).reshape(-1)
+        t = np.asarray(t, np.float64).reshape(-1)
+        s = np.ones_like(x) if s is None else np.asarray(s, np.float64).reshape(-1)
+        if not (x.shape == t.shape == s.shape):
+            raise ValueError(f"x, s and t must have one value per sample, got {x.shape}, {s.shape}, {t.shape}")
+        n_s = len(np.unique(s))
+        cols = [np.ones_like(x), x, x * s, x * s * s][: 2 + min(n_s - 1, 2)]
+        a = np.stack(cols, axis=1)  # [n, 2..4]
+        if np.linalg.matrix_rank(a) < a.shape[1]:
+            raise ValueError(f"{len(x)} samples with {len(np.unique(x))} distinct x and {n_s} distinct s "
+                             f"cannot determine {a.shape[1]} coefficients")
+        if np.any(t <= 0):
+            raise ValueError("times must be positive")
+        coef, *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)
+        return cls(*[float(c) for c in coef] + [0.0] * (4 - len(coef)))
+
+
+# ---------------------------------------------------------------------------------- x_moe
+def x_moe(counts, block_m: int) -> int:
+    """Executed row tiles for per-expert row counts [E] (exact)."""
+    c = np.asarray(counts, np.int64)
+    return int(np.sum(-(-c // block_m)))
+
+
+def x_moe_of_ids(topk_ids, n_experts: int, block_m: int) -> int:
+    """Executed row tiles of one class's routing topk_ids [T, k] (exact)."""
+    return x_moe(np.bincount(np.asarray(topk_ids).reshape(-1), minlength=n_experts), block_m)
+
+
+def _binomial_pmf(n: int, p: float) -> np.ndarray:
+    """P(X = c) for c = 0 .. n, X ~ Binomial(n, p), from log-space terms (no overflow at large n)."""
+    c = np.arange(n + 1, dtype=np.float64)
+    if p <= 0.0:
+        return (c == 0).astype(np.float64)
+    if p >= 1.0:
+        return (c == n).astype(np.float64)
+    i = c[1:]
+    log_choose = np.concatenate([[0.0], np.cumsum(np.log(n - i + 1) - np.log(i))])  # log C(n, c)
+    return np.exp(log_choose + c * math.log(p) + (n - c) * math.log1p(-p))
+
+
+def expected_x_moe(tokens: int, n_experts: int, top_k: int, block_m: int, probs=None) -> float:
+    """E[x_moe] for `tokens` tokens routed top-k: m_e ~ Binomial(tokens, p_e); p_e = k / E
+    (uniform) unless probs [E] (per-token probability of each expert, summing to k) is given."""
+    if tokens <= 0:
+        return 0.0
+    if probs is None:
+        p_all = np.full(n_experts, top_k / n_experts)
+    else:
+        p_all = np.asarray(probs, np.float64)
+        if p_all.shape != (n_experts,) or np.any(p_all < 0) or np.any(p_all > 1):
+            raise ValueError(f"probs must be {n_experts} probabilities in [0, 1], got shape {p_all.shape}")
+        if not math.isclose(float(p_all.sum()), top_k, rel_tol=1e-3):
+            raise ValueError(f"probs must sum to top_k={top_k} (each token picks k experts), got {p_all.sum():.4f}")
+    tiles = np.ceil(np.arange(tokens + 1) / block_m)  # [tokens + 1]
+    cache: dict[float, float] = {}
+    total = 0.0
+    for p in p_all:  # uniform: one distinct p, one pmf
+        key = float(p)
+        if key not in cache:
+            cache[key] = float(_binomial_pmf(tokens, key) @ tiles)
+        total += cache[key]
+    return total
+
+
+# ---------------------------------------------------------------------------------- the model
+@dataclasses.dataclass(frozen=True)
+class TileModel:
+    """A fitted MoE launch: t = moe(x_moe) µs per layer and class, for one kernel's tile height.
+
+    step_overhead_us: the rest of a server iteration (attention, dense layers, drafting, lm_head,
+    sampling), added once per iteration; the MoE profile does not measure it (0 unless set).
+    info: provenance (device, kernel, samples, held-out error), informational."""
+
+    moe: LatencyFit
+    block_m: int
+    n_experts: int
+    top_k: int
+    step_overhead_us: float = 0.0
+    info: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
+
+    def launch_us(self, x) -> float:
+        """One MoE launch over x_moe = x tiles (s = 1); no launch (0) when there is no work."""
+        return self.moe(x) if x > 0 else 0.0
+
+    def expected_tiles(self, tokens: int, probs=None) -> float:
+        return expected_x_moe(tokens, self.n_experts, self.top_k, self.block_m, probs)
+
+    def iteration_us(self, *, decode_tiles: float, prefill_tiles: float, layers: int) -> float:
+        """A server iteration: the decode step and the prefill chunk are separate programs, so
+        each MoE layer is two launches (one per class present) plus the fixed overhead."""
+        return self.step_overhead_us + layers * (self.launch_us(decode_tiles) + self.launch_us(prefill_tiles))
+
+    def save(self, path: str) -> None:
+        doc = {"format": FORMAT, "moe": dataclasses.asdict(self.moe), "block_m": self.block_m,
+               "n_experts": self.n_experts, "top_k": self.top_k, "step_overhead_us": self.step_overhead_us,
+               "info": self.info}
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str) -> TileModel:
+        """Reads a model written by `save`; ValueError names the field that is missing or wrong."""
+        with open(path) as f:
+            try:
+                doc = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not JSON ({e})") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ValueError(f"{path}: 'format' must be {FORMAT!r}")
+        try:
+            coeffs = doc["moe"]
+            fit = LatencyFit(*[float(coeffs.get(c, 0.0)) for c in COEFFS])
+            model = cls(fit, int(doc["block_m"]), int(doc["n_experts"]), int(doc["top_k"]),
+                        float(doc.get("step_overhead_us", 0.0)), dict(doc.get("info", {})))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{path}: missing or malformed field ({type(e).__name__}: {e})") from None
+        if model.block_m < 1 or not 0 < model.top_k <= model.n_experts:
+            raise ValueError(f"{path}: block_m must be >= 1 and 0 < top_k <= n_experts, got block_m="
+                             f"{model.block_m}, top_k={model.top_k}, n_experts={model.n_experts}")
+        return model
+
+
+# ---------------------------------------------------------------------------------- chunks
+def chunk_candidates(max_chunk: int, smallest: int = 16) -> list[int]:
+    """Powers of two from `smallest` below max_chunk, and max_chunk: the compiled chunk widths."""
+    if max_chunk < 1:
+        raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
+    out, c = [], smallest
+    while c < max_chunk:
+        out.append(c)
+        c *= 2
+    return out + [max_chunk]
+
+
+def largest_chunk(model: TileModel, *, budget_us: float, candidates, rows: int, layers: int,
+                  decode_tokens: int = 0, decode_counts=None, probs=None) -> int:
+    """The largest chunk C in candidates whose predicted iteration fits budget_us, else 0.
+
+    A chunk of width C runs rows*C prefill tokens (the server's chunk call is [slots, C]); its x_moe
+    is their expectation (`expected_x_moe`, probs as there). The decode batch is decode_counts
+    (per-expert rows [E]: the exact x_moe) or decode_tokens (its expectation)."""
+    if decode_counts is not None:
+        x_d = float(x_moe(decode_counts, model.block_m))
+    else:
+        x_d = model.expected_tiles(decode_tokens, probs)
+    best = 0
+    for c in sorted(candidates):
+        x_p = model.expected_tiles(rows * c, probs)
+        if model.iteration_us(decode_tiles=x_d, prefill_tiles=x_p, layers=layers) <= budget_us:
+            best = c
+    return best
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkSizer:
+    """The scheduler's chunk width for the decode work of an iteration.
+
+    No decode work: the widest candidate (nothing to protect). Otherwise the largest candidate
+    whose predicted iteration fits budget_us; when none fits, the narrowest (prefill must make
+    progress; the budget is then missed by the decode step itself or by the least prefill)."""
+
+    model: TileModel
+    budget_us: float
+    candidates: tuple[int, ...]
+    rows: int  # tokens per chunk column: the server's slots
+    layers: int  # MoE layers per step
+
+    def __post_init__(self):
+        if not self.candidates or min(self.candidates) < 1:
+            raise ValueError(f"candidates must be positive chunk widths, got {self.candidates}")
+        if self.budget_us <= 0:
+            raise ValueError(f"the TPOT budget must be positive, got {self.budget_us} µs")
+
+    @functools.lru_cache(maxsize=256)
+    def __call__(self, decode_tokens: int) -> int:
+        if decode_tokens <= 0:
+            return max(self.candidates)
+        c = largest_chunk(self.model, budget_us=self.budget_us, candidates=self.candidates, rows=self.rows,
+                          layers=self.layers, decode_tokens=decode_tokens)
+        return c or min(self.candidates)

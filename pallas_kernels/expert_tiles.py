@@ -1,0 +1,378 @@
+"""Tile-scheduled MoE: decode and prefill tokens of one layer in one persistent launch, decode first.
+
+    y [M, D] = sum_k topk_weights[m, k] * expert_{topk_ids[m, k]}(x[m])   (fused_moe's maths)
+    tokens [0, M_d) are the decode class, [M_d, M) the prefill class (M_d = n_decode).
+
+Why. Two launches (decode, then prefill) make decode wait for nothing but leave the GPU half idle
+at the seam; one grouped launch over the union makes decode outputs wait for the whole prefill.
+Here one launch runs both, and decode work never queues behind prefill work: every decode tile
+is claimed before any prefill tile (seed 002, ExpertPlex's adaptive persistent kernel, §4.2).
+
+Layout. Each class is aligned alone (`fused_moe.moe_align`: pairs sorted by expert, each expert's
+run padded to BM rows, one expert per block), then the two are concatenated, decode first:
+  sorted_pairs [S] int32  pair p = m*k + slot of the union at each slot, P = padding;
+  block_expert [NB] int32 expert of block b = slots [b*BM, (b+1)*BM); NB = NB_d + NB_p, the
+                          align bound of each class (`align_sizes(...).nb`);
+  used [2] int32          blocks the routing uses per class: a prefix of each class's blocks.
+Weights: fused_moe's formats, w13 [E, D, 2I] (gate/up interleaved by column) and w2 [E, I, D] in
+bf16, or both fields of `fused_moe.quantize_experts` (grouped low-bit, dequantised in registers
+on the tensor-core "dot" path of fused_moe; its helpers `weight_operands`, `expert_tile`,
+`swiglu_columns` are shared, not copied).
+
+Tiles and the queue. A tile is one block's BM rows times one N-block of one GEMM:
+  up   (b, t): rows x[pair // k] @ W13_e[:, t*BN_u : (t+1)*BN_u] -> SwiGLU -> h[b rows, t cols]
+  down (b, t): rows h[b rows] @ W2_e[:, t*BN_d : (t+1)*BN_d] * topk weight -> y32[token, cols]
+with T_u = 2I/BN_u and T_d = D/BN_d tiles per block. The queue is the claim index c = 0, 1, ...
+read against four segments, in this order:
+  [decode up: n_d*T_u | decode down: n_d*T_d | prefill up: n_p*T_u | prefill down: n_p*T_d]
+(block-major, N-block fastest: consecutive claims share a block's rows in L2, sibling blocks of
+one expert its weights). No tile list is materialised: a program maps c to its tile from the
+two used-block counts, so the queue costs no memory and no launch.
+
+Grid and claims. A persistent grid of G programs (`Plan.programs`, default one per SM: 132 on the
+H200). Each program loops: c = atomic_add(sync[0], 1); stop once c >= the tile count; run tile c.
+Claims are handed out in queue order, so no prefill tile is claimed before the last decode tile
+(the debug trace makes that testable), and a decode tile waits behind no prefill tile at all
+(the bound of one tile per program would apply to decode work arriving mid-launch; within one
+launch the decode tiles simply come first). What decode does wait for is the work before the
+launch: both classes' aligns (the prefill class's is an XLA argsort beyond 64 pairs); the
+benchmark counts it as decode latency.
+
+The down tile's dependency. Down tile (b, t) needs all T_u up tiles of block b. An up tile
+stores its h tile, then (barrier, so every thread's stores precede it) atomically increments
+sync[2 + b]; a down tile spins on an atomic read of sync[2 + b] until it reads T_u, then reads
+h. A per-block counter (not per class) lets a block's down tiles start as soon as its own up
+tiles are done. Deadlock-free without assuming that every program is resident: a down tile
+waits only for up tiles, which were claimed earlier (queue order) by programs that are already
+running, and up tiles wait for nothing.
+
+Combine: atomic adds into y32 [M + 1, D] fp32 (row M: the padding rows' sink, adding 0), relaxed
+(pallas_kernels/relaxed_atomic.py: Pallas' own atomics fence before each one). Chosen over a
+per-pair output and a sum because a decode row is then final inside the launch the moment its
+last down tile lands -- the decode class completes mid-launch -- and no second launch reads
+P*D*4 bytes back; the price is that the fp32 sum order (and so, rarely, the last bit after the
+bf16 rounding) varies run to run. y is rounded once to x's dtype.
+
+Debug outputs (off by default): trace [C_max, 5] int32 per claim index c: (kind, block in its
+class, N-block, program, finish ticket); kind 0 decode up, 1 decode down, 2 prefill up,
+3 prefill down; the ticket is the order in which tiles finished (a second atomic counter).
+Rows past the last claim stay -1. stamps (GPU only: the inline PTX has no CPU rule): int32
+[G + C_max], the low word of the %globaltimer nanosecond clock when each program starts (first
+G) and when each claimed tile has finished; the benchmark reads decode completion from them.
+
+Rounding: h is rounded to the activation dtype between the GEMMs (as fused_moe); y once.
+Bytes: each block reads its expert's weights once (a block re-reads them when its expert has more
+than BM rows in its class; an expert used by both classes is read once per class), plus x and y,
+h written and read once (padding rows are masked, never moved), and P*D*4 of fp32 atomics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.backend import resolve
+from pallas_kernels.fused_moe import (_dims, align_sizes, check_args, expert_tile, moe_align, pop_weight_refs,
+                                      reference, swiglu_columns, weight_operands)
+from pallas_kernels.quant import QuantizedWeight
+from pallas_kernels.relaxed_atomic import relaxed_atomic_add
+
+H200_SMS = 132
+KINDS = ("decode up", "decode down", "prefill up", "prefill down")
+TRACE_FIELDS = ("kind", "block", "n_tile", "program", "ticket")
+
+
+# ---------------------------------------------------------------------------------- plans
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """One GEMM's tile: block_k (K per loop step) and block_n (output columns; up: interleaved, so
+    h gets block_n / 2) for bf16 weights; quantised weights step one group and take their B_N."""
+
+    block_k: int = 64
+    block_n: int = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    block_m: int = 64  # rows per block, both classes (a power of two >= 16: tensor-core dots)
+    up: Tile = Tile()
+    down: Tile = Tile()
+    num_warps: int = 4
+    num_stages: int = 3
+    programs: int | None = None  # persistent programs; None: one per SM (4 in interpret mode)
+
+
+def plan_for(p_prefill: int, e: int, quantized: bool) -> Plan:
+    """Launch heuristics (not yet measured): BM near the prefill class's mean rows per expert
+    P_p / E, as grouped_gemm.plan_for, so a prefill expert takes about one block; decode rows
+    then sit in mostly empty blocks, which costs registers, not bytes (padding is masked)."""
+    r = p_prefill / e
+    bm = 16 if r <= 24 else 64 if r <= 96 else 128
+    warps = 8 if bm == 128 else 4
+    if quantized:
+        return Plan(bm, Tile(0, 0), Tile(0, 0), warps, 3)
+    return Plan(bm, Tile(64, 128), Tile(64, 128), warps, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """What the kernel needs to know at trace time (no arrays)."""
+
+    k: int
+    p: int  # pairs of the union
+    m: int  # tokens of the union (y32's sink row)
+    bm: int
+    nb_d: int  # decode blocks (the align bound): prefill block b is nb_d + j
+    up: object  # fused_moe.WeightOperands of w13, without its arrays
+    down: object
+    limit: float | None
+    trace: bool
+    stamps: bool
+    interpret: bool
+    n_init: int
+
+
+# ---------------------------------------------------------------------------------- kernel
+def _kernel(*refs, s: _Static):
+    refs = list(refs)
+    x_ref = refs.pop(0)  # [M, D] activation dtype
+    sorted_ref = refs.pop(0)  # [S] int32
+    blk_ref = refs.pop(0)  # [NB] int32
+    used_ref = refs.pop(0)  # [2] int32
+    tw_ref = refs.pop(0)  # [P] f32 routed weight per pair
+    w13 = pop_weight_refs(refs, s.up.qm)
+    w2 = pop_weight_refs(refs, s.down.qm)
+    del refs[:s.n_init]  # aliased initial outputs: only the output refs are used
+    h_ref = refs.pop(0)  # [NB*BM, I] slot rows
+    y_ref = refs.pop(0)  # [M + 1, D] f32
+    sync_ref = refs.pop(0)  # [2 + NB] int32: next claim, finished tiles, up tiles done per block
+    trace_ref = refs.pop(0) if s.trace else None  # [C_max, 5] int32
+    stamp_ref = refs.pop(0) if s.stamps else None  # [G + C_max] int32
+
+    bm, k, p = s.bm, s.k, s.p
+    tu, td = s.up.n_tiles, s.down.n_tiles
+    hb = s.up.bn // 2  # h columns per up tile
+    prog = pl.program_id(0)
+    # Traced, not literal: constants created inside a loop body become consts of the body's jaxpr,
+    # which the interpreter's discharge of nested loops rejects.
+    zero = prog * 0
+    one = zero + 1
+    n_d, n_p = used_ref[0], used_ref[1]
+    seg_d = n_d * (tu + td)  # the decode class's tiles: claims [0, seg_d)
+    total = seg_d + n_p * (tu + td)
+
+    def block_rows(b):
+        pair = sorted_ref[pl.ds(b * bm, bm)]  # [BM], P = padding
+        return pair, pair < p
+
+    def up_tile(b, t):
+        e = blk_ref[b]
+        pair, valid = block_rows(b)
+        tok = jnp.where(valid, lax.div(pair, k), 0)[:, None]  # [BM, 1]
+
+        def a_load(k0, size):  # x rows gathered by token; padding rows read nothing (0)
+            cols = (k0 + jnp.arange(size, dtype=jnp.int32))[None, :]
+            return pltriton.load(x_ref.at[tok, cols], mask=valid[:, None], other=0.0)
+
+        acc = expert_tile(w13, s.up.qm, e, t, a_load, n_k=s.up.n_k, bk=s.up.bk, bn=s.up.bn, bm=bm, fma=False)
+        h = swiglu_columns(acc, s.limit).astype(h_ref.dtype)  # [BM, BN_u / 2]
+        mask = jnp.broadcast_to(valid[:, None], h.shape)
+        pltriton.store(h_ref.at[pl.ds(b * bm, bm), pl.ds(t * hb, hb)], h, mask=mask)
+        if not s.interpret:
+            pltriton.debug_barrier()  # every thread's h stores before the (one-thread) release
+        pltriton.atomic_add(sync_ref, 2 + b, one)
+
+    def down_tile(b, t):
+        # Acquire block b's h: its T_u up tiles were claimed before this tile and wait for nothing.
+        lax.while_loop(lambda done: done < tu, lambda _: pltriton.atomic_add(sync_ref, 2 + b, zero),
+                       pltriton.atomic_add(sync_ref, 2 + b, zero))
+        if not s.interpret:
+            pltriton.debug_barrier()  # the other threads read h only after the acquire
+        e = blk_ref[b]
+        pair, valid = block_rows(b)
+
+        def a_load(k0, size):  # the block's own h rows; padding rows were never written
+            mask = jnp.broadcast_to(valid[:, None], (bm, size))
+            return pltriton.load(h_ref.at[pl.ds(b * bm, bm), pl.ds(k0, size)], mask=mask, other=0.0)
+
+        acc = expert_tile(w2, s.down.qm, e, t, a_load, n_k=s.down.n_k, bk=s.down.bk, bn=s.down.bn, bm=bm,
+                          fma=False)
+        w = pltriton.load(tw_ref.at[jnp.where(valid, pair, 0)], mask=valid, other=0.0)  # [BM]
+        val = acc * w[:, None]  # padding rows: 0
+        tok = jnp.where(valid, lax.div(pair, k), s.m)[:, None]  # padding adds 0 to the sink row M
+        cols = (t * s.down.bn + jnp.arange(s.down.bn, dtype=jnp.int32))[None, :]
+        # The interpreter has no masked atomics; unmasked, padding adds 0 to row M. Relaxed: a sum
+        # needs no ordering (the finish ticket / the kernel's end orders it).
+        mask = None if s.interpret else jnp.broadcast_to(valid[:, None], val.shape)
+        relaxed_atomic_add(y_ref, (tok, cols), val, mask=mask)
+
+    def tile_of(c):
+        """Claim index -> (kind, up?, block b in the union, block in its class, N-block t)."""
+        # Arithmetic on 0/1 flags, not jnp.where between two literals (no Triton lowering).
+        pre = (c >= seg_d).astype(jnp.int32)
+        n_cls = n_d + (n_p - n_d) * pre
+        local = c - seg_d * pre
+        up = (local < n_cls * tu).astype(jnp.int32)
+        local = local - n_cls * tu * (1 - up)
+        width = td + (tu - td) * up
+        j, t = lax.div(local, width), lax.rem(local, width)  # non-negative: C division is floor
+        return 2 * pre + 1 - up, up == 1, j + s.nb_d * pre, j, t
+
+    def clock(dep):
+        """[1] int32: %globaltimer's low word (ns). The asm is pure: dep, a value that exists only
+        once the event happened, keeps it from being hoisted or merged. A [1] block, not a scalar:
+        the asm lowers to a tensor type."""
+        [now] = pltriton.elementwise_inline_asm(
+            "mov.u32 $0, %globaltimer_lo;", args=[jnp.broadcast_to(dep, (1,))], constraints="=r,r", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
+        return now
+
+    def body(c):
+        kind, up, b, j, t = tile_of(c)
+        pl.when(up)(lambda: up_tile(b, t))
+        pl.when(jnp.logical_not(up))(lambda: down_tile(b, t))
+        if s.trace or s.stamps:
+            ticket = pltriton.atomic_add(sync_ref, one, one)
+        if s.trace:
+            for field, v in enumerate((kind, j, t, prog, ticket)):
+                trace_ref[c, field] = v
+        if s.stamps:
+            stamp_ref[pl.ds(pl.num_programs(0) + c, 1)] = clock(ticket)
+        return pltriton.atomic_add(sync_ref, zero, one)
+
+    if s.stamps:
+        stamp_ref[pl.ds(prog, 1)] = clock(prog)
+    lax.while_loop(lambda c: c < total, body, pltriton.atomic_add(sync_ref, zero, one))
+
+
+# ---------------------------------------------------------------------------------- wrapper
+@dataclasses.dataclass(frozen=True)
+class TileRun:
+    """Outputs of one launch: y [M, D], h, y32, sync, and the debug trace / stamps (or None)."""
+
+    y: jax.Array
+    h: jax.Array
+    y32: jax.Array
+    sync: jax.Array
+    trace: jax.Array | None
+    stamps: jax.Array | None
+
+
+def _class_align(ids, e: int, bm: int, backend: str):
+    """(sorted_pairs [nb*BM], block_expert [nb], nb) for one class's flat ids [P_c]."""
+    if ids.shape[0] == 0:
+        return jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32), 0
+    nb = align_sizes(ids.shape[0], e, bm).nb
+    sorted_pairs, block_expert = moe_align(ids, e, bm, backend=backend)
+    return sorted_pairs[:nb * bm], block_expert[:nb], nb
+
+
+def _strip(ops):
+    """WeightOperands without arrays: the kernel's static facts, hashable."""
+    return dataclasses.replace(ops, inputs=())
+
+
+def _programs(plan: Plan, interpret: bool) -> int:
+    if plan.programs is not None:
+        if plan.programs < 1:
+            raise ValueError(f"plan.programs must be positive, got {plan.programs}")
+        return plan.programs
+    if interpret:
+        return 4
+    return getattr(jax.devices()[0], "core_count", None) or H200_SMS
+
+
+def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, backend, plan: Plan | None,
+         trace=False, stamps=False, poison=False) -> TileRun:
+    m, k = topk_ids.shape
+    if not 0 <= n_decode <= m:
+        raise ValueError(f"n_decode must be in [0, M={m}], got {n_decode}")
+    e, d, i = _dims(w13, w2)
+    quant = isinstance(w13, QuantizedWeight)
+    act = jnp.bfloat16 if quant else w13.dtype
+    plan = plan or plan_for((m - n_decode) * k, e, quant)
+    bm = plan.block_m
+    if bm < 16 or bm & (bm - 1):
+        raise ValueError(f"plan.block_m must be a power of two >= 16 (tensor-core dots), got {bm}")
+    interpret = backend == "interpret"
+    if stamps and interpret:
+        raise ValueError("stamps read the GPU's %globaltimer: not available in interpret mode")
+    if m == 0:  # no tokens: nothing to launch
+        y = jnp.zeros((0, d), x.dtype)
+        return TileRun(y, None, None, None, None, None)
+    p, p_d = m * k, n_decode * k
+    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    sd, bd, nb_d = _class_align(ids[:p_d], e, bm, backend)
+    sp, bp, nb_p = _class_align(ids[p_d:], e, bm, backend)
+    sorted_pairs = jnp.concatenate([jnp.where(sd == p_d, p, sd), jnp.where(sp == p - p_d, p, sp + p_d)])
+    block_expert = jnp.concatenate([bd, bp])
+    used = jnp.stack([jnp.sum(bd >= 0), jnp.sum(bp >= 0)]).astype(jnp.int32)
+    nb = nb_d + nb_p
+
+    up = weight_operands(w13, plan.up.block_k, plan.up.block_n, dot=True, stage="up")
+    down = weight_operands(w2, plan.down.block_k, plan.down.block_n, dot=True, stage="down")
+    if up.bn % 2 or up.bn < 32:
+        raise ValueError(f"the up tile needs an even block_n >= 32 (gate/up pairs), got {up.bn}")
+    g = _programs(plan, interpret)
+    c_max = nb * (up.n_tiles + down.n_tiles)
+
+    h_shape = jax.ShapeDtypeStruct((nb * bm, i), act)
+    inits = [jnp.zeros((m + 1, d), jnp.float32), jnp.zeros((2 + nb,), jnp.int32)]
+    out_shape = [h_shape, jax.ShapeDtypeStruct((m + 1, d), jnp.float32),
+                 jax.ShapeDtypeStruct((2 + nb,), jnp.int32)]
+    if poison:  # h starts as NaN: a row read before it is written shows in y
+        inits.insert(0, jnp.full(h_shape.shape, jnp.nan, act))
+    if trace:
+        inits.append(jnp.full((c_max, len(TRACE_FIELDS)), -1, jnp.int32))
+        out_shape.append(jax.ShapeDtypeStruct(inits[-1].shape, jnp.int32))
+    if stamps:
+        inits.append(jnp.zeros((g + c_max,), jnp.int32))
+        out_shape.append(jax.ShapeDtypeStruct(inits[-1].shape, jnp.int32))
+    inputs = [x.astype(act), sorted_pairs, block_expert, used, topk_weights.reshape(-1).astype(jnp.float32)]
+    inputs += up.inputs + down.inputs
+    first_out = 0 if poison else 1  # the aliased outputs: (h,) y32, sync, (trace), (stamps)
+    aliases = {len(inputs) + n: first_out + n for n in range(len(inits))}
+    s = _Static(k=k, p=p, m=m, bm=bm, nb_d=nb_d, up=_strip(up), down=_strip(down), limit=swiglu_limit,
+                trace=trace, stamps=stamps, interpret=interpret, n_init=len(inits))
+    name = "expert_tiles" + ("" if up.qm is None else f"_int{up.qm.bits}") + f"_m{bm}"
+    outs = pl.pallas_call(
+        functools.partial(_kernel, s=s),
+        out_shape=out_shape,
+        grid=(g,),
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages),
+        name=name,
+    )(*inputs, *inits)
+    h, y32, sync = outs[:3]
+    rest = list(outs[3:])
+    tr = rest.pop(0) if trace else None
+    st = rest.pop(0) if stamps else None
+    return TileRun(y32[:m].astype(x.dtype), h, y32, sync, tr, st)
+
+
+def tile_moe(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit=None, backend="auto",
+             plan: Plan | None = None, trace: bool = False):
+    """y [M, D] = sum_k topk_weights * expert_{topk_ids}(x) over decode and prefill tokens at once.
+
+    x [M, D]: the decode tokens first (rows [0, n_decode)), then the prefill tokens; topk_ids,
+    topk_weights [M, k]; w13, w2: `fused_moe.fused_moe`'s weights (bf16 arrays or the fields of
+    `quantize_experts`). Equal to `fused_moe.fused_moe` on the same tokens up to the fp32 order of
+    the combine. backend: "pallas" | "interpret" | "reference" | "auto". plan overrides
+    `plan_for`. trace=True returns (y, trace [C_max, 5] int32) with the claim record (see the
+    module docstring; the reference backend has none and returns None).
+    """
+    backend = resolve(backend)
+    check_args(x, topk_ids, topk_weights, w13, w2)
+    if backend == "reference":
+        y = reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit)
+        return (y, None) if trace else y
+    run = _run(x, topk_ids, topk_weights, w13, w2, n_decode=n_decode, swiglu_limit=swiglu_limit,
+               backend=backend, plan=plan, trace=trace)
+    return (run.y, run.trace) if trace else run.y

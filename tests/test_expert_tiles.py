@@ -1,0 +1,202 @@
+"""The tile-scheduled MoE kernel (interpret mode) against fused_moe's reference on the union of the
+decode and prefill tokens, and its claim record.
+
+Small shapes (D 256, I 128, E 13) keep the interpreter fast; h starts as NaN, so a row read before
+it is written shows. Interpret mode runs the persistent programs one after another, so program 0
+claims every tile: the trace checks the queue's order, and the spin-waits run (already satisfied).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import expert_tiles as et
+from pallas_kernels import fused_moe as fm
+from pallas_kernels.quant import QuantizedWeight, dequantize
+
+E, D, I = 13, 256, 128
+BM16 = et.Plan(16, et.Tile(64, 64), et.Tile(64, 128), programs=3)  # 4 up and 2 down tiles a block
+BM32 = et.Plan(32, et.Tile(128, 128), et.Tile(32, 64), programs=2)
+
+
+def _weights(rng, bits, symmetric=True):
+    w13 = jnp.asarray(rng.standard_normal((E, D, 2 * I)) * 0.06, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((E, I, D)) * 0.09, jnp.bfloat16)
+    if bits is None:
+        return w13, w2
+    q = fm.quantize_experts(w13, w2, bits=bits, group_size=128, symmetric=symmetric, block_n=64)
+    return q.w13, q.w2
+
+
+def _dense64(w):
+    if isinstance(w, QuantizedWeight):
+        return np.asarray(jax.vmap(dequantize)(w), np.float64).transpose(0, 2, 1)
+    return np.asarray(w.astype(jnp.float32), np.float64)
+
+
+def _routing(rng, m, k, kind):
+    if kind == "one":  # every token on the same k experts
+        ids = np.tile(rng.choice(E, k, replace=False), (m, 1))
+    else:
+        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(m)]).reshape(m, k)
+    w = rng.random((m, k)).astype(np.float32) + 0.1
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(w)
+
+
+def _magnitude(x, ids, w, w13, w2, limit):
+    """S [M, D] = sum_k |w| (|h| @ |W2|): the scale of the cancellation in each output element."""
+    a, b = _dense64(w13), _dense64(w2)
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    ids, w = np.asarray(ids), np.abs(np.asarray(w, np.float64))
+    hh = np.einsum("md,mkdn->mkn", x64, a[ids])
+    g, u = hh[..., 0::2], hh[..., 1::2]
+    g = g / (1 + np.exp(-g))
+    if limit is not None:
+        g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+    return np.einsum("mk,mki,mkid->md", w, np.abs(g * u), np.abs(b[ids]))
+
+
+def _assert_close(y, ref, scale):
+    """|y - ref| <= 2^-7 (|ref| + S): bf16 roundings of y and of h (an h element may round the
+    other way when the fp32 sum order differs)."""
+    y = np.asarray(y.astype(jnp.float32), np.float64)
+    ref = np.asarray(ref.astype(jnp.float32), np.float64)
+    assert y.shape == ref.shape and np.isfinite(y).all()
+    bound = 2.0**-7 * (np.abs(ref) + scale)
+    assert np.all(np.abs(y - ref) <= bound), float(np.max(np.abs(y - ref) / bound))
+
+
+def _run(md, mp, k, bits, kind, limit, plan, symmetric=True, seed=0):
+    rng = np.random.default_rng([md, mp, k, bits or 16, seed])
+    w13, w2 = _weights(rng, bits, symmetric)
+    m = md + mp
+    x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
+    ids, w = _routing(rng, m, k, kind)
+    run = et._run(x, ids, w, w13, w2, n_decode=md, swiglu_limit=limit, backend="interpret", plan=plan,
+                  trace=True, poison=True)
+    ref = fm.reference(x, ids, w, w13, w2, swiglu_limit=limit)
+    _assert_close(run.y, ref, _magnitude(x, ids, w, w13, w2, limit))
+    return run, (x, ids, w, w13, w2)
+
+
+def _expected_tiles(ids, md, k, bm, tu, td):
+    """{(kind, block, n_tile)} the queue must hand out once each, from the routing."""
+    out = set()
+    for cls, part in ((0, ids[:md]), (2, ids[md:])):
+        counts = np.bincount(np.asarray(part).reshape(-1), minlength=E)
+        blocks = int(np.sum(-(-counts // bm)))
+        for j in range(blocks):
+            out |= {(cls, j, t) for t in range(tu)} | {(cls + 1, j, t) for t in range(td)}
+    return out
+
+
+def _n_tiles(w, block_n):
+    """N-blocks of one GEMM: the quantised layout's tiles, else N / block_n."""
+    return w.words.shape[1] if isinstance(w, QuantizedWeight) else w.shape[2] // block_n
+
+
+def _check_trace(run, ids, md, k, plan, w13, w2):
+    tu, td = _n_tiles(w13, plan.up.block_n), _n_tiles(w2, plan.down.block_n)
+    trace = np.asarray(run.trace)
+    claimed = trace[trace[:, 0] >= 0]
+    n = len(claimed)
+    assert np.all(trace[n:] == -1)  # claims are a prefix of the record
+    kinds = claimed[:, 0]
+    assert np.all(np.diff(kinds) >= 0)  # decode up, decode down, prefill up, prefill down
+    decode = np.flatnonzero(kinds < 2)
+    prefill = np.flatnonzero(kinds >= 2)
+    if len(decode) and len(prefill):
+        assert decode.max() < prefill.min()  # no prefill tile claimed before the last decode tile
+    tiles = [tuple(r) for r in claimed[:, :3]]
+    assert len(set(tiles)) == n and set(tiles) == _expected_tiles(ids, md, k, plan.block_m, tu, td)
+    assert sorted(claimed[:, 4]) == list(range(n))  # each finished once
+    sync = np.asarray(run.sync)
+    assert sync[0] == n + (plan.programs or 4) and sync[1] == n  # every program's last claim found nothing
+    assert np.all(sync[2:][sync[2:] != 0] == tu)  # each used block's up tiles all done
+    # Within a class, each block's down tiles come after its up tiles.
+    for cls in (0, 2):
+        up = {(b, t): i for i, (kk, b, t) in enumerate(tiles) if kk == cls}
+        down = [i for i, (kk, b, t) in enumerate(tiles) if kk == cls + 1]
+        if down:
+            assert max(up.values()) < min(down)
+
+
+# (decode tokens, prefill tokens, k, bits, routing, limit, plan)
+CASES = [
+    (3, 20, 4, None, "random", 1.0, BM16),  # mixed classes, bf16
+    (2, 13, 4, 4, "random", None, BM16),  # int4
+    (0, 11, 3, None, "random", None, BM16),  # no decode class
+    (6, 0, 4, 4, "random", 2.0, BM16),  # no prefill class
+    (4, 40, 1, None, "one", None, BM16),  # one expert takes every token: 1 + 3 blocks
+    (5, 30, 3, 8, "one", 0.5, BM32),  # every token on the same 3 experts, int8 with zero points
+]
+
+
+@pytest.mark.parametrize("md,mp,k,bits,kind,limit,plan", CASES)
+def test_tiles_match_reference_and_claim_decode_first(md, mp, k, bits, kind, limit, plan):
+    run, (_, ids, _, w13, w2) = _run(md, mp, k, bits, kind, limit, plan, symmetric=bits != 8)
+    assert run.y.dtype == jnp.bfloat16
+    _check_trace(run, ids, md, k, plan, w13, w2)
+
+
+def test_equals_fused_moe_on_the_union():
+    run, (x, ids, w, w13, w2) = _run(4, 12, 4, None, "random", None, BM16, seed=3)
+    fused = fm.fused_moe(x, ids, w, w13, w2, backend="interpret")
+    _assert_close(run.y, fused, _magnitude(x, ids, w, w13, w2, None))
+
+
+def test_public_entry_default_plan_and_dtype():
+    rng = np.random.default_rng(11)
+    w13, w2 = _weights(rng, None)
+    x = jnp.asarray(rng.standard_normal((7, D)), jnp.float32)  # y keeps x's dtype
+    ids, w = _routing(rng, 7, 2, "random")
+    y, trace = et.tile_moe(x, ids, w, w13, w2, n_decode=2, backend="interpret", trace=True)
+    assert y.dtype == jnp.float32 and trace.shape[1] == len(et.TRACE_FIELDS)
+    r = et.tile_moe(x, ids, w, w13, w2, n_decode=2, backend="reference")
+    _assert_close(y, r, _magnitude(x.astype(jnp.bfloat16), ids, w, w13, w2, None))
+    empty = et.tile_moe(x[:0], ids[:0], w[:0], w13, w2, n_decode=0, backend="interpret")
+    assert empty.shape == (0, D)
+
+
+def test_bad_arguments_are_named():
+    rng = np.random.default_rng(1)
+    w13, w2 = _weights(rng, None)
+    x = jnp.zeros((3, D), jnp.bfloat16)
+    ids, w = _routing(rng, 3, 2, "random")
+    with pytest.raises(ValueError, match="n_decode"):
+        et.tile_moe(x, ids, w, w13, w2, n_decode=4, backend="interpret")
+    with pytest.raises(ValueError, match="block_m"):
+        et.tile_moe(x, ids, w, w13, w2, n_decode=1, backend="interpret", plan=et.Plan(8))
+    with pytest.raises(ValueError, match="globaltimer"):
+        et._run(x, ids, w, w13, w2, n_decode=1, swiglu_limit=None, backend="interpret", plan=BM16, stamps=True)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_lowers_to_triton_ir(bits, monkeypatch):
+    """The GPU path lowers (to Triton IR, on CPU): ordered atomics for the claims and the up-tile
+    counters, a relaxed fp32 add for the combine, barriers around the h hand-off, and the clock."""
+    from jax._src.pallas.triton import lowering as tlow
+
+    modules, real = [], tlow.lower_jaxpr_to_triton_module
+
+    def capture(*a, **kw):
+        r = real(*a, **kw)
+        modules.append(str(r.module))
+        return r
+
+    monkeypatch.setattr(tlow, "lower_jaxpr_to_triton_module", capture)
+    w13, w2 = _weights(np.random.default_rng(0), bits)
+    sds = jax.ShapeDtypeStruct
+
+    def f(x, ids, w, w13, w2):
+        run = et._run(x, ids, w, w13, w2, n_decode=3, swiglu_limit=None, backend="pallas",
+                      plan=et.plan_for(17 * 4, E, bits is not None), trace=True, stamps=True)
+        return run.y, run.trace, run.stamps
+
+    jax.jit(f).trace(sds((20, D), jnp.bfloat16), sds((20, 4), jnp.int32), sds((20, 4), jnp.float32),
+                     w13, w2).lower(lowering_platforms=("cuda",))
+    [ir] = [m for m in modules if "expert_tiles" in m]
+    assert ir.count("tt.atomic_rmw add, acq_rel, gpu") >= 5  # claim (x2), ticket, done, spin (x2)
+    assert ir.count("tt.atomic_rmw fadd, relaxed, gpu") == 1
+    assert ir.count("gpu.barrier") == 2 and ir.count("%globaltimer_lo") == 2

@@ -1,0 +1,151 @@
+"""The tile-aware latency model (moe/tiles.py): the fit, x_moe and its expectation, the chunk
+picker, and the server's scheduler sizing chunks with it. No JAX: host arithmetic only."""
+
+import types
+
+import numpy as np
+import pytest
+
+from moe import tiles
+from serve.request import Request, Sampling
+from serve.run import StartupError, chunk_sizer, parse_args
+from serve.scheduler import Scheduler
+
+TRUE = tiles.LatencyFit(alpha=12.0, beta=0.8, gamma=0.05, delta=0.002)
+
+
+def test_fit_recovers_known_coefficients():
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 2000, 400).astype(float)
+    s = rng.choice([1.0, 8.0, 32.0, 128.0], 400)
+    t = TRUE(x, s) * (1 + 1e-3 * rng.standard_normal(400))  # 0.1 % noise
+    fit = tiles.LatencyFit.fit(x, t, s)
+    for name in tiles.COEFFS:
+        assert getattr(fit, name) == pytest.approx(getattr(TRUE, name), rel=0.03), name
+
+
+def test_fit_at_s_one_keeps_alpha_and_the_merged_slope():
+    """MoE samples (s = 1): gamma and delta are not identifiable; beta takes all three slopes."""
+    x = np.arange(1, 50, dtype=float) * 7
+    fit = tiles.LatencyFit.fit(x, TRUE(x))
+    assert fit.alpha == pytest.approx(TRUE.alpha) and fit.gamma == fit.delta == 0.0
+    assert fit.beta == pytest.approx(TRUE.beta + TRUE.gamma + TRUE.delta)
+    with pytest.raises(ValueError, match="cannot determine"):
+        tiles.LatencyFit.fit([5.0, 5.0, 5.0], [1.0, 2.0, 3.0])
+
+
+def test_x_moe_counts_tiles_and_its_expectation_matches_sampling():
+    assert tiles.x_moe([0, 1, 64, 65, 130], 64) == 0 + 1 + 1 + 2 + 3
+    ids = np.array([[0, 1], [0, 2], [0, 1]])
+    assert tiles.x_moe_of_ids(ids, 4, 2) == 2 + 1 + 1
+    e, k, bm, tokens = 16, 4, 8, 40
+    rng = np.random.default_rng(1)
+    samples = [tiles.x_moe_of_ids(np.stack([rng.choice(e, k, replace=False) for _ in range(tokens)]), e, bm)
+               for _ in range(400)]
+    assert tiles.expected_x_moe(tokens, e, k, bm) == pytest.approx(np.mean(samples), rel=0.02)
+    skew = np.r_[[0.5] * 4, [2.0 / 12] * 12]  # sums to k = 4
+    assert tiles.expected_x_moe(tokens, e, k, bm, probs=skew) < tiles.expected_x_moe(tokens, e, k, bm)
+    grid = [tiles.expected_x_moe(n, 512, 8, 64) for n in (0, 1, 8, 64, 512, 4096)]
+    assert grid[0] == 0 and grid[1] == pytest.approx(8) and np.all(np.diff(grid) > 0)
+
+
+def _model(**kw):
+    return tiles.TileModel(tiles.LatencyFit(20.0, 1.5), block_m=64, n_experts=512, top_k=8, **kw)
+
+
+def test_json_round_trip_and_clear_errors(tmp_path):
+    m = _model(step_overhead_us=300.0, info={"device": "test"})
+    path = str(tmp_path / "tm.json")
+    m.save(path)
+    assert tiles.TileModel.load(path) == m
+    (tmp_path / "bad.json").write_text('{"format": "ling-tile-model/1", "moe": {"alpha": 1}}')
+    with pytest.raises(ValueError, match="block_m"):
+        tiles.TileModel.load(str(tmp_path / "bad.json"))
+    (tmp_path / "other.json").write_text('{"alpha": 1}')
+    with pytest.raises(ValueError, match="format"):
+        tiles.TileModel.load(str(tmp_path / "other.json"))
+
+
+CANDIDATES = tiles.chunk_candidates(1024)
+
+
+def test_chunk_picker_is_correct_and_monotone():
+    assert CANDIDATES == [16, 32, 64, 128, 256, 512, 1024]
+    m, layers, rows = _model(step_overhead_us=500.0), 20, 4
+
+    def predict(c, decode):
+        return m.iteration_us(decode_tiles=m.expected_tiles(decode), prefill_tiles=m.expected_tiles(rows * c),
+                              layers=layers)
+
+    for decode in (8, 32, 64):
+        previous = 0
+        for budget in np.linspace(2_000, 80_000, 25):
+            c = tiles.largest_chunk(m, budget_us=budget, candidates=CANDIDATES, rows=rows, layers=layers,
+                                    decode_tokens=decode)
+            assert c >= previous  # a larger budget never shrinks the chunk
+            previous = c
+            if c:  # it fits, and the next width does not
+                assert predict(c, decode) <= budget
+            nxt = [w for w in CANDIDATES if w > c]
+            if nxt:
+                assert predict(nxt[0], decode) > budget
+    budget = 30_000.0
+    sizes = [tiles.largest_chunk(m, budget_us=budget, candidates=CANDIDATES, rows=rows, layers=layers,
+                                 decode_tokens=d) for d in (0, 1, 8, 64, 256, 1024)]
+    assert all(a >= b for a, b in zip(sizes, sizes[1:]))  # more decode work never grows the chunk
+    counts = np.zeros(512, int)
+    counts[:8] = 1  # 8 tokens' rows on 8 experts: x = 8 exactly
+    exact = tiles.largest_chunk(m, budget_us=budget, candidates=CANDIDATES, rows=rows, layers=layers,
+                                decode_counts=counts)
+    assert exact == tiles.largest_chunk(m, budget_us=budget, candidates=CANDIDATES, rows=rows, layers=layers,
+                                        decode_tokens=1)  # 1 token top-8: 8 tiles as well
+
+
+def _request(n_prompt, max_tokens=100):
+    return Request(prompt_ids=list(range(1, n_prompt + 1)), sampling=Sampling(max_tokens=max_tokens))
+
+
+def test_scheduler_sizes_chunks_with_the_model():
+    slots, layers, width = 2, 20, 4
+    m = _model(step_overhead_us=2_000.0)
+    sizer = tiles.ChunkSizer(m, budget_us=12_000.0, candidates=tuple(tiles.chunk_candidates(256)), rows=slots,
+                             layers=layers)
+    expect = tiles.largest_chunk(m, budget_us=12_000.0, candidates=sizer.candidates, rows=slots, layers=layers,
+                                 decode_tokens=slots * width)
+    assert 16 <= expect < 256  # the budget binds while a slot decodes
+    sched = Scheduler(slots, 256, eos_id=None, sizer=sizer, decode_width=width)
+    short, long = _request(40), _request(600)
+    sched.add(short)
+    first = sched.next_chunk()  # nobody decodes yet: the widest chunk
+    assert first.tokens.shape == (slots, 256) and first.valid[0] == 40 and first.ends[0]
+    assert sched.decoding()[0] is short
+    sched.add(long)
+    second = sched.next_chunk()  # the short request decodes now: the model's width
+    assert second.tokens.shape == (slots, expect) and second.valid[1] == expect
+    sched.remove(short)
+    third = sched.next_chunk()  # decoding finished: wide again
+    assert third.tokens.shape == (slots, 256) and third.valid[1] == 256
+    fixed = Scheduler(slots, 64, eos_id=None)  # no model: the fixed chunk, as before
+    fixed.add(_request(200))
+    assert fixed.next_chunk().tokens.shape == (slots, 64)
+
+
+def test_sizer_falls_back_to_the_narrowest_chunk():
+    sizer = tiles.ChunkSizer(_model(step_overhead_us=1e6), budget_us=1_000.0, candidates=(16, 32), rows=2,
+                             layers=4)
+    assert sizer(8) == 16 and sizer(0) == 32
+
+
+def test_server_flags_build_the_sizer(tmp_path):
+    path = str(tmp_path / "tm.json")
+    tiles.TileModel(tiles.LatencyFit(5.0, 1.0), block_m=16, n_experts=8, top_k=2).save(path)
+    cfg = types.SimpleNamespace(mlp_types=("dense", "moe", "moe"), num_experts=8, num_experts_per_tok=2)
+    args = parse_args(["--tile-model", path, "--tpot-slo-ms", "50", "--prefill-chunk", "64", "--max-batch", "3"])
+    sizer = chunk_sizer(args, cfg)
+    assert sizer.candidates == (16, 32, 64) and sizer.rows == 3 and sizer.layers == 2
+    assert sizer.budget_us == 50_000.0
+    assert chunk_sizer(parse_args([]), cfg) is None
+    with pytest.raises(StartupError, match="fitted for 8 experts top-2"):
+        chunk_sizer(args, types.SimpleNamespace(mlp_types=("moe",), num_experts=16, num_experts_per_tok=2))
+    with pytest.raises(SystemExit):
+        parse_args(["--tile-model", path])  # without a budget
