@@ -9,10 +9,12 @@ evaluated on is therefore stored next to it (`HELDOUT_FILE`), not recomputed.
 
 Split: by file, deterministically: a file is held out when the first 8 bytes of the SHA-256 of
 its path relative to the stdlib root (with '/' separators) fall below `heldout` of the range.
-A file is in exactly one split, on every machine and every run.
+A file is in exactly one split, on every machine and every run. Training sets aside a validation
+split of the train files (`validation_split`) and keeps the parameters with the lowest validation
+loss, so the held-out figures are not chosen on.
 
-Tokenizer: byte-level BPE (`tokenizers`) trained on the train split. Special tokens, the same as
-`serve.make_default_model`'s: <|endoftext|> (id 0, appended to every document: the model's EOS),
+Tokenizer: byte-level BPE (`tokenizers`) trained on the train split. Special tokens:
+<|endoftext|> (id 0, appended to every document: the model's EOS),
 <|im_start|> (1) and <|im_end|> (2) for the ChatML chat template.
 """
 
@@ -72,6 +74,15 @@ def split(files: Sequence[str], heldout: float = 0.05) -> tuple[list[str], list[
     train = [f for f in files if not is_heldout(f, heldout)]
     held = [f for f in files if is_heldout(f, heldout)]
     return train, held
+
+
+def validation_split(train_files: Sequence[str], frac: float = 0.05) -> tuple[list[str], list[str]]:
+    """(train, validation): files of the train split set aside to choose the checkpoint by, so the
+    held-out split stays unseen by every choice made in training. By a second hash of the path
+    (salted), independent of the held-out one."""
+    def is_val(f):
+        return int.from_bytes(hashlib.sha256(b"validation:" + f.encode()).digest()[:8], "big") < frac * 2**64
+    return [f for f in train_files if not is_val(f)], [f for f in train_files if is_val(f)]
 
 
 def read_texts(files: Iterable[str], root: str | None = None, *, max_bytes: int | None = None) -> list[str]:

@@ -1,7 +1,7 @@
 """Evaluate a trained checkpoint: held-out perplexity by weight format, NEXTN speculative
 acceptance, and how much the verified positions share their experts (rho).
 
-    python -m ling.eval --model ling/assets/ling-small [--record]
+    python -m ling.eval --model serve/default_model [--record]
 
 - Perplexity: exp(mean next-token NLL) over the held-out sequences stored with the checkpoint
   (`heldout_tokens.npy`, written by `ling.train`; else the held-out split of the corpus, encoded
@@ -15,7 +15,8 @@ acceptance, and how much the verified positions share their experts (rho).
 - Accepted length: greedy NEXTN chain speculative decoding (`spec.loop.generate_batch`) of
   --new-tokens tokens after each of --prompts held-out prompts of --prompt-len tokens, for every
   num_steps S in --num-steps; `spec.loop.mean_accepted_length`: tokens emitted per verify step,
-  the bonus token included (1 .. S+1). Each row also says whether the output equals plain greedy
+  the bonus token included (1 .. S+1). Each row also says how many outputs equal plain greedy, and
+  after how many tokens on average they first differ
   (at bf16 a near-tie of the top two logits can round differently in the verify pass than in a
   decode step; the shipped-checkpoint test checks equality at fp32).
 - Expert sharing, measured on the same runs: in every verify step of every live slot and every
@@ -185,20 +186,22 @@ def speculative_figures(model, prompts: list[list[int]], new_tokens: int, num_st
     for s in num_steps:
         t0 = time.perf_counter()
         rec = SharingRecorder()
-        produced = steps = 0
-        same = True
+        produced = steps = same = agree = 0
         for p, ref in zip(prompts, plain):
             out, slots = generate_batch(model, [p], new_tokens, speculative=True, num_steps=s, return_slots=True,
                                         drafter=rec.drafter, prefill_chunk=chunk)
             n_steps, n_produced = jax.device_get((slots.steps.sum(), slots.produced.sum()))
             steps, produced = steps + int(n_steps), produced + int(n_produced)
-            same &= out[0] == ref
+            same += out[0] == ref
+            agree += next((i for i, (a, b) in enumerate(zip(out[0], ref)) if a != b), min(len(out[0]), len(ref)))
         jax.effects_barrier()
         row = {"num_steps": s, "accepted_length": produced / max(steps, 1), "verify_steps": steps,
-               "matches_greedy": bool(same), **rec.figures(e, k, s + 1), "seconds": time.perf_counter() - t0}
+               "matches_greedy": same == len(prompts), "prompts_matching": same,
+               "mean_agreeing_prefix": agree / len(prompts), **rec.figures(e, k, s + 1), "seconds": time.perf_counter() - t0}
         rows.append(row)
         log(f"  S={s}: accepted length {row['accepted_length']:.3f}, union {row['union']:.2f} of {e}, "
-            f"rho {row['rho']:.3f}, = greedy: {row['matches_greedy']} ({row['seconds']:.0f} s)", flush=True)
+            f"rho {row['rho']:.3f}, = greedy: {same}/{len(prompts)} prompts, first difference at "
+            f"{row['mean_agreeing_prefix']:.0f} tokens on average ({row['seconds']:.0f} s)", flush=True)
     return rows, plain
 
 
@@ -214,10 +217,12 @@ def table(result: dict) -> str:
         lines.append(f"| {name} | {r['nll']:.4f} | {r['ppl']:.3f} | {rel} |")
     e, k = result["routing"]["num_experts"], result["routing"]["top_k"]
     lines += ["", f"| num_steps S | mean accepted length | union of experts per layer (of {e}; top-{k}) "
-              "| jaccard ∩/∪ | rho (seed 001) | = plain greedy |", "|---|---|---|---|---|---|"]
+              "| jaccard ∩/∪ | rho (seed 001) | prompts = plain greedy | tokens before the first difference |",
+              "|---|---|---|---|---|---|---|"]
+    n = result["prompts"]["count"]
     for r in result["speculative"]:
         lines.append(f"| {r['num_steps']} | {r['accepted_length']:.3f} | {r['union']:.2f} | {r['jaccard']:.3f} "
-                     f"| {r['rho']:.3f} | {'yes' if r['matches_greedy'] else 'NO'} |")
+                     f"| {r['rho']:.3f} | {r['prompts_matching']}/{n} | {r['mean_agreeing_prefix']:.0f} |")
     return "\n".join(lines)
 
 

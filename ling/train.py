@@ -1,6 +1,6 @@
 """Train a small Ling-architecture model from scratch on the Python standard library's sources.
 
-    python -m ling.train --preset small --out ling/assets/ling-small          # the shipped model (H200)
+    python -m ling.train --preset small --out serve/default_model          # the shipped model (H200)
     python -m ling.train --preset toy --steps 50 --out /tmp/ling-toy          # a few minutes on CPU
 
 What it builds (`ling.data` has the corpus, split and tokenizer): a `bailing_hybrid` model with
@@ -125,8 +125,8 @@ PRESETS = {
     "toy": Preset(toy_config, vocab_size=512, batch=8, seq_len=64, steps=40, lr=3e-3, warmup=5,
                   max_train_bytes=400_000, heldout_seqs=16, eval_every=20, log_every=5, time_budget=None,
                   int_group=32),
-    "small": Preset(small_config, vocab_size=4096, batch=64, seq_len=512, steps=2000, lr=2e-3, warmup=100,
-                    max_train_bytes=None, heldout_seqs=128, eval_every=250, log_every=10, time_budget=330.0,
+    "small": Preset(small_config, vocab_size=4096, batch=64, seq_len=512, steps=1000, lr=2e-3, warmup=100,
+                    max_train_bytes=None, heldout_seqs=128, eval_every=50, log_every=10, time_budget=330.0,
                     int_group=128),
 }
 
@@ -371,7 +371,8 @@ def _readme(meta: dict) -> str:
   tokenizer_config.json; <|endoftext|> = 0 ends every document).
 - Training: {meta['steps_done']} steps x {meta['batch']} x {meta['seq_len']} tokens ({meta['tokens_seen'] / 1e6:.1f} M), AdamW, peak lr {meta['lr']},
   MTP weight {meta['mtp_weight']}, auxiliary-loss-free expert balancing, {meta['train_seconds']:.0f} s on {meta['device']}.
-  Final held-out loss {meta['heldout_loss']:.4f} (perplexity {math.exp(meta['heldout_loss']):.2f}), MTP {meta['heldout_mtp_loss']:.4f}.
+  Kept the parameters of step {meta['kept_step']} (lowest loss on {meta['validation_files']} validation files of the
+  train split: {meta['val_loss']:.4f}). Held-out loss {meta['heldout_loss']:.4f} (perplexity {math.exp(meta['heldout_loss']):.2f}), MTP {meta['heldout_mtp_loss']:.4f}.
 - Command: `{meta['command']}`. Figures: `python -m ling.eval --model DIR` (eval.json).
 """
 
@@ -412,15 +413,17 @@ def main(argv=None) -> int:
     # Data: split, tokenizer on the train split, token streams.
     files = data.stdlib_files()
     train_files, held_files = data.split(files)
+    train_files, val_files = data.validation_split(train_files)
     train_texts = data.read_texts(train_files, max_bytes=max_bytes)
     tok = data.train_tokenizer(train_texts, p.vocab_size)
     vocab = tok.get_vocab_size()
     stream = data.encode(tok, train_texts)
     held_stream = data.encode(tok, data.read_texts(held_files))
     held = data.pack(held_stream, seq_len, p.heldout_seqs)
+    val = data.pack(data.encode(tok, data.read_texts(val_files)), seq_len, p.heldout_seqs)
     print(f"data: {len(train_texts)}/{len(train_files)} train files ({sum(map(len, train_texts)) / 1e6:.1f} MB, "
           f"{len(stream) / 1e6:.2f} M tokens), {len(held_files)} held-out files ({len(held_stream) / 1e3:.0f} k tokens, "
-          f"{len(held)} x {seq_len} kept), vocab {vocab}, {time.perf_counter() - t_start:.1f} s", flush=True)
+          f"{len(held)} x {seq_len} kept), {len(val_files)} validation files ({len(val)} x {seq_len}), vocab {vocab}, {time.perf_counter() - t_start:.1f} s", flush=True)
 
     cfg = p.config(vocab)
     trainer = Trainer(cfg, seed=args.seed, lr=lr, warmup=warmup, mtp_weight=args.mtp_weight,
@@ -459,6 +462,15 @@ def main(argv=None) -> int:
     t_calib = None
     hl, hm = trainer.evaluate(held, eval_batch)  # the untrained baseline; compiles the evaluation up front
     write({"step": 0, "heldout_loss": hl, "heldout_mtp_loss": hm})
+    # The shipped parameters are those with the lowest validation loss: a small corpus is learnt
+    # by heart in a few epochs, after which held-out loss rises while train loss keeps falling.
+    best = {"val_loss": math.inf, "step": 0, "params": None}
+
+    def keep_best(step):
+        vl, _ = trainer.evaluate(val, eval_batch)
+        if vl < best["val_loss"]:
+            best.update(val_loss=vl, step=step, params=jax.tree.map(jnp.copy, trainer.params))
+        return vl
     bar = tqdm(total=total, desc=f"train {args.preset}", unit="step", disable=args.quiet, dynamic_ncols=True)
     step = 0
     last = {}
@@ -488,15 +500,20 @@ def main(argv=None) -> int:
             bar.set_postfix(loss=f"{last['loss']:.3f}", mtp=f"{last['mtp_loss']:.3f}")
         if step % p.eval_every == 0 or step == total:
             hl, hm = trainer.evaluate(held, eval_batch)
-            write({"step": step, "heldout_loss": hl, "heldout_mtp_loss": hm})
-            bar.write(f"step {step}: train {last.get('loss', float('nan')):.4f}  held-out {hl:.4f} "
+            vl = keep_best(step)
+            write({"step": step, "heldout_loss": hl, "heldout_mtp_loss": hm, "val_loss": vl})
+            bar.write(f"step {step}: train {last.get('loss', float('nan')):.4f}  val {vl:.4f}  held-out {hl:.4f} "
                       f"(ppl {math.exp(hl):.2f})  mtp {hm:.4f}")
         if budget and time.perf_counter() - t_loop > budget * 1.1:  # hard stop, whatever the estimate said
             write({"event": "hard_stop", "step": step})
-            hl, hm = trainer.evaluate(held, eval_batch)
-            write({"step": step, "heldout_loss": hl, "heldout_mtp_loss": hm})
+            keep_best(step)
             break
     bar.close()
+    if best["params"] is not None:
+        trainer.params = best["params"]
+    hl, hm = trainer.evaluate(held, eval_batch)
+    write({"event": "kept", "step": best["step"], "val_loss": best["val_loss"], "heldout_loss": hl,
+           "heldout_mtp_loss": hm})
     train_seconds = time.perf_counter() - t_loop
     log.close()
 
@@ -508,7 +525,8 @@ def main(argv=None) -> int:
         "name": os.path.basename(os.path.normpath(args.out)), "preset": args.preset, "config": cfg.to_json(),
         "n_params": trainer.n_params(), "python": sys.version.split()[0], "device": jax.devices()[0].device_kind,
         "train_files": len(train_texts), "heldout_files": len(held_files), "train_tokens": int(len(stream)),
-        "heldout_seqs": int(len(held)), "seq_len": seq_len, "batch": batch, "steps": steps, "steps_done": step,
+        "heldout_seqs": int(len(held)), "seq_len": seq_len, "batch": batch, "steps": steps, "steps_done": step, "kept_step": best["step"], "val_loss": best["val_loss"],
+        "validation_files": len(val_files),
         "tokens_seen": step * batch * seq_len, "lr": lr, "warmup": warmup, "mtp_weight": args.mtp_weight,
         "bias_rate": args.bias_rate, "compute_dtype": args.compute_dtype, "seed": args.seed,
         "train_seconds": train_seconds, "total_seconds": time.perf_counter() - t_start,
@@ -521,7 +539,8 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "README.md"), "w") as f:
         f.write(_readme(meta))
     size = sum(os.path.getsize(os.path.join(args.out, n)) for n in os.listdir(args.out))
-    print(f"wrote {args.out}: {step} steps in {train_seconds:.0f} s, held-out loss {hl:.4f} "
+    print(f"wrote {args.out}: {step} steps in {train_seconds:.0f} s, kept step {best['step']} "
+          f"(validation loss {best['val_loss']:.4f}), held-out loss {hl:.4f} "
           f"(ppl {math.exp(hl):.2f}), MTP {hm:.4f}; {size / 1e6:.1f} MB; total {meta['total_seconds']:.0f} s")
     return 0
 

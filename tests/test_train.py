@@ -1,5 +1,5 @@
 """Training (issue 8): corpus split, tokenizer, losses and gradients, hub saving, evaluation; and,
-when a trained checkpoint ships (ling/assets/ling-small), that it reproduces its figures."""
+that the shipped checkpoint (serve/default_model) reproduces its figures."""
 
 import json
 import math
@@ -21,7 +21,7 @@ from ling.convert import main as convert_main
 from ling.model import LingModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIPPED = [d for d in [os.path.join(ROOT, "ling", "assets", "ling-small")] if os.path.isdir(d)]
+SHIPPED = [os.path.join(ROOT, "serve", "default_model")]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ def test_eval_runs_end_to_end(toy_dir, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# The shipped checkpoint (present once `python -m ling.train --preset small` has been run and shipped)
+# The shipped checkpoint: serve/default_model, trained by `python -m ling.train --preset small` on the H200
 
 
 @pytest.mark.parametrize("model_dir", SHIPPED)
