@@ -186,6 +186,49 @@ def compile_report(ttir_dir: str):
         json.dump(RESULTS["compiled"], f, indent=1)
 
 
+# ---------------------------------------------------------------------------------- the torch peer
+def torch_grouped_mm_us(ids, ws, *, e: int, d: int, inter: int, n: int = 20) -> float:
+    """µs per MoE layer of torch._grouped_mm on its own random bf16 weights for this routing
+    (ids, ws [M, k] host arrays): argsort, gather, gate_up, SiLU*up, down, weights, index_add;
+    eager, CUDA events over n layers (its ~10 launches a layer are noise at ~2 ms)."""
+    import numpy as np
+    import torch
+
+    m, k = ids.shape
+    dv = "cuda"
+    g = torch.Generator(device=dv).manual_seed(0)
+    # B operands in the layout torch's grouped GEMM wants: [E, N, K] stored, K-major view.
+    w13 = (torch.randn(e, 2 * inter, d, device=dv, dtype=torch.bfloat16, generator=g) * 0.03).transpose(1, 2)
+    w2 = (torch.randn(e, d, inter, device=dv, dtype=torch.bfloat16, generator=g) * 0.05).transpose(1, 2)
+    x = torch.randn(m, d, device=dv, dtype=torch.bfloat16, generator=g)
+    tid = torch.from_numpy(np.asarray(ids)).to(dv).long()
+    tw = torch.from_numpy(np.asarray(ws, np.float32)).to(dv)
+
+    def layer():
+        flat = tid.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+        tok = order // k
+        h = torch._grouped_mm(x[tok], w13, offs=offs)  # [P, 2I]
+        h = (torch.nn.functional.silu(h[:, 0::2].float()) * h[:, 1::2].float()).to(torch.bfloat16)
+        out = torch._grouped_mm(h, w2, offs=offs).float() * tw.reshape(-1)[order, None]
+        return torch.zeros(m, d, device=dv).index_add_(0, tok, out).to(torch.bfloat16)
+
+    for _ in range(3):
+        layer()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        layer()
+    b.record()
+    torch.cuda.synchronize()
+    us = a.elapsed_time(b) * 1e3 / n
+    del w13, w2, x
+    torch.cuda.empty_cache()
+    return us
+
+
 # ---------------------------------------------------------------------------------- the run
 def run(args):
     import jax
@@ -317,40 +360,8 @@ def run(args):
 
     # ------------------------------------------------------------------ peers
     def torch_peer(m):
-        """torch._grouped_mm MoE layer on its own random bf16 weights, this routing; µs (events)."""
-        import torch
-
         _, ids, ws, _ = routing(m)
-        dv = "cuda"
-        g = torch.Generator(device=dv).manual_seed(0)
-        # B operands in the layout torch's grouped GEMM wants: [E, N, K] stored, K-major view.
-        w13 = (torch.randn(E, 2 * I, D, device=dv, dtype=torch.bfloat16, generator=g) * 0.03).transpose(1, 2)
-        w2 = (torch.randn(E, D, I, device=dv, dtype=torch.bfloat16, generator=g) * 0.05).transpose(1, 2)
-        x = torch.randn(m, D, device=dv, dtype=torch.bfloat16, generator=g)
-        tid = torch.from_numpy(np.asarray(ids)).to(dv).long()
-        tw = torch.from_numpy(np.asarray(ws)).to(dv)
-
-        def layer():
-            flat = tid.reshape(-1)
-            order = torch.argsort(flat, stable=True)
-            offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
-            tok = order // K
-            h = torch._grouped_mm(x[tok], w13, offs=offs)  # [P, 2I]
-            h = (torch.nn.functional.silu(h[:, 0::2].float()) * h[:, 1::2].float()).to(torch.bfloat16)
-            out = torch._grouped_mm(h, w2, offs=offs).float() * tw.reshape(-1)[order, None]
-            return torch.zeros(m, D, device=dv).index_add_(0, tok, out).to(torch.bfloat16)
-
-        for _ in range(3):
-            layer()
-        torch.cuda.synchronize()
-        n = 20
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            layer()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) * 1e3 / n
+        return torch_grouped_mm_us(np.asarray(ids), np.asarray(ws), e=E, d=D, inter=I)
 
     # ------------------------------------------------------------------ tasks
     if not (args.smoke or args.lower):

@@ -20,48 +20,11 @@ from ling.config import ModelConfig
 from ling.layers import gated_rms_norm
 from pallas_kernels import kda as kda_kernel
 from pallas_kernels.backend import resolve as resolve_kernels
+# The chunked (prefill) form and the conv / norm / gate steps are the prefill kernel's reference:
+# one specification for the model and the kernel.
+from pallas_kernels.kda_prefill import (CHUNK, causal_conv, chunked, conv_state_after, decay_gate,  # noqa: F401
+                                        kda_prefill, l2_normalize)
 from moe.nn import Linear, param
-
-CHUNK = 64
-
-
-def causal_conv(x, conv_state, weight):
-    """Depthwise causal conv + SiLU over new tokens, continuing from the conv state.
-
-    x [B, T, C]; conv_state [B, W-1, C] (the last W-1 inputs, oldest first); weight [C, W].
-    Returns (y [B, T, C] in x's dtype, window [B, W-1+T, C]): the conv state after the first n
-    new tokens is window[:, n : n + W-1] (`conv_state_after`).
-    """
-    w = weight.shape[1]
-    window = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
-    t = x.shape[1]
-    xf = window.astype(jnp.float32)
-    y = sum(xf[:, j : j + t] * weight[:, j].astype(jnp.float32) for j in range(w))
-    return jax.nn.silu(y).astype(x.dtype), window.astype(conv_state.dtype)
-
-
-def conv_state_after(window, n, state_len: int):
-    """window [B, W-1+T, C], n [B] new tokens kept -> conv state [B, W-1, C] (state_len = W-1)."""
-    return jax.vmap(lambda w, i: jax.lax.dynamic_slice_in_dim(w, i, state_len, axis=0))(window, n)
-
-
-def l2_normalize(x, eps: float = 1e-6):
-    x = x.astype(jnp.float32)
-    return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
-def decay_gate(f, A_log, dt_bias, *, kind: str, lower_bound: float):
-    """Log-decay g [B, T, H, K] fp32 from the gate projection f [B, T, H, K].
-
-    safe (Ling):     g = lower_bound * σ(exp(A_log) (f + dt_bias))   ∈ (lower_bound, 0)
-    softplus (Kimi): g = -exp(A_log) softplus(f + dt_bias)
-    """
-    h, k = f.shape[-2:]
-    z = f.astype(jnp.float32) + dt_bias.astype(jnp.float32).reshape(h, k)
-    a = jnp.exp(A_log.astype(jnp.float32)).reshape(h, 1)
-    if kind == "safe":
-        return lower_bound * jax.nn.sigmoid(a * z)
-    return -a * jax.nn.softplus(z)
 
 
 def recurrent(q, k, v, g, beta, state):
@@ -79,56 +42,6 @@ def recurrent(q, k, v, g, beta, state):
     xs = [jnp.moveaxis(a.astype(jnp.float32), 1, 0) for a in (q, k, v, g, beta)]
     _, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), xs)
     return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)
-
-
-def chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
-    """The same recurrence over chunks, in the WY form. Shapes as `recurrent`.
-    Returns (o [B, T, H, V] fp32, final state [B, H, K, V] fp32).
-
-    Within a chunk with cumulative log-decay G_t = Σ_{s≤t} g_s, write the state as
-      S_t = D_t (S_0 + Σ_{s≤t} D_s⁻¹ k_s u_sᵀ),  D_t = diag(exp G_t),
-    where u_s = β_s (v_s - S'_sᵀ k_s) is the applied correction. Substituting gives the unit
-    lower-triangular system (I + diag(β) A) u = diag(β) (v - (k ⊙ e^G) S_0) with
-    A[t, s] = Σ_c k_t[c] k_s[c] e^{G_t[c] - G_s[c]} (s < t); then
-      o = (q ⊙ e^G) S_0 + Bu,  B[t, s] = Σ_c q_t[c] k_s[c] e^{G_t[c] - G_s[c]} (s ≤ t),
-      S_C = D_C S_0 + Σ_s (k_s ⊙ e^{G_C - G_s}) u_sᵀ.
-    Every exponent is ≤ 0 (masked before exp), so nothing overflows.
-    """
-    b, t, h, kd = k.shape
-    n = -(-t // chunk)
-    pad = n * chunk - t
-
-    def prep(a):  # [B, T, H, (X)] -> [N, B, H, C, (X)]; zero padding leaves the state unchanged (β = 0, g = 0)
-        a = jnp.pad(a.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-        a = a.reshape(b, n, chunk, *a.shape[2:])
-        return a.transpose(1, 0, 3, 2, 4) if a.ndim == 5 else a.transpose(1, 0, 3, 2)
-
-    qc, kc, vc, gc = (prep(a) for a in (q, k, v, g))
-    bc = prep(beta)  # [N, B, H, C]
-    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
-    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
-
-    def step(s0, xs):
-        q_c, k_c, v_c, g_c, b_c = xs  # [B, H, C, X]
-        G = jnp.cumsum(g_c, axis=-2)  # [B, H, C, K]
-        diff = G[..., :, None, :] - G[..., None, :, :]  # [B, H, C(t), C(s), K]
-        decay = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))
-        A = jnp.einsum("bhtc,bhsc,bhtsc->bhts", k_c, k_c, decay) * strict
-        Bm = jnp.einsum("bhtc,bhsc,bhtsc->bhts", q_c, k_c, decay)
-        eG = jnp.exp(G)
-        rhs = b_c[..., None] * (v_c - jnp.einsum("bhtk,bhkv->bhtv", k_c * eG, s0))
-        lhs = jnp.eye(chunk) + b_c[..., None] * A
-        u = jax.scipy.linalg.solve_triangular(lhs, rhs, lower=True, unit_diagonal=True)
-        o = jnp.einsum("bhtk,bhkv->bhtv", q_c * eG, s0) + jnp.einsum("bhts,bhsv->bhtv", Bm, u)
-        tail = jnp.exp(G[..., -1:, :] - G)  # [B, H, C, K]
-        s1 = jnp.exp(G[..., -1, :])[..., None] * s0 + jnp.einsum("bhsk,bhsv->bhkv", k_c * tail, u)
-        return s1, o
-
-    with jax.default_matmul_precision("highest"):  # fp32 state math, also on GPUs that default to tf32
-        s, o = jax.lax.scan(step, state.astype(jnp.float32), (qc, kc, vc, gc, bc))
-    o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, V]
-    o = jnp.moveaxis(o, 2, 3).reshape(b, n * chunk, h, -1)[:, :t]
-    return o, s
 
 
 class KDAttention(nnx.Module):
@@ -165,10 +78,11 @@ class KDAttention(nnx.Module):
     def __call__(self, x, conv_state, rec_state, valid, *, form: str):
         """x [B, T, D]; conv_state (q, k, v) each [B, W-1, C]; rec_state [B, H, K, V] fp32; valid [B]:
         tokens of each slot that are real (the rest is padding and must not touch the state).
-        form "chunked" (prefill) or "recurrent" (decode, verify). Returns (y [B, T, D], the conv
-        windows (q, k, v) each [B, W-1+T, C], and the recurrent state: for "chunked" the state after
-        the valid tokens [B, H, K, V]; for "recurrent" the state after each position [B, T, H, K, V],
-        from which `ling.state.commit` takes any prefix without recomputation)."""
+        form "chunked" (prefill) or "recurrent" (decode, verify). Returns (y [B, T, D], conv, rec):
+        for "chunked" the state after the valid tokens: conv states (q, k, v) each [B, W-1, C] and
+        the recurrent state [B, H, K, V]; for "recurrent" the conv windows (q, k, v) each
+        [B, W-1+T, C] and the recurrent state after each position [B, T, H, K, V], from which
+        `ling.state.commit` takes any prefix without recomputation."""
         b, t, _ = x.shape
         h, kd = self.num_heads, self.head_dim
         pre = (self.q_proj(x), self.k_proj(x), self.v_proj(x))  # [B, T, C] each, before the conv
@@ -177,16 +91,19 @@ class KDAttention(nnx.Module):
         b_in = self.b_proj(x)  # [B, T, H]
         weights = (self.q_conv[...], self.k_conv[...], self.v_conv[...])
         kernels = resolve_kernels()
-        if form == "recurrent" and kernels != "reference" and t <= kda_kernel.MAX_T:
-            out = kda_kernel.kda_verify(
-                kda_kernel.KdaInputs(*pre, f.reshape(b, t, h, kd), b_in, gate),
-                kda_kernel.KdaWeights(*weights, self.A_log[...], self.dt_bias[...], self.o_norm[...]),
-                kda_kernel.KdaState(*conv_state, rec_state), gate=self.gate_kind, eps=self.eps,
-                lower_bound=self.lower_bound, all_states=True, backend=kernels)
-            o, rec, windows = out.o, out.states, (out.window_q, out.window_k, out.window_v)
+        if kernels != "reference" and (form == "chunked" or t <= kda_kernel.MAX_T):
+            args = (kda_kernel.KdaInputs(*pre, f.reshape(b, t, h, kd), b_in, gate),
+                    kda_kernel.KdaWeights(*weights, self.A_log[...], self.dt_bias[...], self.o_norm[...]),
+                    kda_kernel.KdaState(*conv_state, rec_state))
+            opts = dict(gate=self.gate_kind, eps=self.eps, lower_bound=self.lower_bound, backend=kernels)
+            if form == "chunked":
+                o, new = kda_prefill(*args, valid, **opts)
+                conv, rec = (new.conv_q, new.conv_k, new.conv_v), new.recurrent
+            else:
+                out = kda_kernel.kda_verify(*args, all_states=True, **opts)
+                o, rec, conv = out.o, out.states, (out.window_q, out.window_k, out.window_v)
         else:
             convs = [causal_conv(a, s, w) for a, s, w in zip(pre, conv_state, weights)]
-            windows = tuple(w for _, w in convs)
             q, k, v = (a.reshape(b, t, h, kd) for a, _ in convs)
             q = l2_normalize(q) * kd**-0.5
             k = l2_normalize(k)
@@ -199,7 +116,9 @@ class KDAttention(nnx.Module):
                 g = jnp.where(real[..., None, None], g, 0.0)
                 beta = jnp.where(real[..., None], beta, 0.0)
                 o, rec = chunked(q, k, v, g, beta, rec_state)
+                conv = tuple(conv_state_after(w, valid, conv_state[0].shape[1]) for _, w in convs)
             else:
                 o, rec = recurrent(q, k, v, g, beta, rec_state)
+                conv = tuple(w for _, w in convs)
             o = gated_rms_norm(o.astype(x.dtype), gate.reshape(b, t, h, kd), self.o_norm[...], self.eps)
-        return self.o_proj(o.reshape(b, t, h * kd)), windows, rec
+        return self.o_proj(o.reshape(b, t, h * kd)), conv, rec

@@ -7,6 +7,10 @@ The cache holds, per position, only the normalised latent c [R] and the rotated 
 Two forms that agree: `plain` expands the cached latents to keys and values (prefill); `absorbed`
 folds W_UK into the query and W_UV into the output so attention runs over the latent itself
 (decode: R + P numbers read per cached position, shared by all heads).
+Kernels (pallas_kernels.backend): `plain` runs `mla_prefill.prefill_attention` (cuDNN flash
+attention on the GPU, blockwise jnp in interpret mode: the chunk causally over itself plus the
+cached prefix block by block, never [T, L] scores), `absorbed` the split-cache decode kernel; the
+reference backend keeps the plain-jnp forms below (the whole cache expanded, [B, H, T, L] scores).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from ling.layers import RMSNorm, apply_rope_interleaved, rope_angles
 from moe.nn import Linear
 from pallas_kernels.backend import resolve as resolve_kernels
 from pallas_kernels.mla_decode import mla_decode
+from pallas_kernels.mla_prefill import prefill_attention
 
 LATENT_NORM_EPS = 1e-6
 
@@ -53,9 +58,12 @@ class MLAttention(nnx.Module):
         self.g_proj = Linear(d, h, ("embed", "heads"), dtype=dtype, rngs=rngs) if cfg.mla_output_gate else None
         self.o_proj = Linear(h * self.vd, d, ("heads", "embed"), dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, latent_cache, rope_cache, lengths, *, form: str):
-        """x [B, T, D]; positions [B, T] = lengths[:, None] + arange(T); caches [B, L, R], [B, L, P].
-        Returns (y [B, T, D], latent_cache, rope_cache) with the T new entries written."""
+    def __call__(self, x, positions, latent_cache, rope_cache, lengths, *, form: str, valid=None):
+        """x [B, T, D]; positions [B, T] = lengths[:, None] + arange(T); caches [B, L, R], [B, L, P];
+        valid [B] (optional): real tokens per slot. Returns (y [B, T, D], latent_cache, rope_cache)
+        with the T new entries written. The rows of slots with valid 0 are garbage in the prefill
+        kernel path (nobody reads them: the engine interleaves idle and decoding slots into a
+        prefill chunk this way, and their cached prefixes are not worth attending to)."""
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.h, self.nope + self.rope)
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
@@ -67,12 +75,18 @@ class MLAttention(nnx.Module):
             k_rope = apply_rope_interleaved(k_rope, cos, sin)
         latent_cache = write_cache(latent_cache, latent, lengths)
         rope_cache = write_cache(rope_cache, k_rope, lengths)
-        mask = causal_mask(positions, latent_cache.shape[1])  # [B, T, L]
 
         w_kvb = self.kv_b_proj.kernel[...].reshape(self.r, self.h, self.nope + self.vd)
         w_uk, w_uv = w_kvb[..., : self.nope], w_kvb[..., self.nope :]  # [R, H, nope], [R, H, V]
+        kernels = resolve_kernels()
+        mask = causal_mask(positions, latent_cache.shape[1])  # [B, T, L] (the reference forms only)
         c = latent_cache.astype(x.dtype)
-        if form == "plain":
+        if form == "plain" and kernels != "reference":
+            # The chunk's own keys at the cache's rounding, as the reference reads them back.
+            prefix = lengths if valid is None else jnp.where(valid > 0, lengths, 0)
+            o = prefill_attention(q_nope, q_rope, latent.astype(latent_cache.dtype), k_rope.astype(rope_cache.dtype),
+                                  latent_cache, rope_cache, w_uk, w_uv, prefix, scale=self.scale, backend=kernels)
+        elif form == "plain":
             k_nope = jnp.einsum("blr,rhn->blhn", c, w_uk.astype(x.dtype))
             v = jnp.einsum("blr,rhv->blhv", c, w_uv.astype(x.dtype))
             scores = (jnp.einsum("bthn,blhn->bhtl", q_nope, k_nope, preferred_element_type=jnp.float32)
@@ -83,7 +97,6 @@ class MLAttention(nnx.Module):
         else:
             q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk.astype(x.dtype),
                                preferred_element_type=jnp.float32).astype(x.dtype)  # [B, T, H, R]
-            kernels = resolve_kernels()
             if kernels != "reference":  # the split-cache decode kernel; query t sits at lengths + t
                 o_lat = mla_decode(q_lat, q_rope, latent_cache, rope_cache, lengths + t, scale=self.scale,
                                    backend=kernels)

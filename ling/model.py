@@ -22,7 +22,7 @@ from ling.kda import KDAttention
 from ling.layers import RMSNorm
 from ling.mla import MLAttention
 from ling.quantize import QLinear
-from ling.state import KDAPending, MLACache, State, commit
+from ling.state import KDAPending, KDAState, MLACache, State, commit
 from moe.block import MoE
 from moe.nn import Linear, SwiGLUMLP, param
 
@@ -59,14 +59,18 @@ class DecoderLayer(nnx.Module):
                            shared_swiglu_limit=cfg.swiglu_limit(index, True), dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, lengths, valid, cache, *, form: str):
-        """Returns the new x and the layer's uncommitted state (KDAPending or the written MLACache)."""
+        """Returns the new x and the layer's state: KDA after prefill committed at valid (KDAState),
+        after decode / verify uncommitted (KDAPending); MLA the written MLACache."""
         h = self.input_layernorm(x)
         if self.kind == KDA:
-            h, window, rec = self.attention(h, cache.conv, cache.recurrent, valid,
-                                            form="chunked" if form == "prefill" else "recurrent")
-            cache = KDAPending(window=window, recurrent=rec, initial=cache.recurrent, conv_len=cache.conv[0].shape[1])
+            h, conv, rec = self.attention(h, cache.conv, cache.recurrent, valid,
+                                          form="chunked" if form == "prefill" else "recurrent")
+            if form == "prefill":  # the chunked form returns the state after the valid tokens: committed
+                cache = KDAState(conv=conv, recurrent=rec)
+            else:
+                cache = KDAPending(window=conv, recurrent=rec, initial=cache.recurrent, conv_len=cache.conv[0].shape[1])
         else:
-            h, latent, k_rope = self.attention(h, positions, cache.latent, cache.k_rope, lengths,
+            h, latent, k_rope = self.attention(h, positions, cache.latent, cache.k_rope, lengths, valid=valid,
                                                form="plain" if form == "prefill" else "absorbed")
             cache = MLACache(latent=latent, k_rope=k_rope)
         x = x + h

@@ -1,0 +1,488 @@
+"""KDA prefill kernels (pallas_kernels/kda_prefill.py) on the GPU at Ling shapes: check, time, sweep.
+
+    python3 bench/kda_prefill_check.py              (GPU; log and JSON under $OUT, else ./bench_out)
+    python3 bench/kda_prefill_check.py --smoke      (CPU, interpret mode, tiny shapes: the script runs)
+    python3 bench/kda_prefill_check.py --lower DIR  (CPU: each plan's Triton IR into DIR and, where
+                                                     triton imports, its sm_90a compile: registers,
+                                                     spills, shared memory, SASS mix)
+
+One KDA layer between the projections and o_proj: B 1, T 8192, H 32, K = V = 128, bf16
+activations, fp32 conv weights (as Ling), fp32 state, random nonzero initial recurrent and conv
+state; gate "safe" (Ling, lower_bound -5) and "softplus" (Kimi).
+Correctness first, on the GPU: kda_prefill (default plan) against the jnp reference (the model's
+chunked form at HIGHEST precision) at T 1024 and at T 8192, o and final state.
+Timing: device side. A fori_loop of n calls in one dispatch, the state (recurrent and conv: both
+kernels depend on it, so nothing is hoisted out of the loop) and o carried from call to call, run
+for 2 and 7 iterations; the difference / 5 is one call. Median of 3.
+Rows: ours (default plan), the two kernels alone (intra: grid (B, N, H); state: grid (B, H, V/BV)
+plus the norm epilogue), the sweep of plans (intra: warps x precision; state: BV x warps x
+stages), the best combination, the XLA reference, and fla 0.6.0's chunk_kda (the peer: L2 norm,
+gate and beta in kernel; no conv, no gated norm) under a CUDA graph where fla imports (carry it as
+a wheel: ../shared/tools/device-wheels.sh).
+Figures: µs per layer; TB/s over the bytes that must move (q, k, v, g_in, gate_in in, o out,
+b_in, state in/out: ~408 MB) and the share of the floor at the copy bandwidth measured in the same
+run; the design floor adds the intermediates (~1.15 GB). A table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+B, T, H, KD, W = 1, 8192, 32, 128, 4
+T_CHECK = 1024
+T0 = time.time()
+LOG = None
+ROWS: list[dict] = []
+CHECKS: list[dict] = []
+COMPILED: list[dict] = []
+
+
+def log(*a):
+    s = f"[{time.time() - T0:6.1f}s] " + " ".join(str(x) for x in a)
+    print(s, flush=True)
+    if LOG:
+        LOG.write(s + "\n")
+        LOG.flush()
+
+
+def must_move_bytes(t, e=2):
+    """q, k, v, g_in, gate_in read and o written (activation dtype), b_in, conv states, the fp32
+    state in and out: what any implementation moves."""
+    c = H * KD
+    return e * t * (6 * c + H) + 2 * (4 * H * KD * KD) + 2 * e * 3 * (W - 1) * c
+
+
+def design_bytes(t, bv, e=2, chunk=64):
+    """must_move + the intermediates written and read (w, u, qg, kg, aqk in the activation dtype,
+    gc fp32) + with BV < V the unfused norm's o (written and read once more)."""
+    tp = -(-t // chunk) * chunk
+    inter = e * tp * H * (4 * KD + chunk) + 4 * (tp // chunk) * H * KD
+    return must_move_bytes(t, e) + 2 * inter + (2 * e * t * H * KD if bv < KD else 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs and timing
+
+
+def make_inputs(t, key, dtype):
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import kda
+
+    c = H * KD
+    ks = jax.random.split(key, 12)
+    nrm = lambda k, shape, s=1.0, dt=dtype: (s * jax.random.normal(k, shape, jnp.float32)).astype(dt)  # noqa: E731
+    x = kda.KdaInputs(nrm(ks[0], (B, t, c)), nrm(ks[1], (B, t, c)), nrm(ks[2], (B, t, c)), nrm(ks[3], (B, t, H, KD)),
+                      nrm(ks[4], (B, t, H)), nrm(ks[5], (B, t, c)))
+    w = kda.KdaWeights(nrm(ks[6], (c, W), 0.3, jnp.float32), nrm(ks[7], (c, W), 0.3, jnp.float32),
+                       nrm(ks[8], (c, W), 0.3, jnp.float32), jnp.log(jnp.linspace(1.0, 16.0, H, dtype=jnp.float32)),
+                       nrm(ks[9], (c,), 0.5, jnp.float32), jnp.ones((KD,), dtype))
+    s = kda.KdaState(nrm(ks[10], (B, W - 1, c)), nrm(ks[11], (B, W - 1, c)), nrm(ks[10], (B, W - 1, c), 0.5),
+                     nrm(ks[11], (B, H, KD, KD), 0.1, jnp.float32))
+    return x, w, s, jnp.full((B,), t, jnp.int32)
+
+
+def time_loop(step, args, carry, lo=2, hi=7):
+    """µs per step: fori_loop(n, step) in one dispatch for n = lo and hi, difference / (hi - lo)."""
+    import jax
+
+    def run(args, carry, n):
+        return jax.lax.fori_loop(0, n, lambda i, c: step(args, c), carry)
+
+    f = jax.jit(run)
+    jax.block_until_ready(f(args, carry, 1))  # compile + warm-up
+
+    def wall(n):
+        t = time.perf_counter()
+        jax.block_until_ready(f(args, carry, n))
+        return time.perf_counter() - t
+
+    t_lo = statistics.median(wall(lo) for _ in range(3))
+    t_hi = statistics.median(wall(hi) for _ in range(3))
+    return (t_hi - t_lo) / (hi - lo) * 1e6
+
+
+def copy_ceiling():
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.zeros(((1 << 30) // 4,), jnp.uint32)
+    us = time_loop(lambda _, c: c ^ jnp.uint32(1), (), a)
+    return 2 * (1 << 30) / (us * 1e-6)  # read + write
+
+
+def record(case, what, us, t, bv, ceiling, **extra):
+    mm = must_move_bytes(t)
+    row = dict(case=case, what=what, us=us, tbs=mm / (us * 1e-6) / 1e12, floor_pct=100 * mm / ceiling / (us * 1e-6),
+               design_floor_us=design_bytes(t, bv) / ceiling * 1e6 if bv else None, **extra)
+    ROWS.append(row)
+    log(f"  {case:9s} {what:48s} {us:9.1f} µs  {row['tbs']:.2f} TB/s  {row['floor_pct']:.0f}% of floor")
+    return row
+
+
+def rel_err(a, b):
+    import numpy as np
+
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.max(np.abs(a - b)) / max(1e-30, np.max(np.abs(b))))
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU run
+
+
+def check(gate, t, backend, budget_left):
+    import jax
+
+    from pallas_kernels import kda_prefill as kp
+
+    x, w, s, valid = make_inputs(t, jax.random.PRNGKey(t), jax.numpy.bfloat16)
+    o, st = kp.kda_prefill(x, w, s, valid, gate=gate, backend=backend)
+    o_ref, st_ref = jax.jit(lambda *a: kp.reference(*a, gate=gate))(x, w, s, valid)
+    rec = dict(gate=gate, t=t, o=rel_err(o, o_ref), state=rel_err(st.recurrent, st_ref.recurrent),
+               conv=max(rel_err(a, b) for a, b in zip(st[:3], st_ref[:3])))
+    CHECKS.append(rec)
+    log(f"  check {gate} T={t}: rel err o {rec['o']:.2e}, state {rec['state']:.2e}, conv {rec['conv']:.1e}")
+    return rec
+
+
+def bench_ours(gate, ceiling, backend, args):
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from pallas_kernels import kda_prefill as kp
+
+    x, w, s, valid = make_inputs(T, jax.random.PRNGKey(0), jnp.bfloat16)
+    base = kp.default_plan(KD, jnp.bfloat16)
+    zeros_o = jnp.zeros((B, T, H, KD), jnp.bfloat16)
+    interp = backend == "interpret"
+    prec = lambda name: lax.Precision.HIGHEST if interp else kp.PRECISIONS[name]  # noqa: E731
+    inv_prec = prec("tf32x3")
+
+    def full(plan):
+        def step(a, c):
+            x, w, valid = a
+            o, st = kp.kda_prefill(x, w, c[1], valid, gate=gate, plan=plan, backend=backend)
+            return o, st
+        return time_loop(step, (x, w, valid), (zeros_o, s))
+
+    us = full(base)
+    record(gate, f"ours, default plan {plan_name(base)}", us, T, base.bv, ceiling)
+    if args.no_sweep:
+        return
+
+    # The two kernels alone (kda_prefill's internals, with the same precisions it uses).
+    def intra(warps, precision):
+        def step(a, c):
+            x, w, valid = a
+            inter, st = c
+            inter = kp._intra(x, w, st, valid, chunk=kp.CHUNK, gate=gate, lower_bound=-5.0, precision=prec(precision),
+                              inv_precision=inv_prec, num_warps=warps, interpret=interp)
+            tick = (inter[5][0, 0, 0, 0] * 0).astype(st.conv_q.dtype)  # the next call depends on this one
+            return inter, st._replace(conv_q=st.conv_q + tick)
+        inter0 = jax.eval_shape(lambda: kp._intra(x, w, s, valid, chunk=kp.CHUNK, gate=gate, lower_bound=-5.0,
+                                                  precision=prec(precision), inv_precision=inv_prec,
+                                                  num_warps=warps, interpret=interp))
+        inter0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), inter0)
+        return time_loop(step, (x, w, valid), (inter0, s))
+
+    inter = kp._intra(x, w, s, valid, chunk=kp.CHUNK, gate=gate, lower_bound=-5.0, precision=prec(base.precision),
+                      inv_precision=inv_prec, num_warps=base.intra_warps, interpret=interp)
+
+    def state(bv, warps, stages, precision):
+        def step(a, c):
+            inter, x, w = a
+            return kp._state(inter, x, w, c[1], chunk=kp.CHUNK, eps=1e-6, bv=bv, precision=prec(precision),
+                             num_warps=warps, num_stages=stages, interpret=interp)
+        return time_loop(step, (inter, x, w), (zeros_o, s.recurrent))
+
+    best_intra, best_state = None, None
+    for warps, precision in ((base.intra_warps, base.precision), (8 if base.intra_warps == 4 else 4, base.precision),
+                             (base.intra_warps, "bf16x3")):
+        if time.time() - T0 > args.budget:
+            log("  budget spent: intra sweep cut short")
+            break
+        try:
+            us = intra(warps, precision)
+            record(gate, f"intra kernel alone, {warps} warps, {precision}", us, T, None, ceiling)
+            if best_intra is None or us < best_intra[0]:
+                best_intra = (us, warps, precision)
+        except Exception as e:  # noqa: BLE001
+            log(f"  intra {warps} warps {precision} FAILED: {type(e).__name__}: {str(e)[:400]}")
+    for bv, warps, stages in ((base.bv, base.state_warps, base.state_stages), (16, 4, 2), (64, 4, 2), (64, 8, 2),
+                              (32, 4, 3), (32, 8, 2), (128, 8, 2), (128, 4, 1)):
+        if bv > KD:  # (--smoke: V is 32)
+            continue
+        if time.time() - T0 > args.budget:
+            log("  budget spent: state sweep cut short")
+            break
+        try:
+            us = state(bv, warps, stages, base.precision)
+            record(gate, f"state kernel (+ norm) alone, BV {bv}, {warps} warps, {stages} stages", us, T, None, ceiling)
+            if best_state is None or us < best_state[0]:
+                best_state = (us, bv, warps, stages)
+        except Exception as e:  # noqa: BLE001
+            log(f"  state BV {bv} {warps} warps {stages} stages FAILED: {type(e).__name__}: {str(e)[:400]}")
+    if best_intra and best_state and time.time() - T0 < args.budget:
+        plan = kp.Plan(bv=best_state[1], intra_warps=best_intra[1], state_warps=best_state[2],
+                       state_stages=best_state[3], precision=best_intra[2])
+        if plan != base:
+            record(gate, f"ours, best plan {plan_name(plan)}", full(plan), T, plan.bv, ceiling)
+
+
+def plan_name(p):
+    return f"(intra {p.intra_warps}w {p.precision}; state BV {p.bv} {p.state_warps}w {p.state_stages}s)"
+
+
+def bench_reference(gate, ceiling, args):
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import kda_prefill as kp
+
+    x, w, s, valid = make_inputs(T, jax.random.PRNGKey(0), jnp.bfloat16)
+
+    def step(a, c):
+        x, w, valid = a
+        return kp.reference(x, w, c[1], valid, gate=gate)
+
+    us = time_loop(step, (x, w, valid), (jnp.zeros((B, T, H, KD), jnp.bfloat16), s), lo=1, hi=2)
+    record(gate, "XLA reference (jnp chunked form, HIGHEST)", us, T, None, ceiling)
+
+
+def bench_fla(gate, ceiling):
+    try:
+        import torch
+        from fla.ops.kda import chunk_kda
+    except Exception as e:  # noqa: BLE001
+        log(f"  fla unavailable: {type(e).__name__}: {e}")
+        return
+    try:
+        dev, bf = "cuda", torch.bfloat16
+        gen = torch.Generator(device=dev).manual_seed(0)
+        rn = lambda *shape, dt=bf, s=1.0: (s * torch.randn(*shape, device=dev, generator=gen)).to(dt)  # noqa: E731
+        q, k, v, g = (rn(B, T, H, KD) for _ in range(4))
+        beta = rn(B, T, H)
+        a_log = torch.log(torch.linspace(1.0, 16.0, H, device=dev))
+        dt_bias = rn(H * KD, dt=torch.float32, s=0.5)
+        h0 = rn(B, H, KD, KD, dt=torch.float32, s=0.1)
+        kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                  use_beta_sigmoid_in_kernel=True, A_log=a_log, dt_bias=dt_bias)
+        if gate == "safe":
+            kw.update(safe_gate=True, lower_bound=-5.0)
+
+        def call():
+            return chunk_kda(q, k, v, g, beta, **kw)
+
+        with torch.inference_mode():
+            for _ in range(2):  # autotune outside the graph
+                call()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(10):
+                    call()
+            graph.replay()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            samples = []
+            for _ in range(3):
+                start.record()
+                for _ in range(5):
+                    graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end) * 1e3 / 50)
+        record(gate, "fla chunk_kda (no conv, no gated norm; CUDA graph)", statistics.median(samples), T, None,
+               ceiling)
+    except Exception as e:  # noqa: BLE001
+        log(f"  fla FAILED: {type(e).__name__}: {str(e)[:600]}")
+        log(traceback.format_exc()[-1500:])
+
+
+def run_gpu(args):
+    import jax
+
+    global T, T_CHECK, H, KD
+    backend = "interpret" if args.smoke else "pallas"
+    if args.smoke:
+        T, T_CHECK, H, KD = 130, 70, 2, 32
+    dev = jax.devices()[0]
+    log(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}; B {B}, T {T}, H {H}, K = V {KD}")
+    ceiling = 4.3e12 if args.smoke else copy_ceiling()
+    log(f"copy ceiling {ceiling / 1e12:.2f} TB/s; bytes that must move {must_move_bytes(T) / 1e6:.0f} MB "
+        f"(floor {must_move_bytes(T) / ceiling * 1e6:.1f} µs); design {design_bytes(T, 32) / 1e6:.0f} MB")
+    for gate in args.gates:
+        for t in (T_CHECK, T):
+            try:
+                check(gate, t, backend, args.budget)
+            except Exception as e:  # noqa: BLE001
+                log(f"  check {gate} T={t} FAILED: {type(e).__name__}: {str(e)[:600]}")
+        if time.time() - T0 > args.budget:
+            log("budget spent: timing skipped")
+            continue
+        try:
+            bench_ours(gate, ceiling, backend, args)
+        except Exception as e:  # noqa: BLE001
+            log(f"  ours {gate} FAILED: {type(e).__name__}: {str(e)[:600]}")
+            log(traceback.format_exc()[-1500:])
+        if not args.smoke:
+            bench_fla(gate, ceiling)
+            if time.time() - T0 < args.budget:
+                bench_reference(gate, ceiling, args)
+
+
+def table():
+    print("\n| gate | what | µs/layer | TB/s (must-move) | % of floor | design floor µs | vs fla |")
+    print("|---|---|---|---|---|---|---|")
+    for gate in sorted({r["case"] for r in ROWS}):
+        rows = [r for r in ROWS if r["case"] == gate]
+        fla = next((r["us"] for r in rows if r["what"].startswith("fla")), None)
+        for r in rows:
+            vs = f"{fla / r['us']:.2f}x" if fla else "—"
+            d = f"{r['design_floor_us']:.0f}" if r["design_floor_us"] else ""
+            print(f"| {gate} | {r['what']} | {r['us']:.1f} | {r['tbs']:.2f} | {r['floor_pct']:.0f}% | {d} | {vs} |")
+    for c in CHECKS:
+        print(f"check {c['gate']} T={c['t']}: rel err o {c['o']:.2e}, state {c['state']:.2e}, conv {c['conv']:.1e}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Offline: Triton IR and the sm_90a compile
+
+
+def lower_all(out_dir, args):
+    """Lower every plan of the sweep (both gates) at the timed shapes and keep each pallas_call's
+    Triton module; jax 0.11 asks the local GPU for its compute capability: told sm_90."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import lowering as tlow
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    from pallas_kernels import kda, kda_prefill as kp
+
+    captured = []
+    real = tlow.lower_jaxpr_to_triton_module
+
+    def capture(*a, **kw):
+        res = real(*a, **kw)
+        captured.append(res.module.operation.get_asm())
+        return res
+
+    tlow.lower_jaxpr_to_triton_module = capture
+    reg.lowering.lower_jaxpr_to_triton_module = capture
+    if hasattr(reg, "gpu_info_lib"):
+        reg.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
+    os.makedirs(out_dir, exist_ok=True)
+    sds = jax.ShapeDtypeStruct
+    bf, f32, c = jnp.bfloat16, jnp.float32, H * KD
+    x = kda.KdaInputs(sds((B, T, c), bf), sds((B, T, c), bf), sds((B, T, c), bf), sds((B, T, H, KD), bf),
+                      sds((B, T, H), bf), sds((B, T, c), bf))
+    w = kda.KdaWeights(sds((c, W), f32), sds((c, W), f32), sds((c, W), f32), sds((H,), f32), sds((c,), f32),
+                       sds((KD,), bf))
+    s = kda.KdaState(sds((B, W - 1, c), bf), sds((B, W - 1, c), bf), sds((B, W - 1, c), bf), sds((B, H, KD, KD), f32))
+    plans = [kp.default_plan(KD, bf), kp.Plan(bv=32, intra_warps=8), kp.Plan(bv=64, state_warps=8),
+             kp.Plan(bv=128, state_warps=8), kp.Plan(bv=32, precision="bf16x3")]
+    for gate in args.gates:
+        for plan in plans:
+            n0 = len(captured)
+            jax.jit(lambda x, w, s, v: kp.kda_prefill(x, w, s, v, gate=gate, plan=plan, backend="pallas")).trace(
+                x, w, s, sds((B,), jnp.int32)).lower(lowering_platforms=("cuda",))
+            for name, ir, nw, ns in zip(("intra", "state"), captured[n0:], (plan.intra_warps, plan.state_warps),
+                                        (1, plan.state_stages)):
+                tag = f"{gate}_{name}_bv{plan.bv}_{plan.precision}_w{nw}_s{ns}"
+                with open(os.path.join(out_dir, tag + ".ttir"), "w") as f:
+                    f.write(ir)
+                log(f"lowered {tag}")
+
+
+def compile_report(ttir_dir):
+    """Compile every dumped kernel with triton for sm_90a (when triton imports)."""
+    try:
+        import subprocess
+        import tempfile
+
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except Exception as e:  # noqa: BLE001
+        log(f"triton not importable ({e!r}): lowered only, not compiled")
+        return
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    log(f"compiling for sm_90a with triton {triton.__version__}")
+    for name in sorted(os.listdir(ttir_dir)):
+        if not name.endswith(".ttir"):
+            continue
+        nw, ns = map(int, re.search(r"_w(\d+)_s(\d+)\.ttir$", name).groups())
+        try:
+            k = triton.compile(os.path.join(ttir_dir, name), target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=nw, num_stages=ns))
+            with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+                f.write(k.asm["cubin"])
+            sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", f.name], capture_output=True,
+                                  text=True).stdout
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                f.write(k.asm["ptx"])
+            ptxas = subprocess.run([os.path.join(bin_dir, "ptxas"), "--gpu-name", "sm_90a", "-v", f.name, "-o",
+                                    os.devnull], capture_output=True, text=True).stderr
+            regs = re.search(r"Used (\d+) registers", ptxas)
+            spill = re.search(r"(\d+) bytes spill stores", ptxas)
+            ops = collections.Counter(o.split(".")[0] for o in re.findall(
+                r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M))
+            keys = {o: ops[o] for o in ("HGMMA", "HMMA", "LDGSTS", "MUFU", "BAR", "LDL", "STL") if ops[o]}
+            rec = dict(kernel=name, ok=k.metadata.shared <= 232448, smem=k.metadata.shared,
+                       regs=regs and int(regs.group(1)), spill=spill and int(spill.group(1)),
+                       instructions=sum(ops.values()), ops=keys)
+            log(f"{'OK  ' if rec['ok'] else 'BAD '} {name}: smem {rec['smem']} B, {rec['regs']} regs, spill "
+                f"{rec['spill']} B, {rec['instructions']} SASS instructions, {keys}")
+        except Exception as e:  # noqa: BLE001
+            rec = dict(kernel=name, ok=False, error=repr(e)[:1500])
+            log(f"FAIL {name}: {repr(e)[:600]}")
+        COMPILED.append(rec)
+    log(f"compiled {sum(r['ok'] for r in COMPILED)} / {len(COMPILED)} kernels for sm_90a")
+
+
+def main():
+    global LOG
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds; then the rest is skipped")
+    ap.add_argument("--smoke", action="store_true", help="CPU, interpret mode, tiny shapes")
+    ap.add_argument("--lower", metavar="DIR", help="CPU: Triton IR of every plan (+ sm_90a compile)")
+    ap.add_argument("--no-sweep", action="store_true", help="only the default plan and the peers")
+    ap.add_argument("--gates", nargs="+", default=["safe", "softplus"], choices=["safe", "softplus"])
+    args = ap.parse_args()
+    if args.smoke or args.lower:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    else:  # leave room for torch (fla)
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+    out_dir = os.environ.get("OUT", "bench_out")
+    os.makedirs(out_dir, exist_ok=True)
+    LOG = open(os.path.join(out_dir, "kda_prefill_log.txt"), "w")
+    try:
+        if args.lower:
+            lower_all(args.lower, args)
+            compile_report(args.lower)
+        else:
+            run_gpu(args)
+    except Exception:  # noqa: BLE001
+        log("FAILED:", traceback.format_exc())
+    with open(os.path.join(out_dir, "kda_prefill.json"), "w") as f:
+        json.dump(dict(rows=ROWS, checks=CHECKS, compiled=COMPILED), f, indent=1, default=str)
+    if not args.lower:
+        table()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,686 @@
+"""KDA prefill: conv + L2 norm + gate + chunked gated delta rule + gated RMSNorm over long prompts.
+
+One call advances B sequences by T new tokens (the first valid[b] of each are real, the rest
+padding that leaves its state untouched) through one KDA layer, between the projections and
+o_proj, and returns the outputs and the state to decode from: the recurrent state [B, H, K, V]
+fp32 and the conv states (the last W-1 raw inputs before position valid[b]).
+
+Per head (K = V = head dim), token t: the equations of `pallas_kernels.kda` (conv + SiLU, L2 norm,
+decay gate g ≤ 0, β, S' = diag(e^g) S, S = S' + β k̂ (v - S'ᵀ k̂)ᵀ, o = Sᵀ q̂, gated RMSNorm),
+in the chunked (WY) form of `chunked`: within a chunk of C tokens with cumulative log-decay
+G_t = Σ_{s≤t} g_s [K] and the state S_0 at the chunk start,
+  A[t, s] = Σ_c k_t k_s e^{G_t - G_s} (s < t),    Aqk[t, s] = Σ_c q_t k_s e^{G_t - G_s} (s ≤ t)
+  M = I + diag(β) A (unit lower triangular);  w = M⁻¹ diag(β) (k ⊙ e^G);  u = M⁻¹ diag(β) v
+  v_new = u - w S_0;   o = (q ⊙ e^G) S_0 + Aqk v_new;   S_C = e^{G_C} ⊙ S_0 + (k ⊙ e^{G_C - G})ᵀ v_new
+
+Numerics of the decay. G reaches lower_bound·C = -320 within a chunk (safe gate), so neither
+e^G nor e^-G can be formed on its own; every product e^{G_t - G_s} is split at an anchor a as
+e^{G_t - a} e^{a - G_s}. The chunk is two halves of R = C/2 rows, each relative to O_h, the
+decay before it:
+  cross block (half 1 × half 0): a = O_1, between s and t, so both factors are ≤ 1 and a factor
+    that underflows means a negligible entry;
+  diagonal blocks, safe gate (lower_bound ≥ -5, Ling): per row sub-block of SUB = 16 rows the
+    anchor sits half a sub-block's worst decay below its start, so the factors of the entries
+    that matter lie in [e^-40, e^40]: dots, no overflow, and no factor of a non-negligible term
+    denormal (XLA:CPU and the GPU's ex2.approx.ftz flush denormals to 0; a ±80 span lost terms);
+  diagonal blocks, other gates (Kimi's softplus decay is unbounded): ≤ 1 factors across the
+    16-row sub-blocks and elementwise within them (t ≥ s only), SUB steps.
+M⁻¹ per half by recursive doubling (log2 R levels of two dots), merged across the halves by
+T_10 = -T_11 M_10 T_00. Decays are kept in base 2 (exp2 is one MUFU op; exp a libdevice call).
+
+Rounding: the conv output is rounded to the activation dtype (as the model's `causal_conv`);
+w, u, q ⊙ e^G, k ⊙ e^{G_C - G} and Aqk are stored in the activation dtype between the kernels
+(as fla's chunk_kda; exact for fp32 activations); o is rounded to it before the norm (as the
+model) and once more after. Dots: the intra kernel's at `Plan.precision` ("tf32": 10-bit
+operands, fp32 accumulation), the inverse's in 3xtf32; the state kernel multiplies the stored
+16-bit tiles exactly by the fp32 state split into 16-bit hi + lo (two 16-bit dots, ~16 mantissa
+bits of the state; fp32 activations: `Plan.precision`). The state itself stays fp32.
+
+Layouts (C = H·K; every array is its own buffer): KdaInputs, KdaWeights, KdaState of
+`pallas_kernels.kda` with T the prompt length; valid [B] int32 (clipped to 0..T).
+Intermediates (Tp = N·C, N = ceil(T / C)): w, qg, kg [B, H, Tp, K], u [B, H, Tp, V],
+aqk [B, H, Tp, C] in the activation dtype; gc = e^{G_C} [B, H, N, K] fp32.
+
+Kernels (Triton lowering):
+  intra  grid (B, N, H), one program per (sequence, chunk, head), all independent: the chunk's
+         raw q/k/v rows and the W-1 before (the previous chunk's, or for chunk 0 the conv
+         state: a gather under lax.cond), conv + SiLU + L2 norm, gate, decays, A and Aqk, the
+         inverse, w and u; stores w, u, qg, kg, aqk, gc. Rows past valid are padding
+         (g = 0, β = 0: u = w = 0).
+  state  grid (B, H, V/BV), sequential over the N chunks with the [K, BV] fp32 state in
+         registers: v_new = u - w S, o = qg S + aqk v_new, S = gc ⊙ S + kgᵀ v_new; wgmma, the
+         next chunk's loads pipelined (cp.async). The V-blocks of a head run side by side and
+         share w/qg/kg/aqk through L2. BV == V fuses the gated norm; else o (activation dtype)
+         goes through one XLA fusion for it.
+  The conv states after valid[b] are a gather of W-1 rows (XLA).
+
+Cost at Ling shapes (B 1, T 8192, H 32, K = V = 128, C 64, bf16), per layer:
+  FLOPs (useful), per token and head: A and Aqk lower halves 2·C·K, the solve C·(K + V), the
+  state part (w S, q S, kᵀ v_new) 6·K·V and Aqk v_new C·V ≈ 139 k → 36.5 GFLOP a layer, 0.074 ms
+  at the H200's ~495 TFLOP/s dense tf32.
+  Bytes that must move: q, k, v, g_in, gate_in in and o out, 6 × 67.1 MB, + b_in, conv states
+  and the fp32 state in and out ≈ 408 MB → 0.095 ms at 4.3 TB/s: the floor of any implementation.
+  This design also writes and reads the intermediates (w, u, qg, kg 4 × 67.1 MB, aqk 33.6 MB,
+  gc 2 MB: 304 MB each way) and, with BV < V, o once more (134 MB written and read):
+  ≈ 1.15 GB → 0.27 ms at 4.3 TB/s, the floor of this design (0.24 ms with the norm fused).
+  The intra kernel is instruction-bound rather than byte-bound. Compiled offline for sm_90a
+  (triton 3.6; jax 0.10.2 and 0.11.2 lower alike; 2026-11-30): 4 warps ~20k SASS instructions a
+  thread (~81k warp-instructions a program), 255 registers, ~2 KB spilled a thread; 8 warps ~15k
+  (~121k), ~1 KB spilled. At 4096 programs that is 0.33 G warp-instructions, 0.32 ms at the
+  H200's issue peak (132 SMs × 4 a cycle × 1.98 GHz): the likely floor of this kernel, above the
+  byte floors. The state kernel (BV 32, 4 warps, 2 stages): 167 registers, no spills, ~1.2k
+  instructions a chunk step.
+  Peer: fla's chunk_kda, 1.14 ms on the H200 without conv and gated norm; target ≤ 1.0 ms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.backend import resolve
+from pallas_kernels.kda import KdaInputs, KdaState, KdaWeights, _gated_norm
+
+CHUNK = 64  # tokens per chunk of the WY form
+SUB = 16  # rows per sub-block of one decay anchor (and the smallest side of a dot)
+ANCHOR_MAX = 40.0  # bound of |Gl - anchor| in the bounded-gate blocks: e^±40, far from overflow and denormals
+
+LOG2E = 1.4426950408889634  # the kernels keep log-decays in base 2: exp2 is one MUFU op, exp a libdevice call
+
+PRECISIONS = {
+    "tf32": lax.Precision.DEFAULT,  # Pallas' Triton lowering: tf32 inputs for fp32 operands
+    "ieee": lax.Precision.HIGHEST,  # fp32 FMAs, no tensor cores
+    "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+    "bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The reference (plain jnp): the model's chunked form and the steps around it. ling.kda imports
+# these, so the model and this kernel share one specification.
+
+
+def causal_conv(x, conv_state, weight):
+    """Depthwise causal conv + SiLU over new tokens, continuing from the conv state.
+
+    x [B, T, C]; conv_state [B, W-1, C] (the last W-1 inputs, oldest first); weight [C, W].
+    Returns (y [B, T, C] in x's dtype, window [B, W-1+T, C]): the conv state after the first n
+    new tokens is window[:, n : n + W-1] (`conv_state_after`).
+    """
+    w = weight.shape[1]
+    window = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
+    t = x.shape[1]
+    xf = window.astype(jnp.float32)
+    y = sum(xf[:, j : j + t] * weight[:, j].astype(jnp.float32) for j in range(w))
+    return jax.nn.silu(y).astype(x.dtype), window.astype(conv_state.dtype)
+
+
+def conv_state_after(window, n, state_len: int):
+    """window [B, W-1+T, C], n [B] new tokens kept -> conv state [B, W-1, C] (state_len = W-1)."""
+    return jax.vmap(lambda w, i: jax.lax.dynamic_slice_in_dim(w, i, state_len, axis=0))(window, n)
+
+
+def l2_normalize(x, eps: float = 1e-6):
+    x = x.astype(jnp.float32)
+    return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def decay_gate(f, A_log, dt_bias, *, kind: str, lower_bound: float):
+    """Log-decay g [B, T, H, K] fp32 from the gate projection f [B, T, H, K].
+
+    safe (Ling):     g = lower_bound * σ(exp(A_log) (f + dt_bias))   ∈ (lower_bound, 0)
+    softplus (Kimi): g = -exp(A_log) softplus(f + dt_bias)
+    """
+    h, k = f.shape[-2:]
+    z = f.astype(jnp.float32) + dt_bias.astype(jnp.float32).reshape(h, k)
+    a = jnp.exp(A_log.astype(jnp.float32)).reshape(h, 1)
+    if kind == "safe":
+        return lower_bound * jax.nn.sigmoid(a * z)
+    return -a * jax.nn.softplus(z)
+
+
+def chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """The delta rule over chunks, in the WY form. q, k [B, T, H, K] (normalised, q scaled);
+    v [B, T, H, V]; g [B, T, H, K]; beta [B, T, H]; state [B, H, K, V] fp32.
+    Returns (o [B, T, H, V] fp32, final state [B, H, K, V] fp32).
+
+    Within a chunk with cumulative log-decay G_t = Σ_{s≤t} g_s, write the state as
+      S_t = D_t (S_0 + Σ_{s≤t} D_s⁻¹ k_s u_sᵀ),  D_t = diag(exp G_t),
+    where u_s = β_s (v_s - S'_sᵀ k_s) is the applied correction. Substituting gives the unit
+    lower-triangular system (I + diag(β) A) u = diag(β) (v - (k ⊙ e^G) S_0) with
+    A[t, s] = Σ_c k_t[c] k_s[c] e^{G_t[c] - G_s[c]} (s < t); then
+      o = (q ⊙ e^G) S_0 + Bu,  B[t, s] = Σ_c q_t[c] k_s[c] e^{G_t[c] - G_s[c]} (s ≤ t),
+      S_C = D_C S_0 + Σ_s (k_s ⊙ e^{G_C - G_s}) u_sᵀ.
+    Every exponent is ≤ 0 (masked before exp), so nothing overflows.
+    """
+    b, t, h, kd = k.shape
+    n = -(-t // chunk)
+    pad = n * chunk - t
+
+    def prep(a):  # [B, T, H, (X)] -> [N, B, H, C, (X)]; zero padding leaves the state unchanged (β = 0, g = 0)
+        a = jnp.pad(a.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        a = a.reshape(b, n, chunk, *a.shape[2:])
+        return a.transpose(1, 0, 3, 2, 4) if a.ndim == 5 else a.transpose(1, 0, 3, 2)
+
+    qc, kc, vc, gc = (prep(a) for a in (q, k, v, g))
+    bc = prep(beta)  # [N, B, H, C]
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+
+    def step(s0, xs):
+        q_c, k_c, v_c, g_c, b_c = xs  # [B, H, C, X]
+        G = jnp.cumsum(g_c, axis=-2)  # [B, H, C, K]
+        diff = G[..., :, None, :] - G[..., None, :, :]  # [B, H, C(t), C(s), K]
+        decay = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))
+        A = jnp.einsum("bhtc,bhsc,bhtsc->bhts", k_c, k_c, decay) * strict
+        Bm = jnp.einsum("bhtc,bhsc,bhtsc->bhts", q_c, k_c, decay)
+        eG = jnp.exp(G)
+        rhs = b_c[..., None] * (v_c - jnp.einsum("bhtk,bhkv->bhtv", k_c * eG, s0))
+        lhs = jnp.eye(chunk) + b_c[..., None] * A
+        u = jax.scipy.linalg.solve_triangular(lhs, rhs, lower=True, unit_diagonal=True)
+        o = jnp.einsum("bhtk,bhkv->bhtv", q_c * eG, s0) + jnp.einsum("bhts,bhsv->bhtv", Bm, u)
+        tail = jnp.exp(G[..., -1:, :] - G)  # [B, H, C, K]
+        s1 = jnp.exp(G[..., -1, :])[..., None] * s0 + jnp.einsum("bhsk,bhsv->bhkv", k_c * tail, u)
+        return s1, o
+
+    with jax.default_matmul_precision("highest"):  # fp32 state math, also on GPUs that default to tf32
+        s, o = jax.lax.scan(step, state.astype(jnp.float32), (qc, kc, vc, gc, bc))
+    o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, V]
+    o = jnp.moveaxis(o, 2, 3).reshape(b, n * chunk, h, -1)[:, :t]
+    return o, s
+
+
+def reference(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate: str = "safe", eps: float = 1e-6,
+              lower_bound: float = -5.0, chunk: int = CHUNK):
+    """Plain jnp, the model's prefill (ling.kda.KDAttention, form "chunked"): same signature and
+    outputs as `kda_prefill`."""
+    b, t, c = x.q.shape
+    h = x.b_in.shape[2]
+    kd = c // h
+    nw = w.conv_q.shape[1]
+    valid = jnp.clip(jnp.asarray(valid, jnp.int32), 0, t)
+    convs = [causal_conv(a, s, wt) for a, s, wt in
+             zip((x.q, x.k, x.v), (state.conv_q, state.conv_k, state.conv_v), (w.conv_q, w.conv_k, w.conv_v))]
+    q, k, v = (y.reshape(b, t, h, -1) for y, _ in convs)
+    q = l2_normalize(q) * kd**-0.5
+    k = l2_normalize(k)
+    g = decay_gate(x.g_in, w.A_log, w.dt_bias, kind=gate, lower_bound=lower_bound)
+    beta = jax.nn.sigmoid(x.b_in.astype(jnp.float32))  # [B, T, H]
+    real = jnp.arange(t)[None, :] < valid[:, None]  # [B, T]: padding decays nothing and writes nothing
+    g = jnp.where(real[..., None, None], g, 0.0)
+    beta = jnp.where(real[..., None], beta, 0.0)
+    o, rec = chunked(q, k, v, g, beta, state.recurrent, chunk)
+    o = _gated_norm(o.astype(x.q.dtype).astype(jnp.float32), x.gate_in.reshape(b, t, h, -1), w.o_norm, eps)
+    conv = (conv_state_after(win, valid, nw - 1) for _, win in convs)
+    return o.astype(x.q.dtype), KdaState(*conv, rec)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch parameters.
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    bv: int  # V-block of the state kernel (V/BV programs per head); BV == V fuses the gated norm
+    intra_warps: int = 4  # sm_90a offline: 4 warps issue 2/3 the instructions of 8, spill ~2 KB vs ~1 KB
+    state_warps: int = 4
+    state_stages: int = 2  # Triton pipelining of the chunk loop: chunk n+1's loads under chunk n
+    precision: str = "tf32"  # dot operand precision, a key of PRECISIONS
+
+
+def default_plan(v: int, dtype) -> Plan:
+    """Not yet tuned on a GPU (bench/kda_prefill_check.py sweeps it). fp32 intermediates
+    (4 B each) do not fit two pipeline stages of the state kernel's loads in shared memory."""
+    return Plan(bv=min(v, 32), state_stages=2 if jnp.dtype(dtype).itemsize <= 2 else 1)
+
+
+def _dot(a, b, precision, *, trans_b: bool = False):
+    """a @ b (or a @ bᵀ), fp32 accumulation."""
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel 1: the intra-chunk quantities, one program per (sequence, chunk, head).
+
+
+def _sigmoid(x):
+    """σ(x) as rsqrt(1 + 2^(-x·log2 e))²: two MUFU ops where 1 / (1 + e^-x) lowers to an IEEE
+    division (~10 instructions); ~1e-7 relative error, exact limits 0 and 1."""
+    r = lax.rsqrt(1.0 + jnp.exp2(-LOG2E * x))
+    return r * r
+
+
+def _gate2(z, a, *, gate: str, lower_bound: float):
+    """The log-decay of `pallas_kernels.kda._gate` in base 2 (g · log2 e) from z = g_in + dt_bias."""
+    if gate == "safe":
+        return (lower_bound * LOG2E) * _sigmoid(a * z)
+    return (-LOG2E) * a * (jnp.maximum(z, 0.0) + jnp.log1p(jnp.exp2(-LOG2E * jnp.abs(z))))
+
+
+def _unit_lower_inverse(lo, precision):
+    """(I + lo)⁻¹ for lo [S, S] strictly lower triangular, S a power of two, by recursive
+    doubling: with T the inverse of the b×b diagonal blocks, the 2b×2b blocks' inverse is
+    T - T L_b T, L_b the lower-left b×b block of each 2b×2b block (the blocked triangular
+    inversion). log2 S levels of two [S, S] dots, where row-by-row substitution would take
+    S - 1 steps, each with cross-warp reductions and barriers."""
+    s = lo.shape[0]
+    row = jnp.arange(s, dtype=jnp.int32)[:, None]
+    col = jnp.arange(s, dtype=jnp.int32)[None, :]
+    inv = (row == col).astype(jnp.float32)
+    b = 1
+    while b < s:
+        lower_left = ((row // b) % 2 == 1) & (col // b == row // b - 1)
+        inv = inv - _dot(inv, _dot(jnp.where(lower_left, lo, 0.0), inv, precision), precision)
+        b *= 2
+    return inv
+
+
+def _diag_bounded(q, k, g, gl, *, lower_bound, precision):
+    """(A, Aqk) [R, R] within one half, for a decay bounded by lower_bound ≤ g ≤ 0 (lower_bound
+    ≥ -5), by 2·R/SUB dots of [R, K] @ [K, R]. Each sub-block m of SUB rows has the anchor
+    a_m = Gl[m·SUB - 1] + SUB/2 · lower_bound (a_0 = SUB/2 · lower_bound): its rows take
+    2^{Gl_t - a_m}, and the columns they meet 2^{a_m - Gl_s}, so for t ≥ s both lie in
+    [e^-40, e^40]; for s in an earlier sub-block the column factor is ≤ e^-40 and the entry's
+    true value below e^40 times it. No overflow, and a factor that underflows or goes denormal
+    (flushed to 0 by XLA:CPU and by the GPU's ex2.approx.ftz) belongs to a negligible term.
+    Entries with t < s are garbage (finite); the caller masks them.
+    q, k [R, K]; g, gl [R, K] in base 2; R a multiple of SUB."""
+    n = gl.shape[0]
+    row = jnp.arange(n, dtype=jnp.int32)[:, None]
+    half_span = SUB / 2 * lower_bound * LOG2E
+    cap = ANCHOR_MAX * LOG2E
+    anchors = [jnp.full((gl.shape[1],), half_span, jnp.float32)]
+    for m in range(1, n // SUB):
+        anchors.append(jnp.sum(jnp.where(row < m * SUB, g, 0.0), axis=0) + half_span)  # Gl[m·SUB - 1] + ...
+    a_row = anchors[0][None, :]
+    for m in range(1, n // SUB):
+        a_row = jnp.where(row >= m * SUB, anchors[m][None, :], a_row)  # [R, K]: each row's anchor
+    up = jnp.exp2(gl - a_row)
+    kup, qup = k * up, q * up
+    a = aq = None
+    for m, anc in enumerate(anchors):
+        # Columns past the sub-block are only met by masked entries: capped to stay finite.
+        cols = k * jnp.exp2(jnp.minimum(anc[None, :] - gl, cap))
+        a_m, aq_m = _dot(kup, cols, precision, trans_b=True), _dot(qup, cols, precision, trans_b=True)
+        mine = (row >= m * SUB) & (row < (m + 1) * SUB)
+        a = a_m if a is None else jnp.where(mine, a_m, a)
+        aq = aq_m if aq is None else jnp.where(mine, aq_m, aq)
+    return a, aq
+
+
+def _diag_unbounded(q, k, g, gl, *, precision):
+    """(A, Aqk) [R, R] within one half, for an unbounded decay (Kimi's softplus gate); entries
+    with t < s are zero. Left of the diagonal sub-blocks: rows 2^{Gl_t - O_m}, columns
+    2^{O_m - Gl_s}, O_m = Gl[m·SUB - 1] between them, every factor ≤ 1, by dots. The diagonal
+    SUB×SUB blocks, all sub-blocks at once as [R/SUB, SUB, K]: column j from 2^{Gl_t - Gl_j},
+    t ≥ j only, in fp32 (SUB steps). q, k [R, K]; g, gl [R, K] in base 2."""
+    n, kd = gl.shape
+    ns = n // SUB
+    row = jnp.arange(n, dtype=jnp.int32)[:, None]
+    col = jnp.arange(n, dtype=jnp.int32)[None, :]
+    offs = [jnp.zeros((kd,), jnp.float32)]
+    for m in range(1, ns):
+        offs.append(jnp.sum(jnp.where(row < m * SUB, g, 0.0), axis=0))  # O_m = G[m·SUB - 1]
+    o_row = offs[0][None, :]
+    for m in range(1, ns):
+        o_row = jnp.where(row >= m * SUB, offs[m][None, :], o_row)
+    rf = jnp.exp2(gl - o_row)  # ≤ 1
+    kr, qr = k * rf, q * rf
+    a = jnp.zeros((n, n), jnp.float32)
+    aq = jnp.zeros((n, n), jnp.float32)
+    for m in range(1, ns):
+        cols = k * jnp.exp2(jnp.where(row < m * SUB, offs[m][None, :] - gl, -jnp.inf))  # ≤ 1, 0 from m·SUB on
+        mine = (row >= m * SUB) & (row < (m + 1) * SUB)
+        a = jnp.where(mine, _dot(kr, cols, precision, trans_b=True), a)
+        aq = jnp.where(mine, _dot(qr, cols, precision, trans_b=True), aq)
+    # The diagonal blocks, elementwise: [NS, SUB, K] views of the chunk.
+    k3, q3, g3 = (x.reshape(ns, SUB, kd) for x in (k, q, gl))
+    sub = jnp.arange(SUB, dtype=jnp.int32)
+
+    def body(j, acc):
+        ad, aqd = acc  # [NS, SUB, SUB]
+        pick = (sub == j)[None, :, None]
+        k_j = jnp.sum(jnp.where(pick, k3, 0.0), axis=1)  # [NS, K]: row j of each sub-block
+        g_j = jnp.sum(jnp.where(pick, g3, 0.0), axis=1)
+        dec = jnp.exp2(jnp.where((sub >= j)[None, :, None], g3 - g_j[:, None, :], -jnp.inf))  # t ≥ j: ≤ 1
+        kd_ = dec * k_j[:, None, :]  # [NS, SUB, K]
+        here = (sub == j)[None, None, :]
+        ad = ad + jnp.where(here, jnp.sum(k3 * kd_, axis=2)[:, :, None], 0.0)
+        aqd = aqd + jnp.where(here, jnp.sum(q3 * kd_, axis=2)[:, :, None], 0.0)
+        return ad, aqd
+
+    zero = jnp.zeros((ns, SUB, SUB), jnp.float32)
+    ad, aqd = lax.fori_loop(0, SUB, body, (zero, zero))
+
+    def spread(x3):  # [NS, SUB, SUB] -> [C, C]: block m on the diagonal, zero elsewhere
+        tiled = jnp.broadcast_to(x3.reshape(n, 1, SUB), (n, ns, SUB)).reshape(n, n)
+        return jnp.where(row // SUB == col // SUB, tiled, 0.0)
+
+    return a + spread(ad), aq + spread(aqd)
+
+
+def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, csq_ref, csk_ref, csv_ref,
+                  wq_ref, wk_ref, wv_ref, alog_ref, dtb_ref,
+                  w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gc_ref,
+                  *, t_len: int, n_taps: int, chunk: int, gate: str, lower_bound: float, anchored: bool, precision,
+                  inv_precision):
+    """Refs (squeezed blocks): q, k [T, K], v [T, V] raw; g [T, K]; b [T]; conv states [W-1, K|V];
+    conv weights [K|V, W]; outputs w, qg, kg [C, K], u [C, V], aqk [C, C], gc [K].
+    The chunk is two halves of R = C/2 rows; the decay factors of half h are taken relative to
+    O_h, the cumulative decay before it (see the module docstring); decays are in base 2. The
+    work of a half is ordered so that its [R, K] tiles die early (register pressure)."""
+    f32 = jnp.float32
+    act = q_ref.dtype
+    kd = q_ref.shape[1]
+    hf = chunk // 2
+    n = pl.program_id(1)
+    t0 = n * chunk
+    valid = valid_ref[...]
+    a = jnp.exp(alog_ref[...].astype(f32))
+    dtb = dtb_ref[...].astype(f32)  # [K]
+    rows = jnp.arange(hf, dtype=jnp.int32)
+    row, col = rows[:, None], rows[None, :]
+
+    def conv(x_ref, cs_ref, w_ref_, start, edge: bool):
+        """SiLU(conv) of rows start .. start+R-1 [R, X] fp32, rounded to the activation dtype (as
+        the model). Tap j reads row r - (W-1-j): rows before 0 are the conv state's, which only
+        chunk 0's first half (edge) reaches: it gathers, every other half loads plain rows."""
+        r = start + rows
+        taps = [w_ref_[:, j].astype(f32) for j in range(n_taps)]  # [X] each
+
+        def plain():
+            y = None
+            for j in range(n_taps):
+                shift = n_taps - 1 - j
+                xs = pltriton.load(x_ref.at[pl.ds(start - shift, hf), :], mask=(r - shift < t_len)[:, None],
+                                   other=0.0).astype(f32)
+                y = taps[j][None, :] * xs if y is None else y + taps[j][None, :] * xs
+            return y
+
+        def with_state():
+            cols = jnp.arange(x_ref.shape[1], dtype=jnp.int32)[None, :]
+            y = None
+            for j in range(n_taps):
+                rr = r - (n_taps - 1 - j)  # [R], < 0: the conv state's row rr + W-1
+                xs = pltriton.load(x_ref.at[jnp.clip(rr, 0, t_len - 1)[:, None], cols],
+                                   mask=((rr >= 0) & (rr < t_len))[:, None], other=0.0).astype(f32)
+                if j < n_taps - 1:
+                    cs = pltriton.load(cs_ref.at[jnp.clip(rr + n_taps - 1, 0, n_taps - 2)[:, None], cols],
+                                       mask=(rr < 0)[:, None], other=0.0)
+                    xs = xs + cs.astype(act).astype(f32)
+                y = taps[j][None, :] * xs if y is None else y + taps[j][None, :] * xs
+            return y
+
+        y = lax.cond(n == 0, with_state, plain) if edge else plain()
+        return (y * _sigmoid(y)).astype(act).astype(f32)
+
+    def l2norm(x, scale=1.0):
+        return x * (lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6) * scale)
+
+    offs = [jnp.zeros((kd,), f32)]  # O_h: the decay (base 2) before half h; O_2 = G_C  [K]
+    prev = None  # half 0's k ⊙ e^{O_1 - G}, k ⊙ e^G, v, inverse and β, for half 1's cross block
+    for h in range(2):
+        sl = slice(h * hf, (h + 1) * hf)
+        start = t0 + h * hf
+        r = start + rows
+        z = pltriton.load(g_ref.at[pl.ds(start, hf), :], mask=(r < t_len)[:, None], other=0.0)
+        g = _gate2(z.astype(f32) + dtb[None, :], a, gate=gate, lower_bound=lower_bound)
+        g = jnp.where((r < valid)[:, None], g, 0.0)  # padding: no decay and (β = 0) no write
+        beta = _sigmoid(pltriton.load(b_ref.at[pl.ds(start, hf)], mask=r < t_len, other=0.0).astype(f32))
+        beta = jnp.where(r < valid, beta, 0.0)
+        gl = jnp.cumsum(g, axis=0)  # [R, K]: G - O_h, ≤ 0
+        offs.append(offs[h] + jnp.sum(g, axis=0))
+        k = l2norm(conv(k_ref, csk_ref, wk_ref, start, h == 0))
+        q = l2norm(conv(q_ref, csq_ref, wq_ref, start, h == 0), kd**-0.5)
+        if anchored:
+            a_hh, aqk_hh = _diag_bounded(q, k, g, gl, lower_bound=lower_bound, precision=precision)
+        else:
+            a_hh, aqk_hh = _diag_unbounded(q, k, g, gl, precision=precision)
+        aqk_ref[sl, sl] = jnp.where(row >= col, aqk_hh, 0.0).astype(act)
+        inv = _unit_lower_inverse(beta[:, None] * jnp.where(row > col, a_hh, 0.0), inv_precision)  # [R, R]
+        # 2^x of an x near ±58 carries ~4e-6 relative error: these take their own exps, ≤ 1.
+        egl = jnp.exp2(gl)
+        ke, qe = k * egl, q * egl  # the row sides, relative to O_h
+        kt = k * jnp.exp2((offs[h + 1] - offs[h])[None, :] - gl)  # k ⊙ e^{O_{h+1} - G} ≤ 1
+        eo = jnp.exp2(offs[h])[None, :]
+        keg = ke * eo  # k ⊙ e^G, G from the chunk start
+        qg_ref[sl, :] = (qe * eo).astype(act)
+        v = conv(v_ref, csv_ref, wv_ref, start, h == 0)  # [R, V]
+        tb = inv * beta[None, :]  # M⁻¹ diag(β), the diagonal block
+        w = _dot(tb, keg, precision)  # [R, K]
+        u = _dot(tb, v, precision)  # [R, V]
+        if h == 0:
+            aqk_ref[sl, hf:] = jnp.zeros((hf, hf), act)
+            prev = (kt, keg, v, inv, beta)
+        else:  # the cross block (rows of half 1, columns of half 0), anchored at O_1: factors ≤ 1
+            kt0, keg0, v0, inv0, beta0 = prev
+            aqk_ref[sl, :hf] = _dot(qe, kt0, precision, trans_b=True).astype(act)
+            m10 = beta[:, None] * _dot(ke, kt0, precision, trans_b=True)  # [R, R]
+            # M⁻¹'s lower-left block, times diag(β_0): -T_11 M_10 T_00 diag(β_0)
+            tb10 = -_dot(inv, _dot(m10, inv0, inv_precision), inv_precision) * beta0[None, :]
+            w = w + _dot(tb10, keg0, precision)
+            u = u + _dot(tb10, v0, precision)
+            kg_ref[:hf, :] = (kt0 * jnp.exp2(offs[2] - offs[1])[None, :]).astype(act)  # needed G_C
+            kg_ref[sl, :] = kt.astype(act)  # O_2 = O_{h+1}: kt is k ⊙ e^{G_C - G}
+        w_ref[sl, :] = w.astype(act)
+        u_ref[sl, :] = u.astype(act)
+    gc_ref[...] = jnp.exp2(offs[2])
+
+
+def _intra(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, chunk, gate, lower_bound, precision,
+           inv_precision, num_warps, interpret):
+    b, t, c = x.q.shape
+    h = x.b_in.shape[2]
+    kd, vd = c // h, x.v.shape[2] // h
+    nw = w.conv_q.shape[1]
+    n = -(-t // chunk)
+    tp = n * chunk
+    act = x.q.dtype
+    # Anchored (dot) diagonal blocks when the decay over half a sub-block is bounded by ANCHOR_MAX.
+    anchored = gate == "safe" and -lower_bound * SUB / 2 <= ANCHOR_MAX
+
+    def blk(shape, index_map):
+        return pl.BlockSpec(shape, index_map)
+
+    in_specs = [
+        blk((None,), lambda i, j, l: (i,)),  # valid
+        blk((None, t, kd), lambda i, j, l: (i, 0, l)),  # q
+        blk((None, t, kd), lambda i, j, l: (i, 0, l)),  # k
+        blk((None, t, vd), lambda i, j, l: (i, 0, l)),  # v
+        blk((None, t, None, kd), lambda i, j, l: (i, 0, l, 0)),  # g_in
+        blk((None, t, None), lambda i, j, l: (i, 0, l)),  # b_in
+        blk((None, nw - 1, kd), lambda i, j, l: (i, 0, l)),  # conv state q
+        blk((None, nw - 1, kd), lambda i, j, l: (i, 0, l)),  # conv state k
+        blk((None, nw - 1, vd), lambda i, j, l: (i, 0, l)),  # conv state v
+        blk((kd, nw), lambda i, j, l: (l, 0)),  # conv weight q
+        blk((kd, nw), lambda i, j, l: (l, 0)),  # conv weight k
+        blk((vd, nw), lambda i, j, l: (l, 0)),  # conv weight v
+        blk((None,), lambda i, j, l: (l,)),  # A_log
+        blk((kd,), lambda i, j, l: (l,)),  # dt_bias
+    ]
+    out_specs = [
+        blk((None, None, chunk, kd), lambda i, j, l: (i, l, j, 0)),  # w
+        blk((None, None, chunk, vd), lambda i, j, l: (i, l, j, 0)),  # u
+        blk((None, None, chunk, kd), lambda i, j, l: (i, l, j, 0)),  # qg
+        blk((None, None, chunk, kd), lambda i, j, l: (i, l, j, 0)),  # kg
+        blk((None, None, chunk, chunk), lambda i, j, l: (i, l, j, 0)),  # aqk
+        blk((None, None, None, kd), lambda i, j, l: (i, l, j, 0)),  # gc
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((b, h, tp, kd), act),
+        jax.ShapeDtypeStruct((b, h, tp, vd), act),
+        jax.ShapeDtypeStruct((b, h, tp, kd), act),
+        jax.ShapeDtypeStruct((b, h, tp, kd), act),
+        jax.ShapeDtypeStruct((b, h, tp, chunk), act),
+        jax.ShapeDtypeStruct((b, h, n, kd), jnp.float32),
+    ]
+    kernel = functools.partial(_intra_kernel, t_len=t, n_taps=nw, chunk=chunk, gate=gate, lower_bound=lower_bound,
+                               anchored=anchored, precision=precision, inv_precision=inv_precision)
+    return pl.pallas_call(
+        kernel,
+        grid=(b, n, h),  # heads fastest: neighbouring programs read neighbouring columns of a row
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_prefill_intra",
+    )(valid, x.q, x.k, x.v, x.g_in, x.b_in, state.conv_q, state.conv_k, state.conv_v,
+      w.conv_q, w.conv_k, w.conv_v, w.A_log, w.dt_bias)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel 2: the recurrence over chunks, one program per (sequence, head, V-block).
+
+
+def _state_kernel(w_ref, qg_ref, kg_ref, u_ref, aqk_ref, gc_ref, s0_ref, gate_ref, wn_ref, o_ref, s_ref,
+                  *, t_len: int, chunk: int, n_chunks: int, eps: float, fuse_norm: bool, precision):
+    """Refs (squeezed blocks): w, qg, kg [Tp, K]; u [Tp, BV]; aqk [Tp, C]; gc [N, K];
+    s0 / s [K, BV]; gate [T, V] and wn [V] (fused norm only); o [T, BV]."""
+    f32 = jnp.float32
+    split = jnp.dtype(w_ref.dtype).itemsize == 2
+
+    def mm(a, b, *, contract_a=1):
+        """a (stored, activation dtype) times b fp32. With 16-bit storage a is exact in its
+        dtype and b is split into hi + lo of that dtype: two 16-bit dots, ~2x the mantissa bits
+        of b, and a stays a shared-memory operand (no fp32 copy in registers)."""
+        dims = (((contract_a,), (0,)), ((), ()))
+        if not split:
+            return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
+        b_hi = b.astype(a.dtype)
+        b_lo = (b - b_hi.astype(f32)).astype(a.dtype)
+        return (lax.dot_general(a, b_hi, dims, preferred_element_type=f32)
+                + lax.dot_general(a, b_lo, dims, preferred_element_type=f32))
+
+    def body(n, s):  # s [K, BV] fp32: the state at the start of chunk n
+        r0 = pl.multiple_of(n * chunk, chunk)
+        rows = pl.ds(r0, chunk)
+        v_new = u_ref[rows, :].astype(f32) - mm(w_ref[rows, :], s)  # [C, BV]
+        o = mm(qg_ref[rows, :], s) + mm(aqk_ref[rows, :], v_new)
+        s = gc_ref[n, :][:, None] * s + mm(kg_ref[rows, :], v_new, contract_a=0)  # kgᵀ v_new
+        real = (r0 + jnp.arange(chunk, dtype=jnp.int32)) < t_len
+        o = o.astype(o_ref.dtype)
+        if fuse_norm:  # BV == V: the whole row is here; the norm reads o rounded, as the model's
+            gate = pltriton.load(gate_ref.at[rows, :], mask=real[:, None], other=0.0)
+            o = _gated_norm(o.astype(f32), gate, wn_ref[...], eps).astype(o_ref.dtype)
+        pltriton.store(o_ref.at[rows, :], o, mask=real[:, None])
+        return s
+
+    s_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(f32))
+
+
+def _state(inter, x: KdaInputs, w: KdaWeights, rec, *, chunk, eps, bv, precision, num_warps, num_stages,
+           interpret):
+    wy, u, qg, kg, aqk, gc = inter
+    b, h, tp, kd = wy.shape
+    t = x.q.shape[1]
+    vd = u.shape[3]
+    nv = vd // bv
+    fuse_norm = nv == 1
+
+    def blk(shape, index_map):
+        return pl.BlockSpec(shape, index_map)
+
+    in_specs = [
+        blk((None, None, tp, kd), lambda i, j, l: (i, j, 0, 0)),  # w
+        blk((None, None, tp, kd), lambda i, j, l: (i, j, 0, 0)),  # qg
+        blk((None, None, tp, kd), lambda i, j, l: (i, j, 0, 0)),  # kg
+        blk((None, None, tp, bv), lambda i, j, l: (i, j, 0, l)),  # u
+        blk((None, None, tp, chunk), lambda i, j, l: (i, j, 0, 0)),  # aqk
+        blk((None, None, tp // chunk, kd), lambda i, j, l: (i, j, 0, 0)),  # gc
+        blk((None, None, kd, bv), lambda i, j, l: (i, j, 0, l)),  # initial state
+        blk((None, t, vd), lambda i, j, l: (i, 0, j)),  # gate_in (read only when fused)
+        blk((vd,), lambda i, j, l: (0,)),  # o_norm weight
+    ]
+    out_specs = [
+        blk((None, t, None, bv), lambda i, j, l: (i, 0, j, l)),  # o
+        blk((None, None, kd, bv), lambda i, j, l: (i, j, 0, l)),  # final state
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((b, t, h, vd), x.q.dtype),
+        jax.ShapeDtypeStruct((b, h, kd, vd), jnp.float32),
+    ]
+    kernel = functools.partial(_state_kernel, t_len=t, chunk=chunk, n_chunks=tp // chunk, eps=eps,
+                               fuse_norm=fuse_norm, precision=precision)
+    o, s = pl.pallas_call(
+        kernel,
+        grid=(b, h, nv),  # V-blocks fastest: the programs of one head share its loads in L2
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="kda_prefill_state",
+    )(wy, qg, kg, u, aqk, gc, rec, x.gate_in, w.o_norm)
+    if not fuse_norm:  # the norm needs the whole V row, spread over V-blocks: one XLA fusion
+        o = _gated_norm(o.astype(jnp.float32), x.gate_in.reshape(b, t, h, vd), w.o_norm, eps).astype(x.q.dtype)
+    return o, s
+
+
+def _conv_state_after_valid(x, conv_state, valid):
+    """The conv state after valid[b] new tokens: rows valid-(W-1) .. valid-1 of [conv state | x]
+    [B, W-1, C] in the conv state's dtype (as `conv_state_after` of the window). A gather."""
+    nw1 = conv_state.shape[1]
+    idx = valid[:, None] + jnp.arange(nw1, dtype=jnp.int32)[None, :] - nw1  # [B, W-1], < 0: conv state
+    from_x = jnp.take_along_axis(x, jnp.clip(idx, 0, x.shape[1] - 1)[:, :, None], axis=1)
+    from_cs = jnp.take_along_axis(conv_state.astype(x.dtype), jnp.clip(idx + nw1, 0, nw1 - 1)[:, :, None], axis=1)
+    return jnp.where((idx >= 0)[:, :, None], from_x, from_cs).astype(conv_state.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("gate", "eps", "lower_bound", "chunk", "plan", "interpret"))
+def _prefill_pallas(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate, eps, lower_bound, chunk, plan,
+                    interpret):
+    # CPU (interpret): fp32 dots either way. GPU: the inverse's products in 3xtf32 (~fp32), the
+    # rest at the plan's precision.
+    precision = lax.Precision.HIGHEST if interpret else PRECISIONS[plan.precision]
+    inv_precision = lax.Precision.HIGHEST if interpret else PRECISIONS["tf32x3"]
+    inter = _intra(x, w, state, valid, chunk=chunk, gate=gate, lower_bound=lower_bound, precision=precision,
+                   inv_precision=inv_precision, num_warps=plan.intra_warps, interpret=interpret)
+    o, rec = _state(inter, x, w, state.recurrent, chunk=chunk, eps=eps, bv=plan.bv, precision=precision,
+                    num_warps=plan.state_warps, num_stages=plan.state_stages, interpret=interpret)
+    conv = (_conv_state_after_valid(a, s, valid) for a, s in ((x.q, state.conv_q), (x.k, state.conv_k),
+                                                              (x.v, state.conv_v)))
+    return o, KdaState(*conv, rec)
+
+
+def kda_prefill(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate: str = "safe", eps: float = 1e-6,
+                lower_bound: float = -5.0, chunk: int = CHUNK, plan: Plan | None = None,
+                backend: str = "auto"):
+    """KDA over T new tokens of B sequences, valid [B] of them real (see the module docstring).
+    Returns (o [B, T, H, V] in q's dtype, KdaState after the valid tokens: conv states [B, W-1, C]
+    and the recurrent state [B, H, K, V] fp32)."""
+    b, t, c = x.q.shape
+    h = x.b_in.shape[2]
+    kd, vd = c // h, x.v.shape[2] // h
+    nw = w.conv_q.shape[1]
+    if gate not in ("safe", "softplus"):
+        raise ValueError(f"gate must be 'safe' or 'softplus', got {gate!r}")
+    assert x.k.shape == (b, t, c) and x.g_in.shape == (b, t, h, kd) and x.b_in.shape == (b, t, h)
+    assert x.v.shape == x.gate_in.shape == (b, t, h * vd)
+    assert state.conv_q.shape == state.conv_k.shape == (b, nw - 1, c)
+    assert state.conv_v.shape == (b, nw - 1, h * vd) and state.recurrent.shape == (b, h, kd, vd)
+    assert w.conv_k.shape == (c, nw) and w.conv_v.shape == (h * vd, nw)
+    assert w.A_log.shape == (h,) and w.dt_bias.shape == (c,) and w.o_norm.shape == (vd,)
+    valid = jnp.clip(jnp.asarray(valid, jnp.int32).reshape(b), 0, t)
+    backend = resolve(backend)
+    if backend == "reference":
+        return reference(x, w, state, valid, gate=gate, eps=eps, lower_bound=lower_bound, chunk=chunk)
+    plan = default_plan(vd, x.q.dtype) if plan is None else plan
+    pow2 = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731  (tensor-core dots, power-of-two blocks)
+    if not (pow2(kd) and pow2(vd) and pow2(plan.bv) and vd % plan.bv == 0):
+        raise ValueError(f"kda_prefill needs K={kd}, V={vd} and BV={plan.bv} powers of two >= 16, BV dividing V")
+    if not (pow2(chunk) and chunk >= 2 * SUB):
+        raise ValueError(f"chunk={chunk} must be a power of two >= {2 * SUB} (two halves of whole sub-blocks)")
+    if not 2 <= nw <= 1 + chunk // 2:
+        raise ValueError(f"conv width W={nw} must be 2..{chunk // 2 + 1}")
+    if plan.precision not in PRECISIONS:
+        raise ValueError(f"plan.precision must be one of {tuple(PRECISIONS)}, got {plan.precision!r}")
+    return _prefill_pallas(x, w, state, valid, gate=gate, eps=float(eps), lower_bound=float(lower_bound),
+                           chunk=chunk, plan=plan, interpret=backend == "interpret")

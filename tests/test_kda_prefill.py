@@ -1,0 +1,145 @@
+"""The KDA prefill kernels (interpret mode) against their jnp reference (the model's chunked form),
+the reference against a float64 token loop of the equations, prefill followed by the decode
+kernel against one longer prefill, and the kernels' lowering for the GPU (Triton IR, offline).
+Fresh random inputs every run (the seed is in the failure message). Interpret mode fills every
+output with NaN before the kernel runs, so an element the kernels never write fails the
+finiteness check."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import kda, kda_prefill as kp
+from test_kda_kernel import make_inputs, token_loop
+
+H, K = 2, 32  # heads, head dim (K = V): BV 16 takes the unfused norm, BV 32 the fused one
+
+
+def _seed() -> int:
+    return int(np.random.SeedSequence().entropy % (1 << 31))
+
+
+def _close(a, b, tol, msg):
+    a, b = np.asarray(jnp.asarray(a, jnp.float32)), np.asarray(jnp.asarray(b, jnp.float32))
+    assert a.shape == b.shape, msg
+    assert np.all(np.isfinite(a)), f"non-finite (unwritten?) elements: {msg}"
+    err = np.max(np.abs(a - b)) / max(1.0, np.max(np.abs(b)))
+    assert err <= tol, f"{msg}: max error {err:.2e} > {tol:.0e}"
+
+
+def _rows(x, b, t0, t1):
+    """Rows t0..t1 of sequence b of every per-token array of KdaInputs."""
+    return kda.KdaInputs(*(a[b:b + 1, t0:t1] for a in x))
+
+
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+def test_reference_matches_token_loop(gate):
+    """The specification itself: the chunked form over 3 chunks with ragged valid lengths and a
+    nonzero initial state equals the per-token equations, and so does the state it returns."""
+    seed = _seed()
+    b, t, chunk = 2, 37, 16
+    x, w, s = make_inputs(seed, b=b, t=t, h=H, kd=K)
+    valid = np.array([t, 20])
+    o, new = kp.kda_prefill(x, w, s, jnp.asarray(valid), gate=gate, chunk=chunk, backend="reference")
+    for bi, n in enumerate(valid):
+        sb = kda.KdaState(*(a[bi:bi + 1] for a in s))
+        o_loop, states = token_loop(_rows(x, bi, 0, n), w, sb, gate=gate)
+        msg = f"{gate} seq {bi} seed {seed}"
+        _close(o[bi:bi + 1, :n], o_loop, 2e-5, "o " + msg)
+        _close(new.recurrent[bi:bi + 1], states[:, -1], 2e-5, "state " + msg)
+        for got, xin, cs in ((new.conv_q, x.q, s.conv_q), (new.conv_k, x.k, s.conv_k), (new.conv_v, x.v, s.conv_v)):
+            window = np.concatenate([np.asarray(cs[bi]), np.asarray(xin[bi, :n])], 0)
+            np.testing.assert_array_equal(np.asarray(got[bi]), window[n:n + 3], err_msg="conv " + msg)
+
+
+# (T, gate, chunk, BV, dtype): T = 1, not a multiple of the chunk, several chunks; both gates,
+# both norm paths (BV 16 < V: XLA epilogue; BV 32 = V: fused), fp32 and bf16.
+CASES = [
+    (1, "safe", 64, 16, jnp.float32),
+    (37, "softplus", 32, 32, jnp.float32),
+    (37, "safe", 32, 16, jnp.bfloat16),
+    (130, "safe", 64, 32, jnp.float32),
+    (130, "softplus", 64, 16, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("t,gate,chunk,bv,dtype", CASES)
+def test_interpret_matches_reference(t, gate, chunk, bv, dtype):
+    """B = 3, ragged: one full sequence, one cut short, one slot sitting out (valid 0, its state
+    must come back unchanged); nonzero initial recurrent and conv states."""
+    seed = _seed()
+    x, w, s = make_inputs(seed, b=3, t=t, dtype=dtype, h=H, kd=K)
+    valid = jnp.asarray([t, (t + 1) // 2, 0])
+    plan = kp.default_plan(K, dtype)
+    plan = kp.Plan(bv=bv, intra_warps=plan.intra_warps, state_warps=plan.state_warps, state_stages=plan.state_stages)
+    got_o, got = kp.kda_prefill(x, w, s, valid, gate=gate, chunk=chunk, plan=plan, backend="interpret")
+    want_o, want = kp.kda_prefill(x, w, s, valid, gate=gate, chunk=chunk, backend="reference")
+    msg = f"T={t} gate={gate} chunk={chunk} BV={bv} {jnp.dtype(dtype).name} seed {seed}"
+    assert got_o.dtype == dtype and got.recurrent.dtype == jnp.float32
+    # fp32: rounding level (40 seeds: o ≤ 2e-5; the norm amplifies errors of rows with a small
+    # rms). bf16: the kernels keep their intermediates in bf16 and o is rounded twice (before
+    # and after the norm, as the model): a few bf16 ulps (40 seeds: o ≤ 1.1e-2, state ≤ 6e-3).
+    _close(got_o, want_o, 1e-4 if dtype == jnp.float32 else 3e-2, "o " + msg)
+    _close(got.recurrent, want.recurrent, 1e-4 if dtype == jnp.float32 else 2e-2, "state " + msg)
+    np.testing.assert_array_equal(np.asarray(got.recurrent[2]), np.asarray(s.recurrent[2]), err_msg="valid 0 " + msg)
+    for name in ("conv_q", "conv_k", "conv_v"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name), np.float32),
+                                      np.asarray(getattr(want, name), np.float32), err_msg=name + " " + msg)
+
+
+def test_prefill_then_decode_equals_longer_prefill():
+    """Chunked prefill over a ragged batch, then 3 tokens through the decode kernel from the
+    returned state: the decode outputs and final state equal one reference prefill of each
+    sequence's valid prefix followed by those tokens."""
+    seed = _seed()
+    t1, t2, chunk = 70, 3, 32
+    x, w, s = make_inputs(seed, b=2, t=t1 + t2, h=H, kd=K)
+    valid = np.array([t1, 45])
+    first = kda.KdaInputs(*(a[:, :t1] for a in x))
+    _, mid = kp.kda_prefill(first, w, s, jnp.asarray(valid), chunk=chunk, backend="interpret")
+    nxt = kda.KdaInputs(*(a[:, t1:] for a in x))
+    out = kda.kda_verify(nxt, w, mid, all_states=False, backend="interpret")
+    for bi, n in enumerate(valid):
+        seq = kda.KdaInputs(*(jnp.concatenate([a[bi:bi + 1, :n], a[bi:bi + 1, t1:]], 1) for a in x))
+        sb = kda.KdaState(*(a[bi:bi + 1] for a in s))
+        o_ref, st_ref = kp.kda_prefill(seq, w, sb, jnp.asarray([n + t2]), chunk=chunk, backend="reference")
+        msg = f"seq {bi} (valid {n}) seed {seed}"
+        _close(out.o[bi:bi + 1], o_ref[:, n:], 1e-4, "decode o " + msg)
+        _close(out.states[bi:bi + 1], st_ref.recurrent, 1e-4, "state " + msg)
+
+
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+def test_lowers_for_gpu(gate):
+    """At Ling's shapes (B 1, T 8192, H 32, K = V = 128, bf16) both kernels lower through Pallas'
+    Triton backend (no GPU needed); bench/kda_prefill_check.py --lower also compiles the Triton
+    IR for sm_90a where triton imports."""
+    sds = jax.ShapeDtypeStruct
+    bf, f32 = jnp.bfloat16, jnp.float32
+    b, t, h, d, c = 1, 8192, 32, 128, 32 * 128
+    x = kda.KdaInputs(sds((b, t, c), bf), sds((b, t, c), bf), sds((b, t, c), bf), sds((b, t, h, d), bf),
+                      sds((b, t, h), bf), sds((b, t, c), bf))
+    w = kda.KdaWeights(sds((c, 4), f32), sds((c, 4), f32), sds((c, 4), f32), sds((h,), f32), sds((c,), f32),
+                       sds((d,), bf))
+    s = kda.KdaState(sds((b, 3, c), bf), sds((b, 3, c), bf), sds((b, 3, c), bf), sds((b, h, d, d), f32))
+
+    def run(x, w, s, valid):
+        return kp.kda_prefill(x, w, s, valid, gate=gate, backend="pallas")
+
+    text = jax.jit(run).trace(x, w, s, sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 2
+
+
+def test_rejects_bad_shapes_and_options():
+    x, w, s = make_inputs(0, b=1, t=8, h=2, kd=24)  # K = 24: not a power of two
+    with pytest.raises(ValueError, match="powers of two"):
+        kp.kda_prefill(x, w, s, jnp.asarray([8]), backend="interpret")
+    x, w, s = make_inputs(0, b=1, t=8, h=2, kd=16)
+    with pytest.raises(ValueError, match="chunk"):
+        kp.kda_prefill(x, w, s, jnp.asarray([8]), chunk=16, backend="interpret")
+    with pytest.raises(ValueError, match="gate"):
+        kp.kda_prefill(x, w, s, jnp.asarray([8]), gate="sigmoid", backend="interpret")
