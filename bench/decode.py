@@ -2,9 +2,14 @@
 extend), each against its roofline floor at the copy bandwidth measured in the same run.
 
     python bench/decode.py --preset ling-3-flash --layers 16 [--prompt 1024] [--iters 32]
+    python bench/decode.py --preset ling-3-flash --layers 42 --ep 2      # two GPUs, experts split
 
 Random weights (bf16), batch 1. `--layers N` keeps the first N decoder layers (and the NEXTN
-layer) so that the model fits one GPU. Prints a table last.
+layer) so that the model fits. `--ep N` shards the routed experts over N GPUs (`moe.parallel`,
+attention replicated): the weights are made already sharded, and the table gains the cost of the
+MoE block's cross-GPU sum (a psum of [M, D] fp32 per MoE layer) at decode and verify sizes; the
+floors are then per GPU (the replicated weights plus 1/N of the experts, each GPU at the measured
+copy bandwidth). Prints a table last.
 """
 
 from __future__ import annotations
@@ -17,25 +22,56 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from ling.config import preset
 from ling.model import LingModel
 from ling.roofline import step_bytes
+from moe.parallel import EXPERT, make_mesh, shard_model, spec_for
 from spec.engine import nextn_chain, new_slots
 from spec.loop import decode, prefill
 from spec.sampling import SamplingParams
 
 
-def random_model(cfg, dtype, seed=0) -> LingModel:
-    """Random weights made on the device one parameter at a time (no host copy, no giant jit)."""
+def random_model(cfg, dtype, seed=0, mesh=None) -> LingModel:
+    """Random weights made on the device one parameter at a time (no host copy, no giant jit);
+    with a mesh, each made directly in its sharding (`moe.parallel.RULES`) and the MoE blocks
+    set to run expert-parallel."""
     abstract = nnx.eval_shape(lambda: LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     key = jax.random.PRNGKey(seed)
-    make = jax.jit(lambda k, shape, dt: 0.02 * jax.random.normal(k, shape, dt), static_argnums=(1, 2))
+    makers = {}
+
+    def make(sharding):
+        if sharding not in makers:
+            makers[sharding] = jax.jit(lambda k, shape, dt: 0.02 * jax.random.normal(k, shape, dt),
+                                       static_argnums=(1, 2), out_shardings=sharding)
+        return makers[sharding]
+
     for i, (_, var) in enumerate(flat):
         v = var.get_value()
-        var.set_value(make(jax.random.fold_in(key, i), v.shape, v.dtype))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+        sharding = None
+        if mesh is not None:
+            axes = var.get_metadata().get("logical_axes") or (None,) * len(v.shape)
+            sharding = NamedSharding(mesh, spec_for(axes))
+        var.set_value(make(sharding)(jax.random.fold_in(key, i), v.shape, v.dtype))
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return model if mesh is None else shard_model(model, mesh)
+
+
+def psum_seconds(mesh, m: int, d: int, iters: int = 200) -> float:
+    """Seconds of one psum of [m, d] fp32 over the mesh's expert axis (as the EP MoE block does
+    once a layer), from a loop of `iters` dependent psums inside one shard_map."""
+    def body(x):
+        def step(i, a):
+            return jax.lax.psum(a, EXPERT) * 0.5
+        return jax.lax.fori_loop(0, iters, step, x)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    x = jax.device_put(jnp.ones((m, d), jnp.float32), NamedSharding(mesh, P()))
+    return timed(f, x, repeat=3) / iters
 
 
 def copy_bandwidth(nbytes=1 << 30, calls=10) -> float:
@@ -72,6 +108,7 @@ def main():
     ap.add_argument("--iters", type=int, default=32)
     ap.add_argument("--num-steps", type=int, default=5)
     ap.add_argument("--quantize", choices=["int8", "int4"], default=None, help="low-bit projections")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel over this many GPUs")
     args = ap.parse_args()
     full = preset(args.preset)
     n = min(args.layers, full.num_hidden_layers)
@@ -82,11 +119,13 @@ def main():
 
     print(f"device {jax.devices()[0].device_kind}; kernels: {resolve()}; weights: {args.quantize or 'bf16'}; "
           f"{args.preset} cut to {n} layers "
-          f"({cfg.layer_types.count('kda')} KDA, {cfg.layer_types.count('mla')} MLA) + NEXTN, bf16, batch 1", flush=True)
+          f"({cfg.layer_types.count('kda')} KDA, {cfg.layer_types.count('mla')} MLA) + NEXTN, bf16, batch 1, "
+          f"EP {args.ep} over {len(jax.devices())} devices", flush=True)
+    mesh = make_mesh(args.ep) if args.ep > 1 else None
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     t0 = time.perf_counter()
-    model = random_model(cfg, jnp.bfloat16)
+    model = random_model(cfg, jnp.bfloat16, mesh=mesh)
     if args.quantize:
         from ling.quantize import bits_of, quantize_model
 
@@ -108,9 +147,11 @@ def main():
     ctx = args.prompt
     # Floors at the weights' stored width (the routed experts stay bf16 under --quantize: the
     # projections' share is small, so the bf16 floor is used for both; see RESULTS.md).
-    floor_decode = step_bytes(cfg, 1, ctx).floor_seconds(bw)
-    floor_verify = step_bytes(cfg, s + 1, ctx).floor_seconds(bw)
-    nextn_only = lambda t: step_bytes(cfg, t, ctx, nextn=True).total - step_bytes(cfg, t, ctx).total
+    # Under EP each GPU reads the replicated weights and 1/ep of the routed experts, in parallel.
+    floor_decode = step_bytes(cfg, 1, ctx).floor_seconds(bw, ep=args.ep)
+    floor_verify = step_bytes(cfg, s + 1, ctx).floor_seconds(bw, ep=args.ep)
+    nextn_only = lambda t: (step_bytes(cfg, t, ctx, nextn=True).per_device(args.ep)
+                            - step_bytes(cfg, t, ctx).per_device(args.ep))
     lm_head = cfg.vocab_size * cfg.hidden_size * 2
     floor_draft = s * (nextn_only(1) + lm_head) / bw
     floor_extend = nextn_only(s + 1) / bw
@@ -119,14 +160,20 @@ def main():
 
     for spec_on in (False, True):
         base = fresh()
-        t = timed(lambda: decode(model, jax.tree.map(jnp.copy, base), speculative=spec_on, num_steps=s,
-                                 max_iters=k).n_out)
-        out = decode(model, jax.tree.map(jnp.copy, base), speculative=spec_on, num_steps=s, max_iters=k)
+        run = lambda slots: decode(model, jax.tree.map(jnp.copy, slots), speculative=spec_on,  # noqa: E731
+                                   num_steps=s, max_iters=k)
+        t = timed(lambda: run(base).n_out)
+        # The same compiled loop on finished slots runs zero steps: what is left is the per-call
+        # cost (dispatching a jit of every weight, copying the slots, the exit test), which a
+        # k-step call would otherwise spread over its steps.
+        t_call = timed(lambda: run(base.replace(done=jnp.ones_like(base.done))).n_out)
+        out = run(base)
         steps, produced = int(out.steps[0]), int(out.produced[0])
-        step_t = t / k
+        step_t = (t - t_call) / max(steps, 1)
+        print(f"per-call overhead {t_call * 1e3:.1f} ms (subtracted)", flush=True)
         name = f"spec step (S={s})" if spec_on else "decode step"
         floor = floor_verify + floor_draft + floor_extend if spec_on else floor_decode
-        rows.append((name, produced / max(steps, 1), step_t, floor, produced / t))
+        rows.append((name, produced / max(steps, 1), step_t, floor, produced / max(steps, 1) / step_t))
         print(f"{name}: {step_t * 1e6:.0f} us/step, floor {floor * 1e6:.0f} us", flush=True)
 
     # The parts of a speculative step, each repeated inside one jit on inputs that change per iteration.
@@ -144,13 +191,16 @@ def main():
         drafts, _, _ = nextn_chain(m, slots, s)
         return drafts.sum().astype(jnp.float32)
 
+    def distinct_tokens(slots):  # S+1 different tokens: they route like a real verify, not all alike
+        return (slots.last_token[:, None] + 7919 * jnp.arange(s + 1)[None, :]) % cfg.vocab_size
+
     def verify_part(m, slots):
-        toks = jnp.concatenate([slots.last_token[:, None]] * (s + 1), axis=1)
+        toks = distinct_tokens(slots)
         logits, _, _ = m(toks, slots.model, form="verify")
         return logits[0, 0, 0]
 
     def extend_part(m, slots):
-        toks = jnp.concatenate([slots.last_token[:, None]] * (s + 1), axis=1)
+        toks = distinct_tokens(slots)
         h = jnp.broadcast_to(slots.last_hidden[:, None], (1, s + 1, cfg.hidden_size))
         _, hh, _ = m.draft(h, toks, slots.model.nextn, slots.model.lengths - 1, form="decode", logits=False)
         return hh[0, 0, 0].astype(jnp.float32)
@@ -160,6 +210,14 @@ def main():
                               ("  extend (NEXTN, S+1)", extend_part, floor_extend)):
         rows.append((name, None, timed(loop(part), p, base) / k, floor, None))
         print(f"{name.strip()}: {rows[-1][2] * 1e6:.0f} us", flush=True)
+
+    if mesh is not None:  # the MoE block's cross-GPU sum, once per target MoE layer
+        n_moe = cfg.mlp_types.count("moe")
+        for t in (1, s + 1):
+            one = psum_seconds(mesh, t, cfg.hidden_size)
+            rows.append((f"  psum [{t}, D] x {n_moe}", None, one * n_moe, None, None))
+            print(f"psum of [{t}, {cfg.hidden_size}] fp32 over {args.ep} GPUs: {one * 1e6:.1f} us a layer, "
+                  f"{one * n_moe * 1e6:.0f} us a step ({n_moe} MoE layers)", flush=True)
 
     print(f"\n{'what':<22} {'tok/step':>8} {'time':>10} {'floor':>9} {'floor/time':>10} {'tok/s':>8}")
     for name, tps, t, floor, rate in rows:

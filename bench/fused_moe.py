@@ -14,6 +14,9 @@ int4 (G = 128, symmetric, B_N = 64); M in {1, 6, 16, 64} tokens. Per row:
             the launch-plan variants of the sweep (the best is shown with its plan)
   ragged    XLA `lax.ragged_dot` on bf16 weights (moe/block.py `_experts_grouped`)
   gathered  XLA einsum over gathered bf16 experts (moe/block.py `_experts_gathered`)
+  torch     torch._grouped_mm on experts pre-gathered per routing (the gather is not timed): rows
+            sorted by expert, gate/up GEMM, SiLU·up, down GEMM, weighted index_add (bf16, GPU
+            only; the weights are JAX's own buffers through DLPack)
   SGLang    not measured (no wheel offline): perf-anchors.md's figures, another run, for reference
 Timing: each timed dispatch is one jit of R calls, each with its own random routing (distinct
 experts per token, uniform over E) so that every call reads experts cold from HBM (the R calls
@@ -294,6 +297,55 @@ def run(args):
             rows[(fmt, m)][name] = us
         log(f"{name} bf16 M={m}: {us:.1f} µs")
 
+    def torch_peer(_, m):
+        """torch._grouped_mm over pre-gathered experts, timed like `timed` (R routings a batch)."""
+        import numpy as np
+        import torch
+        import torch.nn.functional as F
+
+        x, ids, ws, _ = routing(m)
+        w13, w2 = (torch.from_dlpack(a) for a in wts["bf16"])  # [E, D, 2I], [E, I, D]
+        xt = torch.from_dlpack(x)
+        dev = xt.device
+
+        def k_major(w):  # the same [U, K, N] values with K contiguous (the layout cuBLASLt/CUTLASS take)
+            return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+        calls = []
+        for i, s in zip(ids, ws):
+            flat = np.asarray(i).reshape(-1)
+            order = np.argsort(flat, kind="stable")
+            experts, counts = np.unique(flat[order], return_counts=True)
+            e = torch.as_tensor(experts, device=dev)
+            calls.append(dict(rows=torch.as_tensor(order // K, device=dev), w13=k_major(w13[e]), w2=k_major(w2[e]),
+                              offs=torch.as_tensor(np.cumsum(counts), dtype=torch.int32, device=dev),
+                              weight=torch.as_tensor(np.asarray(s).reshape(-1)[order], device=dev)))
+
+        def one(c):
+            h = torch._grouped_mm(xt[c["rows"]], c["w13"], offs=c["offs"])  # [P, 2I]
+            h = (F.silu(h[:, 0::2].float()) * h[:, 1::2].float()).to(torch.bfloat16)  # [P, I]
+            o = torch._grouped_mm(h, c["w2"], offs=c["offs"])  # [P, D]
+            y = torch.zeros(m, D, dtype=torch.float32, device=dev)
+            return y.index_add_(0, c["rows"], o.float() * c["weight"][:, None]).to(torch.bfloat16)
+
+        y0 = one(calls[0])
+        torch.cuda.synchronize()
+
+        def batch(n):
+            t = time.perf_counter()
+            for _ in range(n):
+                for c in calls:
+                    one(c)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t
+
+        batch(2)
+        us = min(batch(12) - batch(3) for _ in range(2)) / (9 * len(calls)) * 1e6
+        check("bf16", m, wts["bf16"], x, ids, ws, [jnp.asarray(y0.cpu().float().numpy())], "torch")
+        for fmt in ("bf16", "int4"):
+            rows[(fmt, m)]["torch"] = us
+        log(f"torch._grouped_mm bf16 M={m}: {us:.1f} µs")
+
     def variants(fmt, m):
         x, ids, ws, _ = routing(m)
         for n, plan in enumerate(sweep.get((fmt, m), [])):
@@ -314,6 +366,8 @@ def run(args):
 
     # In order of value: the budget may cut the tail.
     tasks = [(default, ("bf16", m)) for m in ms]
+    if not (args.lower or args.smoke):
+        tasks += [(torch_peer, ("torch", m)) for m in ms]
     if not args.lower:
         tasks += [(peer, (name, m)) for m in (1, 6) for name in peers]
     tasks += [(default, ("int4", m)) for m in ms]
@@ -339,7 +393,8 @@ def table():
     cbw = RESULTS.get("copy_tbs")
     lines = ["", f"fused MoE, E={E} top-{K} D={D} I={I}, on {RESULTS.get('device')}; "
                  f"copy ceiling {cbw and round(cbw, 2)} TB/s",
-             "fmt  M   experts   MB   ours µs (best)  TB/s  floor µs  %floor  ragged µs  x    gathered µs  x    SGLang* x"]
+             "fmt  M   experts   MB   ours µs (best)  TB/s  floor µs  %floor  torch µs   x    ragged µs  x    "
+             "gathered µs  x    SGLang* x"]
     for r in RESULTS["rows"]:
         cands = [v for v in (r.get("us"), r.get("best_us")) if v]
         us = min(cands) if cands else None
@@ -351,7 +406,7 @@ def table():
         sgl = SGLANG_ANCHOR.get(r["m"])
         lines.append(
             f"{r['fmt']:4} {r['m']:3} {r['distinct']:6.1f} {r['mbytes']:7.1f} {r.get('us') or 0:7.1f} ({us:6.1f}) "
-            f"{r['mbytes'] / us:5.2f} {floor:8.1f} {100 * floor / us:6.0f}%  {rat(r.get('ragged'))} "
+            f"{r['mbytes'] / us:5.2f} {floor:8.1f} {100 * floor / us:6.0f}%  {rat(r.get('torch'))} {rat(r.get('ragged'))} "
             f" {rat(r.get('gathered'))}  {sgl / us if sgl else float('nan'):5.2f}")
     lines.append("x = peer µs / ours (best); SGLang* = perf-anchors.md bf16 figure (not this run) / ours")
     for r in RESULTS["rows"]:

@@ -16,6 +16,16 @@ from spec.engine import Drafter, Slots, decode_step, new_slots, nextn_chain, pre
 from spec.sampling import SamplingParams
 
 PREFILL_CHUNK = 256
+MAX_PREFILL_CHUNK = 8192
+
+
+def chunk_for(prompts: Sequence[Sequence[int]]) -> int:
+    """A prefill chunk for one batch of prompts: the longest prompt rounded up to a power of two,
+    between 64 and MAX_PREFILL_CHUNK. Every chunk reads the routed experts its tokens touch — at a
+    few hundred tokens nearly all of them, ~6 GB a layer at Ling's size — so a long prompt in
+    small chunks re-reads them per chunk; powers of two bound the number of compiled widths."""
+    longest = max(len(p) for p in prompts)
+    return min(MAX_PREFILL_CHUNK, max(64, 1 << max(0, longest - 1).bit_length()))
 
 
 def _pad_prompts(prompts: Sequence[Sequence[int]], chunk: int):
@@ -95,10 +105,11 @@ def check_model(model: LingModel, speculative: bool):
 
 def generate_batch(model: LingModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                    speculative: bool = True, num_steps: int = 5, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-                   eos_id: int | None = None, prefill_chunk: int = PREFILL_CHUNK, return_slots: bool = False,
+                   eos_id: int | None = None, prefill_chunk: int | None = None, return_slots: bool = False,
                    drafter: Drafter | None = None):
     """Generates for several prompts at once (one slot each); the sampling arguments are scalars or
     one value per prompt. `drafter` replaces the NEXTN chain (tests force drafts with it).
+    prefill_chunk None: `chunk_for(prompts)`.
     Returns one token list per prompt (and the final slots if asked)."""
     check_model(model, speculative and drafter is None)
     b = len(prompts)
@@ -108,7 +119,7 @@ def generate_batch(model: LingModel, prompts: Sequence[Sequence[int]], max_new_t
     params = SamplingParams.make(b, temperature, top_k, top_p, seed)
     eos = -1 if eos_id is None else eos_id
     slots = prefill(model, slots, prompts, np.ones(b, bool), params, np.full(b, max_new_tokens), np.full(b, eos),
-                    chunk=prefill_chunk)
+                    chunk=prefill_chunk or chunk_for(prompts))
     slots = decode(model, slots, speculative=speculative, num_steps=num_steps, max_iters=max_new_tokens,
                    drafter=drafter)
     out, n = jax.device_get((slots.out, slots.n_out))
