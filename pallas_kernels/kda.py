@@ -308,6 +308,32 @@ def _kda_pallas(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate, eps, lowe
     return KdaOut(o, states, wq, wk, wv)
 
 
+class Dims(NamedTuple):
+    b: int  # sequences
+    t: int  # new tokens
+    h: int  # heads
+    k: int  # key head dim
+    v: int  # value head dim
+    w: int  # conv width
+
+
+def check_args(x: KdaInputs, w: KdaWeights, state: KdaState, gate: str) -> Dims:
+    """The dimensions of a KDA call (decode, verify or prefill); checks that every array agrees."""
+    b, t, c = x.q.shape
+    h = x.b_in.shape[2]
+    kd, vd = c // h, x.v.shape[2] // h
+    nw = w.conv_q.shape[1]
+    if gate not in ("safe", "softplus"):
+        raise ValueError(f"gate must be 'safe' or 'softplus', got {gate!r}")
+    assert x.k.shape == (b, t, c) and x.g_in.shape == (b, t, h, kd) and x.b_in.shape == (b, t, h)
+    assert x.v.shape == x.gate_in.shape == (b, t, h * vd)
+    assert state.conv_q.shape == state.conv_k.shape == (b, nw - 1, c)
+    assert state.conv_v.shape == (b, nw - 1, h * vd) and state.recurrent.shape == (b, h, kd, vd)
+    assert w.conv_k.shape == (c, nw) and w.conv_v.shape == (h * vd, nw)
+    assert w.A_log.shape == (h,) and w.dt_bias.shape == (c,) and w.o_norm.shape == (vd,)
+    return Dims(b, t, h, kd, vd, nw)
+
+
 def kda_verify(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "safe", eps: float = 1e-6,
                lower_bound: float = -5.0, bv: int | None = None, num_warps: int | None = None,
                all_states: bool = True, backend: str = "auto") -> KdaOut:
@@ -324,20 +350,9 @@ def kda_verify(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "saf
     + e·T·(3C + H·K + H·V + H·V) (q, k, v, g_in, gate_in, o) + e·(T+2W-2)·3C (conv state in,
     window out). At Ling shapes (H 32, K = V 128) the state dominates: 2 MiB in, T·2 MiB out.
     """
-    b, t, c = x.q.shape
-    h = x.b_in.shape[2]
-    kd, vd = c // h, x.v.shape[2] // h
-    nw = w.conv_q.shape[1]
-    if gate not in ("safe", "softplus"):
-        raise ValueError(f"gate must be 'safe' or 'softplus', got {gate!r}")
+    _, t, _, kd, vd, _ = check_args(x, w, state, gate)
     if not 1 <= t <= MAX_T:
         raise ValueError(f"kda_verify takes T = 1..{MAX_T} tokens, got T={t}")
-    assert x.k.shape == (b, t, c) and x.g_in.shape == (b, t, h, kd) and x.b_in.shape == (b, t, h)
-    assert x.v.shape == x.gate_in.shape == (b, t, h * vd)
-    assert state.conv_q.shape == state.conv_k.shape == (b, nw - 1, c)
-    assert state.conv_v.shape == (b, nw - 1, h * vd) and state.recurrent.shape == (b, h, kd, vd)
-    assert w.conv_k.shape == (c, nw) and w.conv_v.shape == (h * vd, nw)
-    assert w.A_log.shape == (h,) and w.dt_bias.shape == (c,) and w.o_norm.shape == (vd,)
     backend = resolve(backend)
     if backend == "reference":
         return reference(x, w, state, gate=gate, eps=eps, lower_bound=lower_bound, all_states=all_states)

@@ -85,7 +85,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import resolve
-from pallas_kernels.kda import KdaInputs, KdaState, KdaWeights, _gated_norm
+from pallas_kernels.kda import KdaInputs, KdaState, KdaWeights, _gated_norm, check_args
 
 CHUNK = 64  # tokens per chunk of the WY form
 SUB = 16  # rows per sub-block of one decay anchor (and the smallest side of a dot)
@@ -656,18 +656,7 @@ def kda_prefill(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate: st
     """KDA over T new tokens of B sequences, valid [B] of them real (see the module docstring).
     Returns (o [B, T, H, V] in q's dtype, KdaState after the valid tokens: conv states [B, W-1, C]
     and the recurrent state [B, H, K, V] fp32)."""
-    b, t, c = x.q.shape
-    h = x.b_in.shape[2]
-    kd, vd = c // h, x.v.shape[2] // h
-    nw = w.conv_q.shape[1]
-    if gate not in ("safe", "softplus"):
-        raise ValueError(f"gate must be 'safe' or 'softplus', got {gate!r}")
-    assert x.k.shape == (b, t, c) and x.g_in.shape == (b, t, h, kd) and x.b_in.shape == (b, t, h)
-    assert x.v.shape == x.gate_in.shape == (b, t, h * vd)
-    assert state.conv_q.shape == state.conv_k.shape == (b, nw - 1, c)
-    assert state.conv_v.shape == (b, nw - 1, h * vd) and state.recurrent.shape == (b, h, kd, vd)
-    assert w.conv_k.shape == (c, nw) and w.conv_v.shape == (h * vd, nw)
-    assert w.A_log.shape == (h,) and w.dt_bias.shape == (c,) and w.o_norm.shape == (vd,)
+    b, t, h, kd, vd, nw = check_args(x, w, state, gate)
     valid = jnp.clip(jnp.asarray(valid, jnp.int32).reshape(b), 0, t)
     backend = resolve(backend)
     if backend == "reference":
