@@ -79,7 +79,6 @@ class MLAttention(nnx.Module):
         w_kvb = self.kv_b_proj.kernel[...].reshape(self.r, self.h, self.nope + self.vd)
         w_uk, w_uv = w_kvb[..., : self.nope], w_kvb[..., self.nope :]  # [R, H, nope], [R, H, V]
         kernels = resolve_kernels()
-        mask = causal_mask(positions, latent_cache.shape[1])  # [B, T, L] (the reference forms only)
         c = latent_cache.astype(x.dtype)
         if form == "plain" and kernels != "reference":
             # The chunk's own keys at the cache's rounding, as the reference reads them back.
@@ -92,7 +91,7 @@ class MLAttention(nnx.Module):
             scores = (jnp.einsum("bthn,blhn->bhtl", q_nope, k_nope, preferred_element_type=jnp.float32)
                       + jnp.einsum("bthp,blp->bhtl", q_rope, rope_cache.astype(x.dtype),
                                    preferred_element_type=jnp.float32))
-            p = _softmax(scores * self.scale, mask).astype(x.dtype)
+            p = _softmax(scores * self.scale, positions).astype(x.dtype)
             o = jnp.einsum("bhtl,blhv->bthv", p, v, preferred_element_type=jnp.float32)
         else:
             q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk.astype(x.dtype),
@@ -104,7 +103,7 @@ class MLAttention(nnx.Module):
                 scores = (jnp.einsum("bthr,blr->bhtl", q_lat, c, preferred_element_type=jnp.float32)
                           + jnp.einsum("bthp,blp->bhtl", q_rope, rope_cache.astype(x.dtype),
                                        preferred_element_type=jnp.float32))
-                p = _softmax(scores * self.scale, mask).astype(x.dtype)
+                p = _softmax(scores * self.scale, positions).astype(x.dtype)
                 o_lat = jnp.einsum("bhtl,blr->bthr", p, c, preferred_element_type=jnp.float32)
             o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(x.dtype), w_uv.astype(x.dtype),
                            preferred_element_type=jnp.float32)
@@ -114,6 +113,6 @@ class MLAttention(nnx.Module):
         return self.o_proj(o.reshape(b, t, self.h * self.vd)), latent_cache, rope_cache
 
 
-def _softmax(scores, mask):  # scores [B, H, T, L] fp32, mask [B, T, L]
-    scores = jnp.where(mask[:, None], scores, -jnp.inf)
+def _softmax(scores, positions):  # scores [B, H, T, L] fp32, positions [B, T]: causal over the cache
+    scores = jnp.where(causal_mask(positions, scores.shape[-1])[:, None], scores, -jnp.inf)
     return jax.nn.softmax(scores, axis=-1)

@@ -69,7 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import resolve
-from pallas_kernels.fused_moe import _dims, _swiglu, align_sizes, check_args, moe_align
+from pallas_kernels.fused_moe import _dims, _QMeta, _swiglu, align_sizes, check_args, moe_align
 from pallas_kernels.quant import QuantizedWeight, dequantize
 
 COMBINES = ("sum", "atomic")
@@ -147,17 +147,6 @@ def reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None):
 
 
 # ---------------------------------------------------------------------------------- kernels
-@dataclasses.dataclass(frozen=True)
-class _QMeta:
-    """Static description of quantised weights (the kernel never closes over arrays)."""
-
-    bits: int
-    group_size: int
-    symmetric: bool
-    block_n: int
-    n_groups: int  # groups of K
-
-
 def _unpack(words, qm: _QMeta, magic, zero, dtype):
     """words uint32 [WPG, B_N] -> (u - z) [G, B_N] in dtype, rows in natural K order; exact.
 

@@ -13,35 +13,17 @@ import pytest
 
 from pallas_kernels import expert_tiles as et
 from pallas_kernels import fused_moe as fm
-from pallas_kernels.quant import QuantizedWeight, dequantize
+from pallas_kernels.quant import QuantizedWeight
 
-E, D, I = 13, 256, 128
+from moe_inputs import (D, E, I,
+                        dense64 as _dense64,
+                        expert_weights as _weights,
+                        routing as _routing,
+                        swiglu64,
+                        )
+
 BM16 = et.Plan(16, et.Tile(64, 64), et.Tile(64, 128), programs=3)  # 4 up and 2 down tiles a block
 BM32 = et.Plan(32, et.Tile(128, 128), et.Tile(32, 64), programs=2)
-
-
-def _weights(rng, bits, symmetric=True):
-    w13 = jnp.asarray(rng.standard_normal((E, D, 2 * I)) * 0.06, jnp.bfloat16)
-    w2 = jnp.asarray(rng.standard_normal((E, I, D)) * 0.09, jnp.bfloat16)
-    if bits is None:
-        return w13, w2
-    q = fm.quantize_experts(w13, w2, bits=bits, group_size=128, symmetric=symmetric, block_n=64)
-    return q.w13, q.w2
-
-
-def _dense64(w):
-    if isinstance(w, QuantizedWeight):
-        return np.asarray(jax.vmap(dequantize)(w), np.float64).transpose(0, 2, 1)
-    return np.asarray(w.astype(jnp.float32), np.float64)
-
-
-def _routing(rng, m, k, kind):
-    if kind == "one":  # every token on the same k experts
-        ids = np.tile(rng.choice(E, k, replace=False), (m, 1))
-    else:
-        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(m)]).reshape(m, k)
-    w = rng.random((m, k)).astype(np.float32) + 0.1
-    return jnp.asarray(ids, jnp.int32), jnp.asarray(w)
 
 
 def _magnitude(x, ids, w, w13, w2, limit):
@@ -50,11 +32,8 @@ def _magnitude(x, ids, w, w13, w2, limit):
     x64 = np.asarray(x.astype(jnp.float32), np.float64)
     ids, w = np.asarray(ids), np.abs(np.asarray(w, np.float64))
     hh = np.einsum("md,mkdn->mkn", x64, a[ids])
-    g, u = hh[..., 0::2], hh[..., 1::2]
-    g = g / (1 + np.exp(-g))
-    if limit is not None:
-        g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
-    return np.einsum("mk,mki,mkid->md", w, np.abs(g * u), np.abs(b[ids]))
+    h = swiglu64(hh[..., 0::2], hh[..., 1::2], limit)
+    return np.einsum("mk,mki,mkid->md", w, np.abs(h), np.abs(b[ids]))
 
 
 def _assert_close(y, ref, scale):

@@ -10,48 +10,19 @@ import numpy as np
 import pytest
 
 from pallas_kernels import fused_moe as fm
-from pallas_kernels.quant import QuantizedWeight, dequantize, quantize
+from pallas_kernels.quant import quantize
 
-E, D, I = 13, 256, 128
+from moe_inputs import (D, E, I,
+                        dense64 as _dense64,
+                        expert_weights as _weights,
+                        routing as _routing,
+                        swiglu64 as _swiglu64,
+                        )
+
 DOT = None  # plan_for's choice: block 16 ("dot"), block 64 beyond 512 pairs
 FMA = fm.Plan("fma", 1, fm.GemmPlan(64, 64, 1, 2), fm.GemmPlan(32, 128, 2, 2))
 DOT32 = fm.Plan("dot", 16, fm.GemmPlan(64, 32, 4, 2), fm.GemmPlan(128, 64, 4, 2))
 QDOT = fm.Plan("dot", 16, fm.GemmPlan(0, 0, 4, 2), fm.GemmPlan(0, 0, 4, 2))  # quantised: the dot path
-
-
-def _weights(rng, bits, symmetric=True):
-    w13 = jnp.asarray(rng.standard_normal((E, D, 2 * I)) * 0.06, jnp.bfloat16)
-    w2 = jnp.asarray(rng.standard_normal((E, I, D)) * 0.09, jnp.bfloat16)
-    if bits is None:
-        return w13, w2
-    q = fm.quantize_experts(w13, w2, bits=bits, group_size=128, symmetric=symmetric, block_n=64)
-    return q.w13, q.w2
-
-
-def _dense64(w):
-    """[E, K, N] float64 in x @ W orientation, from either format."""
-    if isinstance(w, QuantizedWeight):
-        return np.asarray(jax.vmap(dequantize)(w), np.float64).transpose(0, 2, 1)
-    return np.asarray(w.astype(jnp.float32), np.float64)
-
-
-def _routing(rng, m, k, kind):
-    if kind == "one":  # every token on the same expert(s)
-        ids = np.tile(rng.choice(E, k, replace=False), (m, 1))
-    elif kind == "skewed":  # ragged counts: a few popular experts, repeated across tokens
-        ids = np.stack([rng.choice(E, k, replace=False, p=np.r_[[8.0] * 3, [1.0] * (E - 3)] / (24 + E - 3))
-                        for _ in range(m)])
-    else:
-        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(m)])
-    w = rng.random((m, k)).astype(np.float32) + 0.1
-    return jnp.asarray(ids, jnp.int32), jnp.asarray(w)
-
-
-def _swiglu64(g, u, limit):
-    g = g / (1 + np.exp(-g))
-    if limit is not None:
-        g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
-    return g * u
 
 
 def _check(y, x, ids, w, w13, w2, limit):

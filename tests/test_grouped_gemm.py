@@ -13,9 +13,9 @@ import pytest
 from moe.block import GATHER_MAX_PAIRS, experts_reference
 from pallas_kernels import fused_moe as fm
 from pallas_kernels import grouped_gemm as gg
-from pallas_kernels.quant import QuantizedWeight, dequantize
 
-E, D, I = 13, 256, 128
+from moe_inputs import D, E, I, dense32 as _dense32, swiglu64 as _swiglu64
+
 EMPTY = (4, 9)  # experts no token picks
 T = gg.Tile
 
@@ -34,13 +34,6 @@ def _weights(rng, kind):
     return q.w13, q.w2
 
 
-def _dense32(w):
-    """[E, K, N] float32 in x @ W orientation (exact for quantised weights)."""
-    if isinstance(w, QuantizedWeight):
-        return jax.vmap(dequantize)(w).transpose(0, 2, 1)
-    return w.astype(jnp.float32)
-
-
 def _routing(rng, m, k):
     """Ragged: expert 0 in every token (one expert with many rows, several blocks), experts
     EMPTY never, the others skewed (a few popular ones)."""
@@ -51,13 +44,6 @@ def _routing(rng, m, k):
     ids = np.stack([rng.permutation(row) for row in ids])  # expert 0 in any slot
     w = rng.random((m, k)).astype(np.float32) + 0.1
     return jnp.asarray(ids, jnp.int32), jnp.asarray(w)
-
-
-def _swiglu64(g, u, limit):
-    g = g / (1 + np.exp(-g))
-    if limit is not None:
-        g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
-    return g * u
 
 
 def _exact64(x, ids, w, w13, w2, limit):
