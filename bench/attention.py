@@ -10,6 +10,7 @@ timed over repeated executions, median of 3. fla's Triton `fused_recurrent_kda` 
 timed the same way under a torch CUDA graph. Bytes "that must move" count each input read once
 and each output written once; the floor is those bytes over the copy bandwidth measured here.
 Every Pallas configuration is checked against the jnp reference on the GPU before it is timed.
+BENCH_ONLY=mla (or kda) runs one kernel's cases; BENCH_BUDGET_S bounds the sweeps.
 """
 
 from __future__ import annotations
@@ -345,16 +346,13 @@ def bench_mla(length, t, ceiling, mm_tflops=790.0, sweep=True):
 
     rows = t * MH
     bm0 = min(32, 1 << (rows - 1).bit_length())
-    ns0 = md.default_num_splits(1, math.ceil(rows / bm0), length, 32)
-    results = [try_cfg(bm0, 32, ns0, 8, 3)]  # the defaults
+    ns0 = md.default_num_splits(1, math.ceil(rows / bm0), length, 64)
+    default = (bm0, 64, ns0, 8, 2)
+    results = [try_cfg(*default)]
     if sweep:
-        # Next to try (unmeasured with the device-side timer): 16 rows / 4 warps and 64-row blocks
-        # looked better in a first, host-bound sweep.
-        cands = [(bm0, 32, max(1, ns0 // 2), 8, 3), (bm0, 32, min(128, ns0 * 2), 8, 3), (16, 32, ns0, 4, 3),
-                 (bm0, 64, ns0, 8, 2)]
-        if t > 1:
-            cands = [(bm0, 32, max(1, ns0 // 2), 8, 3), (64, 32, max(1, ns0 // 2), 8, 3), (16, 32, ns0, 4, 3)]
-        for cand in dict.fromkeys(c for c in cands if c != (bm0, 32, ns0, 8, 3)):
+        cands = [(bm0, 64, max(1, ns0 // 2), 8, 2), (bm0, 64, max(1, ns0 // 4), 8, 2),
+                 (bm0, 64, min(128, ns0 * 2), 8, 2), (16, 64, ns0, 4, 2), (bm0, 32, ns0, 8, 3)]
+        for cand in dict.fromkeys(c for c in cands if c != default):
             if over_budget():
                 log(f"  (budget) skipping {cand}")
                 continue
@@ -373,7 +371,10 @@ def main():
     short, mid, long = MLA_LENGTHS
     steps = [("kda", 6), ("mla", (mid, 1)), ("mla", (mid, 6)), ("kda", 1),
              ("mla", (long, 1)), ("mla", (short, 1)), ("mla", (long, 6)), ("mla", (short, 6))]
+    only = os.environ.get("BENCH_ONLY")  # "kda" or "mla": one kernel's cases
     for kind, arg in steps:
+        if only and kind != only:
+            continue
         try:
             if kind == "kda":
                 summary[f"kda T={arg}"] = bench_kda(arg, ceiling, sweep=arg > 1 and not over_budget())

@@ -28,9 +28,11 @@ from jax.sharding import PartitionSpec as P
 from ling.config import preset
 from ling.model import LingModel
 from ling.roofline import step_bytes
-from moe.parallel import EXPERT, make_mesh, shard_model, spec_for
+from moe import parallel
+from moe.block import MoE, routed_experts
+from moe.parallel import EXPERT, make_mesh, replicate, shard_model, spec_for
 from spec.engine import nextn_chain, new_slots
-from spec.loop import decode, prefill
+from spec.loop import chunk_for, decode, prefill
 from spec.sampling import SamplingParams
 
 
@@ -74,6 +76,23 @@ def psum_seconds(mesh, m: int, d: int, iters: int = 200) -> float:
     return timed(f, x, repeat=3) / iters
 
 
+def dispatch_seconds(model, mesh, m: int) -> tuple[float, float]:
+    """Seconds of the first MoE layer's routed experts on m tokens under EP, by the replicated
+    psum path and by the all-to-all path (random tokens, routing uniform over the experts)."""
+    moe = next(n for _, n in nnx.iter_graph(model) if isinstance(n, MoE))
+    e, d = moe.w13.shape[0], moe.w13.shape[1]
+    key = jax.random.PRNGKey(m)
+    x = 0.1 * jax.random.normal(key, (m, d), jnp.bfloat16)
+    ids = jax.vmap(lambda k: jax.random.permutation(k, e)[: moe.top_k])(jax.random.split(key, m)).astype(jnp.int32)
+    weights = jnp.full(ids.shape, 1.0 / moe.top_k, jnp.float32)
+    x, ids, weights = (jax.device_put(a, NamedSharding(mesh, P())) for a in (x, ids, weights))
+    out = []
+    for path in (parallel._replicated, parallel._all_to_all):
+        f = jax.jit(lambda x, i, w, a, b, path=path: path(x, i, w, a, b, None, mesh, routed_experts))
+        out.append(timed(f, x, ids, weights, moe.w13[...], moe.w2[...], repeat=3))
+    return out[0], out[1]
+
+
 def copy_bandwidth(nbytes=1 << 30, calls=10) -> float:
     """Read + write bytes/s of a 1 GiB fp32 elementwise pass (XLA), median of three runs of 10 calls."""
     x = jax.random.normal(jax.random.PRNGKey(0), (nbytes // 4,), jnp.float32)
@@ -109,6 +128,8 @@ def main():
     ap.add_argument("--num-steps", type=int, default=5)
     ap.add_argument("--quantize", choices=["int8", "int4"], default=None, help="low-bit projections")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel over this many GPUs")
+    ap.add_argument("--dispatch-tokens", type=int, nargs="*", default=[256, 1024, 4096, 8192],
+                    help="with --ep: token counts at which the psum and all-to-all MoE paths are timed")
     args = ap.parse_args()
     full = preset(args.preset)
     n = min(args.layers, full.num_hidden_layers)
@@ -140,7 +161,9 @@ def main():
 
     def fresh():
         slots = new_slots(model, 1, args.prompt + max_new + s + 2, max_new + s + 1)
-        return prefill(model, slots, [prompt], [True], params, [max_new], [-1])
+        if mesh is not None:  # as the server does: the decoding state on every GPU
+            slots = replicate(slots, mesh)
+        return prefill(model, slots, [prompt], [True], params, [max_new], [-1], chunk=chunk_for([prompt]))
 
     t_prefill = timed(lambda: fresh().n_out)
     rows = []
@@ -218,6 +241,14 @@ def main():
             rows.append((f"  psum [{t}, D] x {n_moe}", None, one * n_moe, None, None))
             print(f"psum of [{t}, {cfg.hidden_size}] fp32 over {args.ep} GPUs: {one * 1e6:.1f} us a layer, "
                   f"{one * n_moe * 1e6:.0f} us a step ({n_moe} MoE layers)", flush=True)
+        # Where the all-to-all dispatch starts to pay (moe.parallel.A2A_MIN_TOKENS): one MoE
+        # layer's routed experts by each path.
+        for m in args.dispatch_tokens:
+            rep, a2a = dispatch_seconds(model, mesh, m)
+            rows.append((f"  MoE {m} tok psum", None, rep, None, None))
+            rows.append((f"  MoE {m} tok a2a", None, a2a, None, None))
+            print(f"MoE layer, {m} tokens: replicated + psum {rep * 1e6:.0f} us, all-to-all {a2a * 1e6:.0f} us "
+                  f"(ratio {a2a / rep:.2f})", flush=True)
 
     print(f"\n{'what':<22} {'tok/step':>8} {'time':>10} {'floor':>9} {'floor/time':>10} {'tok/s':>8}")
     for name, tps, t, floor, rate in rows:

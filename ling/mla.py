@@ -57,6 +57,7 @@ class MLAttention(nnx.Module):
         self.kv_b_proj = Linear(self.r, h * (self.nope + self.vd), ("kv_lora", "heads"), dtype=dtype, rngs=rngs)
         self.g_proj = Linear(d, h, ("embed", "heads"), dtype=dtype, rngs=rngs) if cfg.mla_output_gate else None
         self.o_proj = Linear(h * self.vd, d, ("heads", "embed"), dtype=dtype, rngs=rngs)
+        self.mesh = None  # set by moe.parallel.shard_model: the (replicated) attention's device mesh
 
     def __call__(self, x, positions, latent_cache, rope_cache, lengths, *, form: str, valid=None):
         """x [B, T, D]; positions [B, T] = lengths[:, None] + arange(T); caches [B, L, R], [B, L, P];
@@ -84,7 +85,8 @@ class MLAttention(nnx.Module):
             # The chunk's own keys at the cache's rounding, as the reference reads them back.
             prefix = lengths if valid is None else jnp.where(valid > 0, lengths, 0)
             o = prefill_attention(q_nope, q_rope, latent.astype(latent_cache.dtype), k_rope.astype(rope_cache.dtype),
-                                  latent_cache, rope_cache, w_uk, w_uv, prefix, scale=self.scale, backend=kernels)
+                                  latent_cache, rope_cache, w_uk, w_uv, prefix, scale=self.scale, backend=kernels,
+                                  mesh=self.mesh)
         elif form == "plain":
             k_nope = jnp.einsum("blr,rhn->blhn", c, w_uk.astype(x.dtype))
             v = jnp.einsum("blr,rhv->blhv", c, w_uv.astype(x.dtype))

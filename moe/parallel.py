@@ -56,7 +56,9 @@ def spec_for(logical_axes, rules=RULES) -> P:
 
 def shard_model(model, mesh: Mesh, rules=RULES):
     """Places every parameter by the rules (in place) and gives the MoE blocks the mesh, so they
-    run expert-parallel. Checks that the expert count divides over the expert axis."""
+    run expert-parallel (and the MLA blocks, whose cuDNN prefill pins its inputs replicated).
+    Checks that the expert count divides over the expert axis."""
+    from ling.mla import MLAttention
     from moe.block import MoE
 
     ep = mesh.shape[EXPERT]
@@ -65,6 +67,8 @@ def shard_model(model, mesh: Mesh, rules=RULES):
             e = node.w13.shape[0]
             if e % ep:
                 raise ValueError(f"--ep-size {ep} must divide the number of experts ({e})")
+            node.mesh = mesh
+        elif isinstance(node, MLAttention):
             node.mesh = mesh
     _, state = nnx.split(model)
     for _, var in nnx.to_flat_state(state):

@@ -269,17 +269,18 @@ def _unit_lower_inverse(lo, precision):
     doubling: with T the inverse of the b×b diagonal blocks, the 2b×2b blocks' inverse is
     T - T L_b T, L_b the lower-left b×b block of each 2b×2b block (the blocked triangular
     inversion). log2 S levels of two [S, S] dots, where row-by-row substitution would take
-    S - 1 steps, each with cross-warp reductions and barriers."""
+    S - 1 steps, each with cross-warp reductions and barriers. The levels are a loop, not
+    unrolled: the intra kernel's code size, not its arithmetic, limited it."""
     s = lo.shape[0]
     row = jnp.arange(s, dtype=jnp.int32)[:, None]
     col = jnp.arange(s, dtype=jnp.int32)[None, :]
-    inv = (row == col).astype(jnp.float32)
-    b = 1
-    while b < s:
-        lower_left = ((row // b) % 2 == 1) & (col // b == row // b - 1)
-        inv = inv - _dot(inv, _dot(jnp.where(lower_left, lo, 0.0), inv, precision), precision)
-        b *= 2
-    return inv
+
+    def level(i, inv):  # blocks of b = 2^i
+        rb, cb = lax.shift_right_logical(row, i), lax.shift_right_logical(col, i)
+        lower_left = ((rb & 1) == 1) & (cb == rb - 1)
+        return inv - _dot(inv, _dot(jnp.where(lower_left, lo, 0.0), inv, precision), precision)
+
+    return lax.fori_loop(0, s.bit_length() - 1, level, (row == col).astype(jnp.float32))
 
 
 def _diag_bounded(q, k, g, gl, *, lower_bound, precision):
@@ -388,10 +389,10 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, csq_ref, csk_ref
     rows = jnp.arange(hf, dtype=jnp.int32)
     row, col = rows[:, None], rows[None, :]
 
-    def conv(x_ref, cs_ref, w_ref_, start, edge: bool):
+    def conv(x_ref, cs_ref, w_ref_, start, edge):
         """SiLU(conv) of rows start .. start+R-1 [R, X] fp32, rounded to the activation dtype (as
         the model). Tap j reads row r - (W-1-j): rows before 0 are the conv state's, which only
-        chunk 0's first half (edge) reaches: it gathers, every other half loads plain rows."""
+        chunk 0's first half (edge, traced bool) reaches: it gathers, every other half loads plain rows."""
         r = start + rows
         taps = [w_ref_[:, j].astype(f32) for j in range(n_taps)]  # [X] each
 
@@ -418,16 +419,21 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, csq_ref, csk_ref
                 y = taps[j][None, :] * xs if y is None else y + taps[j][None, :] * xs
             return y
 
-        y = lax.cond(n == 0, with_state, plain) if edge else plain()
+        y = lax.cond(edge, with_state, plain)
         return (y * _sigmoid(y)).astype(act).astype(f32)
 
     def l2norm(x, scale=1.0):
         return x * (lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6) * scale)
 
-    offs = [jnp.zeros((kd,), f32)]  # O_h: the decay (base 2) before half h; O_2 = G_C  [K]
-    prev = None  # half 0's k ⊙ e^{O_1 - G}, k ⊙ e^G, v, inverse and β, for half 1's cross block
-    for h in range(2):
-        sl = slice(h * hf, (h + 1) * hf)
+    def half(h, carry):
+        """Half h of the chunk. carry: O_h [K] (the decay before the half, base 2) and half
+        h-1's k ⊙ e^{O_h - G}, k ⊙ e^G, v, inverse and β for the cross block — zeros at h = 0,
+        where the cross terms then vanish. A loop rather than two unrolled halves: the unrolled
+        kernel was ~20k SASS instructions, and on the H200 half its stalls were instruction
+        fetches (ncu, 2026-11-30)."""
+        o_h, kt0, keg0, v0, inv0, beta0 = carry
+        sl = pl.ds(pl.multiple_of(h * hf, hf), hf)
+        other = pl.ds(pl.multiple_of((1 - h) * hf, hf), hf)  # h = 1: half 0's columns; h = 0: above the diagonal
         start = t0 + h * hf
         r = start + rows
         z = pltriton.load(g_ref.at[pl.ds(start, hf), :], mask=(r < t_len)[:, None], other=0.0)
@@ -436,9 +442,10 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, csq_ref, csk_ref
         beta = _sigmoid(pltriton.load(b_ref.at[pl.ds(start, hf)], mask=r < t_len, other=0.0).astype(f32))
         beta = jnp.where(r < valid, beta, 0.0)
         gl = jnp.cumsum(g, axis=0)  # [R, K]: G - O_h, ≤ 0
-        offs.append(offs[h] + jnp.sum(g, axis=0))
-        k = l2norm(conv(k_ref, csk_ref, wk_ref, start, h == 0))
-        q = l2norm(conv(q_ref, csq_ref, wq_ref, start, h == 0), kd**-0.5)
+        o_next = o_h + jnp.sum(g, axis=0)  # O_{h+1}
+        edge = (n == 0) & (h == 0)
+        k = l2norm(conv(k_ref, csk_ref, wk_ref, start, edge))
+        q = l2norm(conv(q_ref, csq_ref, wq_ref, start, edge), kd**-0.5)
         if anchored:
             a_hh, aqk_hh = _diag_bounded(q, k, g, gl, lower_bound=lower_bound, precision=precision)
         else:
@@ -448,30 +455,31 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, csq_ref, csk_ref
         # 2^x of an x near ±58 carries ~4e-6 relative error: these take their own exps, ≤ 1.
         egl = jnp.exp2(gl)
         ke, qe = k * egl, q * egl  # the row sides, relative to O_h
-        kt = k * jnp.exp2((offs[h + 1] - offs[h])[None, :] - gl)  # k ⊙ e^{O_{h+1} - G} ≤ 1
-        eo = jnp.exp2(offs[h])[None, :]
+        kt = k * jnp.exp2((o_next - o_h)[None, :] - gl)  # k ⊙ e^{O_{h+1} - G} ≤ 1
+        eo = jnp.exp2(o_h)[None, :]
         keg = ke * eo  # k ⊙ e^G, G from the chunk start
         qg_ref[sl, :] = (qe * eo).astype(act)
-        v = conv(v_ref, csv_ref, wv_ref, start, h == 0)  # [R, V]
+        v = conv(v_ref, csv_ref, wv_ref, start, edge)  # [R, V]
         tb = inv * beta[None, :]  # M⁻¹ diag(β), the diagonal block
-        w = _dot(tb, keg, precision)  # [R, K]
-        u = _dot(tb, v, precision)  # [R, V]
-        if h == 0:
-            aqk_ref[sl, hf:] = jnp.zeros((hf, hf), act)
-            prev = (kt, keg, v, inv, beta)
-        else:  # the cross block (rows of half 1, columns of half 0), anchored at O_1: factors ≤ 1
-            kt0, keg0, v0, inv0, beta0 = prev
-            aqk_ref[sl, :hf] = _dot(qe, kt0, precision, trans_b=True).astype(act)
-            m10 = beta[:, None] * _dot(ke, kt0, precision, trans_b=True)  # [R, R]
-            # M⁻¹'s lower-left block, times diag(β_0): -T_11 M_10 T_00 diag(β_0)
-            tb10 = -_dot(inv, _dot(m10, inv0, inv_precision), inv_precision) * beta0[None, :]
-            w = w + _dot(tb10, keg0, precision)
-            u = u + _dot(tb10, v0, precision)
-            kg_ref[:hf, :] = (kt0 * jnp.exp2(offs[2] - offs[1])[None, :]).astype(act)  # needed G_C
-            kg_ref[sl, :] = kt.astype(act)  # O_2 = O_{h+1}: kt is k ⊙ e^{G_C - G}
-        w_ref[sl, :] = w.astype(act)
-        u_ref[sl, :] = u.astype(act)
-    gc_ref[...] = jnp.exp2(offs[2])
+        # The cross block (rows of half 1, columns of half 0), anchored at O_1: factors ≤ 1.
+        aqk_ref[sl, other] = _dot(qe, kt0, precision, trans_b=True).astype(act)
+        m10 = beta[:, None] * _dot(ke, kt0, precision, trans_b=True)  # [R, R]
+        # M⁻¹'s lower-left block, times diag(β_0): -T_11 M_10 T_00 diag(β_0)
+        tb10 = -_dot(inv, _dot(m10, inv0, inv_precision), inv_precision) * beta0[None, :]
+        w_ref[sl, :] = (_dot(tb, keg, precision) + _dot(tb10, keg0, precision)).astype(act)
+        u_ref[sl, :] = (_dot(tb, v, precision) + _dot(tb10, v0, precision)).astype(act)
+        # kg = k ⊙ e^{G_C - G}: half 0's rows are final once G_C = O_2 is known (h = 1); at h = 0
+        # the first store lands on the half's own rows and the second overwrites it.
+        kg_ref[pl.ds(pl.multiple_of(jnp.maximum(h - 1, 0) * hf, hf), hf), :] = (
+            kt0 * jnp.exp2(o_next - o_h)[None, :]).astype(act)
+        kg_ref[sl, :] = kt.astype(act)
+        return o_next, kt, keg, v, inv, beta
+
+    zk = jnp.zeros((hf, kd), f32)
+    init = (jnp.zeros((kd,), f32), zk, zk, jnp.zeros((hf, v_ref.shape[1]), f32), jnp.zeros((hf, hf), f32),
+            jnp.zeros((hf,), f32))
+    o_c = lax.fori_loop(0, 2, half, init)[0]
+    gc_ref[...] = jnp.exp2(o_c)
 
 
 def _intra(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, chunk, gate, lower_bound, precision,

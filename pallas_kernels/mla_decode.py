@@ -34,11 +34,13 @@ def _pow2_floor(n: int) -> int:
 
 
 def default_num_splits(batch: int, row_blocks: int, max_len: int, block_l: int) -> int:
-    """Splits per sequence: about two programs per SM, each with at least 4 cache blocks, at
-    most 128 (the fp32 partials grow with the split count). Power of two (the combine loads all
-    splits at once)."""
-    by_sms = 2 * NUM_SMS // max(1, batch * row_blocks)
-    by_len = max_len // (4 * block_l)
+    """Splits per sequence: about one program per SM (one fits at BL 64), each with at least one
+    cache block, at most 128 (the partials grow with the split count). Power of two (the
+    combine loads all splits at once). On the H200 (bench/attention.py, 8k, T = 1) a program
+    costs ~4 µs a 64-position block whatever the split count: 8 blocks 40.5 µs, 4 24.7, 2 16.4,
+    1 15.2; at T = 6 (6 row blocks) 16 splits beat 32, 64 and 128."""
+    by_sms = NUM_SMS // max(1, batch * row_blocks)
+    by_len = max_len // block_l
     return _pow2_floor(max(1, min(by_sms, by_len, 128)))
 
 
@@ -74,7 +76,12 @@ def _split_kernel(len_ref, ql_ref, qr_ref, c_ref, kr_ref, acc_ref, m_ref, l_ref,
                   t_len: int, heads: int, block_l: int, num_splits: int, scale: float):
     """Program (row block r, split s, sequence b): rows = BM (token, head) pairs against the
     s-th chunk of sequence b's cache. Chunks are sized at run time from lengths[b], so all
-    splits of a sequence get equal work whatever the cache capacity."""
+    splits of a sequence get equal work whatever the cache capacity.
+
+    Transposed form: the cache block is the dots' M side (scores sᵀ = c·qᵀ [BL, BM], then
+    accᵀ += cᵀ·pᵀ [R, BM]), so both dots have M ≥ 64 and run as Hopper's asynchronous wgmma
+    with the cache tile read from shared memory, instead of chains of dependent mma.sync on
+    M = BM rows (32 at T = 1), whose latency bounded each block."""
     f32 = jnp.float32
     bm = ql_ref.shape[0]
     r, s = pl.program_id(0), pl.program_id(1)
@@ -87,10 +94,11 @@ def _split_kernel(len_ref, ql_ref, qr_ref, c_ref, kr_ref, acc_ref, m_ref, l_ref,
     limit = length - t_len + row // heads  # [BM] last position each row may see
     q = ql_ref[...]  # [BM, R]
     qp = qr_ref[...]  # [BM, P]
-    nt = (((1,), (1,)), ((), ()))  # contract the feature dims: a · bᵀ
+    nt = (((1,), (1,)), ((), ()))  # a · bᵀ: contract the feature dims
+    tn = (((0,), (0,)), ((), ()))  # aᵀ · b: contract the position dims
 
     def body(i, carry):
-        acc, m, l = carry
+        acc, m, l = carry  # acc [R, BM]; m, l [BM]
         pos0 = start + i * block_l
         pos = pos0 + jnp.arange(block_l)
         live = pos < length  # rows past the length may hold anything: never read them
@@ -98,33 +106,35 @@ def _split_kernel(len_ref, ql_ref, qr_ref, c_ref, kr_ref, acc_ref, m_ref, l_ref,
                            mask=jnp.broadcast_to(live[:, None], (block_l, c_ref.shape[1])), other=0)
         kb = pltriton.load(kr_ref.at[pl.ds(pos0, block_l), :],
                            mask=jnp.broadcast_to(live[:, None], (block_l, kr_ref.shape[1])), other=0)
-        sc = (lax.dot_general(q, cb, nt, preferred_element_type=f32)
-              + lax.dot_general(qp, kb, nt, preferred_element_type=f32)) * scale  # [BM, BL]
-        vis = pos[None, :] <= limit[:, None]
+        sc = (lax.dot_general(cb, q, nt, preferred_element_type=f32)
+              + lax.dot_general(kb, qp, nt, preferred_element_type=f32)) * scale  # [BL, BM]
+        vis = pos[:, None] <= limit[None, :]
         sc = jnp.where(vis, sc, _NEG)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        m_new = jnp.maximum(m, jnp.max(sc, axis=0))
         alpha = jnp.exp(m - m_new)
-        p = jnp.where(vis, jnp.exp(sc - m_new[:, None]), 0.0)
-        l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(cb.dtype), cb, preferred_element_type=f32)
+        p = jnp.where(vis, jnp.exp(sc - m_new[None, :]), 0.0)  # [BL, BM]
+        l = l * alpha + jnp.sum(p, axis=0)
+        acc = acc * alpha[None, :] + lax.dot_general(cb, p.astype(cb.dtype), tn, preferred_element_type=f32)
         return acc, m_new, l
 
-    init = (jnp.zeros((bm, c_ref.shape[1]), f32), jnp.full((bm,), _NEG, f32), jnp.zeros((bm,), f32))
+    init = (jnp.zeros((c_ref.shape[1], bm), f32), jnp.full((bm,), _NEG, f32), jnp.zeros((bm,), f32))
     acc, m, l = lax.fori_loop(0, n_blocks, body, init)
-    acc_ref[...] = acc
+    # Stored normalised (acc / l) in the partials' dtype — the activations' (bf16: half the
+    # bytes the combine reads back; it was 8 MB at 8k with 128 splits); l travels in fp32.
+    acc_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[None, :]).astype(acc_ref.dtype)
     m_ref[...] = m
     l_ref[...] = l
 
 
 def _combine_kernel(acc_ref, m_ref, l_ref, o_ref):
     """Program (sequence b, BMc rows, BR latent columns): all S splits at once (one load each,
-    all in flight), out = Σ_s e^{m_s - m} acc_s / Σ_s e^{m_s - m} l_s."""
+    all in flight), out = Σ_s e^{m_s - m} l_s accn_s / Σ_s e^{m_s - m} l_s, accn_s = acc_s / l_s."""
     m_all = m_ref[...]  # [S, BMc]
     m_max = jnp.max(m_all, axis=0)
-    wgt = jnp.exp(m_all - m_max[None, :])  # [S, BMc]; 0 for splits that saw nothing
-    den = jnp.sum(wgt * l_ref[...], axis=0)  # [BMc]
-    num = jnp.sum(wgt[:, :, None] * acc_ref[...], axis=0)  # [S, BMc, BR] -> [BMc, BR]
-    o_ref[...] = (num / den[:, None]).astype(o_ref.dtype)
+    wgt = jnp.exp(m_all - m_max[None, :]) * l_ref[...]  # [S, BMc]; 0 for splits that saw nothing
+    den = jnp.sum(wgt, axis=0)  # [BMc]
+    num = jnp.sum(wgt[:, None, :] * acc_ref[...].astype(jnp.float32), axis=0)  # [S, BR, BMc] -> [BR, BMc]
+    o_ref[...] = (num / den[None, :]).T.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_rows", "block_l", "num_splits",
@@ -159,12 +169,12 @@ def _mla_pallas(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l
             pl.BlockSpec((None, l_max, p), lambda i, j, k: (k, 0, 0)),  # rope-key cache
         ],
         out_specs=[
-            pl.BlockSpec((None, None, bm, r), lambda i, j, k: (k, j, i, 0)),
+            pl.BlockSpec((None, None, r, bm), lambda i, j, k: (k, j, 0, i)),  # accᵀ
             pl.BlockSpec((None, None, bm), lambda i, j, k: (k, j, i)),
             pl.BlockSpec((None, None, bm), lambda i, j, k: (k, j, i)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((b, ns, rows_pad, r), jnp.float32),
+            jax.ShapeDtypeStruct((b, ns, r, rows_pad), q_lat.dtype),
             jax.ShapeDtypeStruct((b, ns, rows_pad), jnp.float32),
             jax.ShapeDtypeStruct((b, ns, rows_pad), jnp.float32),
         ],
@@ -173,14 +183,15 @@ def _mla_pallas(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l
         name="mla_decode_split",
     )(lengths.astype(jnp.int32), ql, qr, c, k_rope)
 
-    # Combine tiles: S·BMc·BR ≤ 4096 fp32 (32 registers a thread at 4 warps), many programs.
-    br = min(r, 32)
-    bmc = max(1, min(bm, _pow2_floor(4096 // (ns * br))))
+    # Combine tiles: S·BR·BMc ≤ 4096 fp32 (32 registers a thread at 4 warps), many programs;
+    # rows are the partials' minor dim, so BMc rows are one contiguous load per (split, column).
+    bmc = min(bm, 32)
+    br = max(1, min(r, _pow2_floor(4096 // (ns * bmc))))
     out = pl.pallas_call(
         _combine_kernel,
         grid=(b, rows_pad // bmc, r // br),
         in_specs=[
-            pl.BlockSpec((None, ns, bmc, br), lambda i, j, k: (i, 0, j, k)),
+            pl.BlockSpec((None, ns, br, bmc), lambda i, j, k: (i, 0, k, j)),
             pl.BlockSpec((None, ns, bmc), lambda i, j, k: (i, 0, j)),
             pl.BlockSpec((None, ns, bmc), lambda i, j, k: (i, 0, j)),
         ],
@@ -194,18 +205,21 @@ def _mla_pallas(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l
 
 
 def mla_decode(q_lat, q_rope, c, k_rope, lengths, *, scale: float, block_rows: int | None = None,
-               block_l: int = 32, num_splits: int | None = None, num_warps: int = 8,
-               num_stages: int = 3, backend: str = "auto"):
+               block_l: int = 64, num_splits: int | None = None, num_warps: int = 8,
+               num_stages: int = 2, backend: str = "auto"):
     """Absorbed MLA attention of T query tokens over the latent cache; see the module docstring.
 
     Pallas: (1) split kernel, grid (T·H/BM, S, B): each program takes BM (token, head) rows and
     one of S chunks of its sequence's cache (chunk = lengths[b]/S rounded up to BL; blocks of BL
-    positions in a loop, scores by two tensor-core dots, online softmax), and writes fp32
-    partials acc [BM, R], m, l. (2) combine kernel, grid (B, T·H/BMc, R/32), every split of a
-    tile loaded at once. Bytes that must
+    positions in a loop, scores by two tensor-core dots with the cache block on the M side,
+    online softmax), and writes partials: accᵀ / l [R, BM] in the activation dtype, m and l fp32. (2) combine kernel, grid
+    (B, T·H/BMc, R/BR), every split of a tile loaded at once. BL = 64 with 8 warps and 2 stages
+    fits one program per SM (188 KB of shared memory, 252 registers, no spills: triton 3.6,
+    sm_90a). Bytes that must
     move: lengths[b]·(R + P)·e (the cache, read once from HBM; further row blocks hit L2)
-    + T·H·(R + P + R)·e (queries in, output out), e = element bytes; the fp32 partials,
-    B·S·T·H·(R + 2)·4 written and read back, mostly stay in L2. At T = 6 the dots
+    + T·H·(R + P + R)·e (queries in, output out), e = element bytes; the partials,
+    B·S·T·H·(R·e + 8) written and read back (ncu at 8k, S = 128, fp32 partials: the combine read
+    them from HBM at ~1 TB/s, 8.4 µs). At T = 6 the dots
     (2·T·H·L·(2R + P) flops) also approach the tensor-core floor.
     """
     b, t, h, r = q_lat.shape

@@ -45,6 +45,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.backend import resolve
 
@@ -178,12 +180,18 @@ def _prefix_attend_jnp(q_nope, q_rope, *, scale):
 # cuDNN (GPU).
 
 
-def _cudnn(q, k, v, *, scale, kv_len=None):
+def _cudnn(q, k, v, *, scale, kv_len=None, mesh=None):
     """cuDNN flash attention, layout BTNH: q [B, T, H, D], k [B, S, H, D], v [B, S, H, Dv].
     kv_len None: causal (top-left); else a padding mask, key s visible iff s < kv_len[b].
-    Returns (o [B, T, H, Dv] fp32, lse [B, T, H] fp32)."""
+    mesh: the model's device mesh, if any (expert parallel, attention replicated): cuDNN's
+    partitioner insists that q, k and v be placed alike, which XLA's propagation does not ensure,
+    so they are pinned replicated. Returns (o [B, T, H, Dv] fp32, lse [B, T, H] fp32)."""
     from jax._src.cudnn import fused_attention_stablehlo as fa  # see the module docstring: why private
 
+    if mesh is not None:
+        pin = lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P()))  # noqa: E731
+        q, k, v = pin(q), pin(k), pin(v)
+        kv_len = None if kv_len is None else pin(kv_len)
     b, t = q.shape[:2]
     if kv_len is None:
         extra = dict(mask_type=fa.MaskType.CAUSAL)
@@ -210,11 +218,12 @@ def _qk(nope, rope, h):
     return jnp.concatenate([nope, rope.astype(nope.dtype)], axis=-1)
 
 
-def _prefix_attend_cudnn(q, *, scale):
+def _prefix_attend_cudnn(q, *, scale, mesh):
     def attend(k_nope, k_rope, v, kv_len):
         # A sequence with no key in this block (B > 1, ragged) gets one zeroed key rather than a
         # zero-length one, and no weight in the merge.
-        o, lse = _cudnn(q, _qk(k_nope, k_rope, q.shape[2]), v, scale=scale, kv_len=jnp.maximum(kv_len, 1))
+        o, lse = _cudnn(q, _qk(k_nope, k_rope, q.shape[2]), v, scale=scale, kv_len=jnp.maximum(kv_len, 1),
+                        mesh=mesh)
         return o, jnp.where((kv_len > 0)[:, None, None], lse, -jnp.inf)
 
     return attend
@@ -225,7 +234,8 @@ def _prefix_attend_cudnn(q, *, scale):
 
 
 def prefill_attention(q_nope, q_rope, latent, k_rope, cache_latent, cache_rope, w_uk, w_uv, lengths, *,
-                      scale: float, backend: str = "auto", impl: str | None = None, block: int | None = None):
+                      scale: float, backend: str = "auto", impl: str | None = None, block: int | None = None,
+                      mesh=None):
     """MLA attention of a prefill chunk; see the module docstring.
 
     q_nope [B, T, H, N], q_rope [B, T, H, P] (rotated); latent [B, T, R], k_rope [B, T, P]: the
@@ -233,7 +243,8 @@ def prefill_attention(q_nope, q_rope, latent, k_rope, cache_latent, cache_rope, 
     [B, L, R], cache_rope [B, L, P]: rows < lengths[b] hold the prefix, the rest is never read;
     w_uk [R, H, N], w_uv [R, H, V]; lengths [B] int32 (query t sits at position lengths[b] + t).
     impl ("cudnn" | "xla") overrides the backend's choice (benchmarks time both); block: key
-    positions per loop step. Returns o [B, T, H, V] in q_nope's dtype.
+    positions per loop step; mesh: the model's device mesh when it runs expert parallel (the
+    attention stays replicated; see `_cudnn`). Returns o [B, T, H, V] in q_nope's dtype.
     """
     b, t, h, n = q_nope.shape
     r = latent.shape[-1]
@@ -254,8 +265,8 @@ def prefill_attention(q_nope, q_rope, latent, k_rope, cache_latent, cache_rope, 
     lengths = lengths.astype(jnp.int32)
     if impl == "cudnn":
         q = _qk(q_nope, q_rope, h)
-        o, lse = _cudnn(q, _qk(k_nope, kr, h), v, scale=scale)
-        attend = _prefix_attend_cudnn(q, scale=scale)
+        o, lse = _cudnn(q, _qk(k_nope, kr, h), v, scale=scale, mesh=mesh)
+        attend = _prefix_attend_cudnn(q, scale=scale, mesh=mesh)
         block = block or CUDNN_PREFIX_BLOCK
     else:
         block = block or XLA_BLOCK

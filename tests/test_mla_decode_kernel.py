@@ -100,10 +100,10 @@ def test_interpret_matches_reference(t, l_max, block_l, num_splits, block_rows, 
 
 
 def test_default_splits_and_bad_blocks():
-    assert md.default_num_splits(1, 1, 8192, 32) == 64
-    assert md.default_num_splits(1, 1, 65536, 32) == 128
-    assert md.default_num_splits(1, 1, 1024, 32) == 8
-    assert md.default_num_splits(8, 6, 131072, 32) == 4
+    assert md.default_num_splits(1, 1, 8192, 64) == 128  # one block a program, one program an SM
+    assert md.default_num_splits(1, 6, 8192, 64) == 16  # T = 6: six row blocks share the SMs
+    assert md.default_num_splits(1, 1, 1024, 64) == 16  # no program without a block
+    assert md.default_num_splits(8, 6, 131072, 64) == 2
     rng = np.random.default_rng(0)
     args = make_inputs(rng, 1, 1, 32)
     with pytest.raises(ValueError):
