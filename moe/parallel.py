@@ -115,11 +115,8 @@ def _replicated(x, ids, weights, w13, w2, limit, mesh, compute):
         e_local = w13.shape[0]
         lo = jax.lax.axis_index(EXPERT) * e_local
         mine = (ids >= lo) & (ids < lo + e_local)
-        # Pairs of other ranks keep weight 0 and borrow the expert of one local pair, so they add
-        # rows to a block already read instead of reading another expert.
-        flat = mine.reshape(-1)
-        borrow = jnp.where(jnp.any(flat), (ids - lo).reshape(-1)[jnp.argmax(flat)], 0)
-        y = compute(x, jnp.where(mine, ids - lo, borrow), jnp.where(mine, weights, 0.0), w13, w2,
+        # Pairs of other ranks are skipped (id E/ep, `moe.block.routed_experts`).
+        y = compute(x, jnp.where(mine, ids - lo, e_local), jnp.where(mine, weights, 0.0), w13, w2,
                     swiglu_limit=limit)
         return jax.lax.psum(y, EXPERT)
 
@@ -145,7 +142,8 @@ def _all_to_all(x, ids, weights, w13, w2, limit, mesh, compute):
         slot = jnp.zeros_like(dest).at[order].set(jnp.arange(m * k) - starts[dest[order]])  # place in its bucket
         token = jnp.arange(m * k) // k
         send_x = jnp.zeros((ep, cap, d), x.dtype).at[dest, slot].set(x[token])
-        send_id = jnp.zeros((ep, cap), jnp.int32).at[dest, slot].set((ids % e_local).reshape(-1))
+        # Unfilled capacity slots are skipped pairs (id E/ep): no expert computes them.
+        send_id = jnp.full((ep, cap), e_local, jnp.int32).at[dest, slot].set((ids % e_local).reshape(-1))
         send_w = jnp.zeros((ep, cap), weights.dtype).at[dest, slot].set(weights.reshape(-1))
         a2a = lambda a: jax.lax.all_to_all(a, EXPERT, 0, 0, tiled=True)  # [ep, cap, ...]: row s from rank s
         rx, rid, rw = a2a(send_x), a2a(send_id), a2a(send_w)

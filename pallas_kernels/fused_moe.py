@@ -194,8 +194,8 @@ def _align_kernel(ids_ref, sorted_ref, blk_ref, *, s: AlignSizes, n_experts: int
     Every program ranks all pairs ([PP, PP] in registers; cheaper than a second launch).
     """
     q = jnp.arange(s.pp, dtype=jnp.int32)
-    valid = q < s.p
-    ids = pltriton.load(ids_ref.at[pl.ds(0, s.pp)], mask=valid, other=n_experts)  # [PP], pad: E
+    ids = pltriton.load(ids_ref.at[pl.ds(0, s.pp)], mask=q < s.p, other=n_experts)  # [PP], pad: E
+    valid = (q < s.p) & (ids < n_experts)  # ids >= E: skipped pairs, in no block
     ip, iq = ids[:, None], ids[None, :]  # rows: pair p, columns: pair q
     earlier = q[None, :] < q[:, None]
     same = iq == ip
@@ -225,23 +225,26 @@ def _align_kernel(ids_ref, sorted_ref, blk_ref, *, s: AlignSizes, n_experts: int
 
 
 def _align_jnp(ids, s: AlignSizes, n_experts: int):
-    """The same outputs for any P, from a stable argsort (its work grows with E: bincount)."""
+    """The same outputs for any P, from a stable argsort (its work grows with E: bincount).
+    Pairs with ids >= E sort last and are dropped (skipped pairs)."""
     p, bm = s.p, s.bm
     order = jnp.argsort(ids, stable=True).astype(jnp.int32)  # [P]
-    counts = jnp.zeros(n_experts, jnp.int32).at[ids].add(1)  # [E]
+    counts = jnp.zeros(n_experts, jnp.int32).at[ids].add(1, mode="drop")  # [E]
     nblk = (counts + bm - 1) // bm
     bend = jnp.cumsum(nblk)  # [E] one past each expert's last block
     cstart = jnp.cumsum(counts) - counts
     se = ids[order]
     pos = (bend - nblk)[se] * bm + jnp.arange(p, dtype=jnp.int32) - cstart[se]
-    sorted_pairs = jnp.full((s.n_slots,), p, jnp.int32).at[pos].set(order)
+    pos = jnp.where(se < n_experts, pos, s.n_slots)  # skipped pairs: out of bounds, dropped
+    sorted_pairs = jnp.full((s.n_slots,), p, jnp.int32).at[pos].set(order, mode="drop")
     j = jnp.arange(s.nbp, dtype=jnp.int32)
     expert = jnp.searchsorted(bend, j, side="right").astype(jnp.int32)
     return sorted_pairs, jnp.where(j < bend[-1], expert, -1)
 
 
 def moe_align(topk_ids, n_experts: int, block_m: int, *, backend="auto"):
-    """(sorted_pairs [S], block_expert [NBP]) for topk_ids [M, k]; see the module docstring."""
+    """(sorted_pairs [S], block_expert [NBP]) for topk_ids [M, k]; see the module docstring.
+    Pairs whose id is >= n_experts are skipped: in no block (grouped_moe's skipped pairs)."""
     backend = resolve(backend)
     ids = topk_ids.reshape(-1).astype(jnp.int32)
     s = align_sizes(ids.shape[0], n_experts, block_m)

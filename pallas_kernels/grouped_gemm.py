@@ -137,12 +137,13 @@ def reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None):
     order = jnp.argsort(ids, stable=True)
     tok = order // k
     rows = x.astype(act).astype(jnp.float32)[tok]  # [P, D] by expert
-    sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
+    sizes = jnp.bincount(ids, length=e).astype(jnp.int32)  # skipped pairs (id E) sort last, in no group
     hi = lax.Precision.HIGHEST
     h = lax.ragged_dot(rows, _dense(w13), sizes, precision=hi, preferred_element_type=jnp.float32)
     h = _swiglu(h[:, 0::2], h[:, 1::2], swiglu_limit).astype(act).astype(jnp.float32)  # [P, I]
     out = lax.ragged_dot(h, _dense(w2), sizes, precision=hi, preferred_element_type=jnp.float32)
-    out = out * topk_weights.reshape(-1)[order, None].astype(jnp.float32)
+    live = (ids < e)[order, None]
+    out = jnp.where(live, out * topk_weights.reshape(-1)[order, None].astype(jnp.float32), 0.0)
     return jnp.zeros((m, d), jnp.float32).at[tok].add(out).astype(x.dtype)
 
 
@@ -349,8 +350,8 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
                backend=backend, init=init)
     if plan.combine == "atomic":
         y = out[:m]
-    else:
-        y = jnp.sum(out[:p].reshape(m, k, d), axis=1)  # one XLA fusion, fp32
+    else:  # a skipped pair's row was never written
+        y = jnp.sum(jnp.where((ids < e)[:, None], out[:p], 0.0).reshape(m, k, d), axis=1)  # one XLA fusion, fp32
     return y.astype(x.dtype), h, out
 
 
@@ -359,7 +360,8 @@ def grouped_moe(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backen
     """y [M, D] = sum_k topk_weights * expert_{topk_ids}(x), fp32 accumulation, rounded once.
 
     The prefill-size counterpart of `fused_moe.fused_moe`, with its arguments: x [M, D];
-    topk_ids [M, k] int in [0, E); topk_weights [M, k]; w13 [E, D, 2I] (gate/up interleaved by
+    topk_ids [M, k] int in [0, E], E marking a skipped pair (no expert: it adds nothing and
+    costs nothing; expert parallelism's pairs of other ranks); topk_weights [M, k]; w13 [E, D, 2I] (gate/up interleaved by
     column), w2 [E, I, D] in bf16 (or any float dtype: x is cast to it), or both fields of
     `fused_moe.quantize_experts` (x in bf16). swiglu_limit: None or L. backend: "pallas" |
     "interpret" | "reference" | "auto" (pallas_kernels.backend.resolve). plan overrides

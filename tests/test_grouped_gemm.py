@@ -180,3 +180,38 @@ def test_model_prefill_through_the_kernel(monkeypatch):
     got = prefill("interpret")
     assert len(calls) == sum(t == "moe" for t in model.cfg.mlp_types) and calls[0] == (48, 2)
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4  # oracle.rel_err
+
+
+@pytest.mark.parametrize("m,k,plan", [(40, 4, gg.Plan(16, T(64, 64, 4, 2), T(64, 64, 4, 2))),
+                                      (30, 3, gg.Plan(32, T(64, 64, 4, 2), T(64, 64, 4, 2), combine="atomic"))])
+def test_skipped_pairs_add_nothing(m, k, plan):
+    """A pair whose id is E (expert parallelism: another rank's pair) is in no block and adds
+    nothing, in the kernel (both combines, output poisoned), its reference, both align paths and
+    moe.block.routed_experts on either side of GATHER_MAX_PAIRS; the same as those pairs' weights
+    set to 0 with any real expert."""
+    from moe.block import routed_experts
+
+    rng = np.random.default_rng([m, k, 7])
+    w13, w2 = _weights(rng, "bf16")
+    x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
+    ids, w = _routing(rng, m, k)
+    skip = jnp.asarray(rng.random((m, k)) < 0.4)
+    ids_skip = jnp.where(skip, E, ids)
+    want = experts_reference(x, ids, jnp.where(skip, 0.0, w), w13, w2)
+    y = gg._run(x, ids_skip, w, w13, w2, swiglu_limit=None, backend="interpret", plan=plan, poison=True)[0]
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), rtol=3e-2, atol=3e-2)
+    ref = gg.reference(x, ids_skip, w, w13, w2)
+    np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(want, np.float32), rtol=3e-2, atol=3e-2)
+    flat = np.asarray(ids_skip).reshape(-1)
+    for backend in ("interpret", "reference"):  # the align kernel (<= 64 pairs) and the argsort path
+        for n in (8, flat.size):
+            sp, be = (np.asarray(a) for a in fm.moe_align(jnp.asarray(flat[:n]), E, 16, backend=backend))
+            placed = sp[sp < n]
+            assert sorted(placed.tolist()) == [p for p in range(n) if flat[p] < E], (backend, n)
+    for mm in (m, 5):  # grouped GEMM beyond GATHER_MAX_PAIRS, fused kernel (borrowing) below
+        got = routed_experts(x[:mm], ids_skip[:mm], w[:mm], w13, w2, backend="interpret")
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want[:mm], np.float32),
+                                   rtol=3e-2, atol=3e-2)
+        got = routed_experts(x[:mm], ids_skip[:mm], w[:mm], w13, w2, backend="reference")
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want[:mm], np.float32),
+                                   rtol=3e-2, atol=3e-2)
