@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 E, K, D, I = 512, 8, 2560, 768
 MS = (512, 2048, 4096)
+FMTS = ("bf16", "int4")
 G, BN_Q = 128, 64
 PEAK_TFLOPS = 989.0  # H200 SXM dense bf16, data sheet
 CHECK_TOKENS = 256
@@ -70,8 +71,10 @@ def sweep_plans(fmt: str, m: int):
                 Plan(64, T(64, 128, 4, 4), T(64, 128, 4, 4), combine="atomic"),
                 Plan(128, T(64, 128, 8, 3), T(64, 128, 8, 3)),
                 Plan(128, T(64, 256, 8, 3), T(64, 256, 8, 3)),
-                Plan(64, T(128, 128, 4, 3), T(128, 128, 4, 3))]
-        order = {512: [0, 1, 2, 3, 6, 4], 2048: [2, 3, 4, 6, 0, 5, 7], 4096: [4, 7, 6, 5, 8, 2, 9, 3]}
+                Plan(64, T(128, 128, 4, 3), T(128, 128, 4, 3)),
+                Plan(64, T(64, 128, 4, 6), T(64, 128, 4, 6)),  # deeper pipelines: at 4096 tokens
+                Plan(64, T(64, 256, 8, 4), T(64, 256, 8, 4))]  # the weight stream dominates
+        order = {512: [0, 1, 2, 3, 6, 4], 2048: [2, 3, 4, 6, 0, 5, 7], 4096: [4, 10, 11, 5, 7, 6, 8, 2, 9, 3]}
     else:
         base = [Plan(16, T(0, 0, 4, 3), T(0, 0, 4, 3)),
                 Plan(16, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True),
@@ -92,8 +95,11 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="CPU, interpret mode, tiny shapes")
     ap.add_argument("--lower", metavar="DIR", help="CPU: Triton IR of every timed kernel (+ sm_90a compile)")
     ap.add_argument("--no-sweep", action="store_true", help="only the default plans and the peers")
+    ap.add_argument("--ms", type=int, nargs="+", help="token counts (default: 512 2048 4096)")
+    ap.add_argument("--fmts", nargs="+", choices=("bf16", "int4"), help="weight formats (default: both)")
     args = ap.parse_args()
-    global E, D, I, MS, CHECK_TOKENS, LOG
+    global E, D, I, MS, CHECK_TOKENS, LOG, FMTS
+    MS, FMTS = tuple(args.ms or MS), tuple(args.fmts or FMTS)
     if args.smoke or args.lower:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     else:  # leave room for torch's peer
@@ -367,8 +373,8 @@ def run(args):
     if not (args.smoke or args.lower):
         RESULTS["copy_tbs"] = copy_ceiling()
         log(f"copy ceiling: {RESULTS['copy_tbs']:.2f} TB/s (XLA, 1 GiB read + write, queued dispatches)")
-    wts = {fmt: weights(fmt) for fmt in ("bf16", "int4")}
-    rows = {(fmt, m): dict(fmt=fmt, m=m) for fmt in ("bf16", "int4") for m in MS}
+    wts = {fmt: weights(fmt) for fmt in FMTS}
+    rows = {(fmt, m): dict(fmt=fmt, m=m) for fmt in FMTS for m in MS}
     RESULTS["rows"] = list(rows.values())
 
     def default(fmt, m):
@@ -408,7 +414,7 @@ def run(args):
         us, y = timed(lambda x, i, s, w: _experts_grouped(x, i, s, w[0], w[1], None), wts["bf16"], m,
                       reps=(3, 1))
         check("bf16", m, wts["bf16"], y, "ragged")
-        for fmt in ("bf16", "int4"):
+        for fmt in FMTS:
             rows[(fmt, m)]["ragged"] = us
         log(f"ragged_dot bf16 M={m}: {us:.1f} µs")
 
@@ -417,17 +423,17 @@ def run(args):
 
         us = torch_peer(m)
         torch.cuda.empty_cache()  # its weights are gone with torch_peer's frame
-        for fmt in ("bf16", "int4"):
+        for fmt in FMTS:
             rows[(fmt, m)]["torch"] = us
         log(f"torch._grouped_mm bf16 M={m}: {us:.1f} µs")
 
-    tasks = [(default, (fmt, m)) for fmt in ("bf16", "int4") for m in MS]
+    tasks = [(default, (fmt, m)) for fmt in FMTS for m in MS]
     if not args.lower:
-        tasks += [(ragged, (MS[0],))]
+        tasks += [(ragged, (MS[0],))] if "bf16" in FMTS else []
         if not args.smoke:
             tasks += [(torch_row, (m,)) for m in MS]
     if not args.no_sweep:
-        tasks += [(variants, (fmt, m)) for m in MS[::-1] for fmt in ("bf16", "int4")]
+        tasks += [(variants, (fmt, m)) for m in MS[::-1] for fmt in FMTS]
     if not args.lower:
         tasks += [(ragged, (m,)) for m in MS[1:]]
     for fn, a in tasks:

@@ -9,7 +9,7 @@ The MoE block itself runs under `jax.shard_map` when its module carries a mesh (
 - decode / verify sizes: tokens are replicated on every rank; each rank computes the pairs routed
   to its local experts and the partial outputs are summed over the expert axis (one psum of
   [M, D] fp32 a layer);
-- prefill sizes (more than A2A_MIN_TOKENS tokens): the tokens are split over the ranks, each
+- from A2A_MIN_TOKENS tokens (measured: above any prefill chunk on 2 GPUs, see there): the tokens are split over the ranks, each
   pair is sent to the rank owning its expert with an all-to-all of fixed capacity, computed
   there and sent back, and the combined tokens are gathered again.
 """
@@ -34,10 +34,14 @@ RULES: dict[str, str | None] = {
     "mlp": None,
 }
 
-# Above this many tokens in one MoE call the all-to-all dispatch replaces the replicated psum.
-# Stated, not yet measured on GPUs: the psum moves M·D fp32 per rank, the all-to-all M·k·D/ep
-# activations each way; with replicated attention the psum is cheaper up to large M.
-A2A_MIN_TOKENS = 1024
+# From this many tokens in one MoE call the all-to-all dispatch replaces the replicated psum.
+# Measured on two H200s (NVLink; bench/decode.py --ep 2, bench/RESULTS.md): one Ling MoE layer
+# at 256 / 1024 / 4096 / 8192 tokens takes 1424 / 1521 / 2110 / 2230 µs by the psum path and
+# 1.10 / 1.10 / 1.61 / 1.98x that by the all-to-all. With the attention replicated every rank
+# holds every token anyway, and the psum moves M·D fp32 where the all-to-all moves M·k·D/ep
+# activations each way, so the psum wins at every size a prefill chunk takes (up to 8192): the
+# all-to-all is for layouts whose attention is split over the ranks too.
+A2A_MIN_TOKENS = 16384
 
 
 def make_mesh(ep_size: int, tp_size: int = 1, devices=None) -> Mesh:

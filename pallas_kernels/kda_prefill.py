@@ -64,13 +64,14 @@ Cost at Ling shapes (B 1, T 8192, H 32, K = V = 128, C 64, bf16), per layer:
   gc 2 MB: 304 MB each way) and, with BV < V, o once more (134 MB written and read):
   ≈ 1.15 GB → 0.27 ms at 4.3 TB/s, the floor of this design (0.24 ms with the norm fused).
   The intra kernel is instruction-bound rather than byte-bound. Compiled offline for sm_90a
-  (triton 3.6; jax 0.10.2 and 0.11.2 lower alike; 2026-11-30): 4 warps ~20k SASS instructions a
-  thread (~81k warp-instructions a program), 255 registers, ~2 KB spilled a thread; 8 warps ~15k
-  (~121k), ~1 KB spilled. At 4096 programs that is 0.33 G warp-instructions, 0.32 ms at the
-  H200's issue peak (132 SMs × 4 a cycle × 1.98 GHz): the likely floor of this kernel, above the
-  byte floors. The state kernel (BV 32, 4 warps, 2 stages): 167 registers, no spills, ~1.2k
-  instructions a chunk step.
-  Peer: fla's chunk_kda, 1.14 ms on the H200 without conv and gated norm; target ≤ 1.0 ms.
+  (triton 3.6; jax 0.10.2 and 0.11.2 lower alike; 2026-11-30), with the halves and the inverse's
+  levels as loops: 8 warps ~7.0k SASS instructions a thread (~56k warp-instructions a program),
+  255 registers, ~0.5 KB spilled; 4 warps ~10.4k. At 4096 programs that is 0.23 G
+  warp-instructions, 0.22 ms at the H200's issue peak (132 SMs × 4 a cycle × 1.98 GHz), above the
+  byte floors. Unrolled, it was ~20k instructions and ncu found half its stalls in instruction
+  fetch, at 12.5% occupancy (the registers allow 2 programs of 4 warps an SM).
+  Measured (H200, bench/RESULTS.md): intra 2.44 ms, state 0.37 ms, the layer 2.73 ms;
+  fla's chunk_kda 0.96 ms without conv and gated norm; target ≤ 1.0 ms.
 """
 
 from __future__ import annotations
@@ -228,16 +229,18 @@ def reference(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate: str 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     bv: int  # V-block of the state kernel (V/BV programs per head); BV == V fuses the gated norm
-    intra_warps: int = 4  # sm_90a offline: 4 warps issue 2/3 the instructions of 8, spill ~2 KB vs ~1 KB
+    intra_warps: int = 8  # H200, 8192 tokens: 2442 µs vs 4 warps' 2953 (7k vs 10k SASS instructions a thread)
     state_warps: int = 4
-    state_stages: int = 2  # Triton pipelining of the chunk loop: chunk n+1's loads under chunk n
+    state_stages: int = 3  # Triton pipelining of the chunk loop; H200: 367 µs vs 562 at 2 stages
     precision: str = "tf32"  # dot operand precision, a key of PRECISIONS
 
 
 def default_plan(v: int, dtype) -> Plan:
-    """Not yet tuned on a GPU (bench/kda_prefill_check.py sweeps it). fp32 intermediates
-    (4 B each) do not fit two pipeline stages of the state kernel's loads in shared memory."""
-    return Plan(bv=min(v, 32), state_stages=2 if jnp.dtype(dtype).itemsize <= 2 else 1)
+    """The H200 sweep's best at Ling's shapes (bench/kda_prefill_check.py, bench/RESULTS.md):
+    BV 32 of 4 warps and 3 stages for the state kernel, 8 warps for the intra kernel. fp32
+    intermediates (4 B each) do not fit two pipeline stages of the state kernel's loads in
+    shared memory."""
+    return Plan(bv=min(v, 32), state_stages=3 if jnp.dtype(dtype).itemsize <= 2 else 1)
 
 
 def _dot(a, b, precision, *, trans_b: bool = False):
