@@ -31,6 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from common import copy_ceiling_tbs, rel_err, time_torch_graph  # noqa: E402  (bench/common.py)
 from pallas_kernels import kda, mla_decode as md  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/attention_bench")
@@ -105,32 +106,6 @@ def _add_eps(a, eps):
     return (a.astype(jnp.float32) + eps).astype(a.dtype)
 
 
-def time_torch_graph(calls) -> float:
-    """µs per call of the zero-argument callables, captured once in a CUDA graph and replayed."""
-    import torch
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls[:2]:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(3):
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / 20 / len(calls))
-    return statistics.median(samples)
 
 
 def record(kind, case, config, us, nbytes, ceiling_tbs, **extra):
@@ -143,30 +118,13 @@ def record(kind, case, config, us, nbytes, ceiling_tbs, **extra):
     return row
 
 
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    if not np.all(np.isfinite(a)):
-        return float("inf")
-    return float(np.max(np.abs(a - b)) / max(1e-6, np.max(np.abs(b))))
-
-
 # ----------------------------------------------------------------------------------------------
 
 
 def copy_ceiling() -> float:
-    """Read + write TB/s of a 1 GiB fp32 elementwise pass (XLA)."""
-    x = jax.random.normal(jax.random.PRNGKey(0), ((1 << 20) if SMOKE else (256 << 20),), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    jax.block_until_ready(f(x))
-    samples = []
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(10):
-            y = f(x)
-        jax.block_until_ready(y)
-        samples.append((time.perf_counter() - t) / 10)
-    tbs = 2 * x.nbytes / statistics.median(samples) / 1e12
-    log(f"copy ceiling: {tbs:.3f} TB/s (1 GiB fp32 read + write, XLA)")
+    """Read + write TB/s of an XLA pass over 1 GiB (`common.copy_ceiling_tbs`)."""
+    tbs = copy_ceiling_tbs((4 << 20) if SMOKE else (1 << 30))
+    log(f"copy ceiling: {tbs:.3f} TB/s (1 GiB read + write, XLA, queued dispatches)")
     return tbs
 
 

@@ -38,6 +38,8 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common import capture_triton, copy_ceiling_tbs, kernel_name, random_experts  # noqa: E402  (bench/common.py)
+
 E, K, D, I = 512, 8, 2560, 768
 MS = (1, 6, 16, 64)
 G, BN_Q = 128, 64
@@ -117,7 +119,6 @@ def run(args):
 
     from moe.block import _experts_gathered, _experts_grouped
     from pallas_kernels import fused_moe as fm
-    from pallas_kernels.quant import QuantizedWeight
 
     backend = "interpret" if args.smoke else "pallas"
     dev = jax.devices()[0]
@@ -131,25 +132,7 @@ def run(args):
 
     # ------------------------------------------------------------------ weights and routings
     def weights(fmt):
-        if args.lower:
-            sds = jax.ShapeDtypeStruct
-            if fmt == "bf16":
-                return sds((E, D, 2 * I), jnp.bfloat16), sds((E, I, D), jnp.bfloat16)
-            q = lambda n, k: QuantizedWeight(  # noqa: E731
-                sds((E, n // BN_Q, k // 8, BN_Q), jnp.uint32), sds((E, n // BN_Q, k // G, BN_Q), jnp.bfloat16),
-                None, 4, G, True, (n, k))
-            return q(2 * I, D), q(D, I)
-        k1, k2, k3, k4 = jax.random.split(jax.random.fold_in(key, fmt == "int4"), 4)
-        if fmt == "bf16":  # std chosen so h and y stay O(1)
-            return (jax.random.normal(k1, (E, D, 2 * I), jnp.bfloat16) * 0.03,
-                    jax.random.normal(k2, (E, I, D), jnp.bfloat16) * 0.05)
-
-        def q(ka, kb, n, k):  # random codes and scales: a valid quantised weight
-            words = jax.random.bits(ka, (E, n // BN_Q, k // 8, BN_Q), jnp.uint32)
-            scales = (jax.random.uniform(kb, (E, n // BN_Q, k // G, BN_Q)) * 0.01 + 1e-3).astype(jnp.bfloat16)
-            return QuantizedWeight(words, scales, None, 4, G, True, (n, k))
-
-        return q(k1, k2, 2 * I, D), q(k3, k4, D, I)
+        return random_experts(fmt, key, e=E, d=D, inter=I, group=G, block_n=BN_Q, abstract=bool(args.lower))
 
     def routings(m, r):
         """r random routings for M tokens: (x, [ids], [weights]) and the mean distinct experts."""
@@ -173,41 +156,17 @@ def run(args):
             return 3 * D * I * 2
         return 3 * D * I // 2 + 3 * D * I // G * 2  # int4 codes + bf16 scales
 
-    # ------------------------------------------------------------------ copy ceiling
-    def copy_ceiling():
-        """TB/s of a 1 GiB read + write (XLA), queued dispatches, difference of two counts."""
-        n = (1 << 30) // 4
-        a = jnp.zeros((n,), jnp.uint32)
-        f = jax.jit(lambda a: a ^ jnp.uint32(1))
-        jax.block_until_ready(f(a))
-
-        def batch(c):
-            t = time.perf_counter()
-            jax.block_until_ready([f(a) for _ in range(c)])
-            return time.perf_counter() - t
-
-        return 2 * n * 4 * 8 / min(batch(10) - batch(2) for _ in range(3)) / 1e12
-
     # ------------------------------------------------------------------ timing
     lowered = []
     if args.lower:  # capture each pallas_call's Triton module as it is lowered
-        from jax._src.pallas.triton import lowering as tlow
-
-        real = tlow.lower_jaxpr_to_triton_module
-
-        def capture(*a, **kw):
-            res = real(*a, **kw)
-            lowered.append(str(res.module))
-            return res
-
-        tlow.lower_jaxpr_to_triton_module = capture
+        capture_triton(lowered)
         os.makedirs(args.lower, exist_ok=True)
 
     def dump(label, plan):
         """Write the kernels lowered for one timed call, named with their warps and stages."""
         seen = set()
         for text in lowered:
-            name = text.split("@", 1)[1].split(" ", 1)[0]
+            name = kernel_name(text)
             if name in seen:
                 continue
             seen.add(name)
@@ -262,7 +221,7 @@ def run(args):
 
     # ------------------------------------------------------------------ the run
     if not (args.smoke or args.lower):
-        RESULTS["copy_tbs"] = copy_ceiling()
+        RESULTS["copy_tbs"] = copy_ceiling_tbs()
         log(f"copy ceiling: {RESULTS['copy_tbs']:.2f} TB/s (XLA, 1 GiB read + write)")
     reps = {1: 4, 6: 2, 16: 2, 64: 2}  # M = 1: 4 x 94 MB (bf16) or 4 x 24 MB (int4) rotate
     ms = MS if not args.smoke else (1, 6, 16)

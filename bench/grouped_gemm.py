@@ -30,12 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import capture_triton, compile_report, copy_ceiling_tbs, kernel_name, random_experts  # noqa: E402  (bench/common.py)
 
 E, K, D, I = 512, 8, 2560, 768
 MS = (512, 2048, 4096)
@@ -116,82 +117,12 @@ def main():
     with open(os.path.join(out_dir, "grouped_gemm.json"), "w") as f:
         json.dump(RESULTS, f, indent=1, default=str)
     if args.lower:
-        compile_report(args.lower)
+        RESULTS["compiled"] = compile_report(args.lower, log)
     else:
         table()
 
 
 # ---------------------------------------------------------------------------------- lowering
-def _patch_lowering(lowered: list):
-    """Capture each pallas_call's Triton module; tell jax 0.11 (which asks the local GPU) sm_90."""
-    import types
-
-    from jax._src.pallas.triton import lowering as tlow
-    from jax._src.pallas.triton import pallas_call_registration as reg
-
-    real = tlow.lower_jaxpr_to_triton_module
-
-    def capture(*a, **kw):
-        res = real(*a, **kw)
-        lowered.append(res.module.operation.get_asm())
-        return res
-
-    tlow.lower_jaxpr_to_triton_module = capture
-    reg.lowering.lower_jaxpr_to_triton_module = capture
-    if hasattr(reg, "gpu_info_lib"):
-        reg.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
-
-
-def compile_report(ttir_dir: str):
-    """Compile every dumped kernel with triton for sm_90a (when triton imports): shared memory,
-    registers, spills and the SASS opcodes that say tensor cores / async copies / atomics."""
-    try:
-        import collections
-        import subprocess
-        import tempfile
-
-        import triton
-        from triton.backends.compiler import GPUTarget
-    except Exception as e:  # noqa: BLE001
-        log(f"triton not importable ({e!r}): lowered only, not compiled")
-        return
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    log(f"compiling for sm_90a with triton {triton.__version__}")
-    for name in sorted(os.listdir(ttir_dir)):
-        if not name.endswith(".ttir"):
-            continue
-        nw, ns = map(int, re.search(r"_w(\d+)_s(\d+)\.ttir$", name).groups())
-        path = os.path.join(ttir_dir, name)
-        try:
-            k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=nw, num_stages=ns))
-            with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-                f.write(k.asm["cubin"])
-            sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", f.name], capture_output=True,
-                                  text=True).stdout
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-                f.write(k.asm["ptx"])
-            ptxas = subprocess.run([os.path.join(bin_dir, "ptxas"), "--gpu-name", "sm_90a", "-v", f.name, "-o",
-                                    os.devnull], capture_output=True, text=True).stderr
-            regs = re.search(r"Used (\d+) registers", ptxas)
-            spill = re.search(r"(\d+) bytes spill stores", ptxas)
-            ops = collections.Counter(o.split(".")[0] for o in re.findall(
-                r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M))
-            keys = {o: ops[o] for o in ("HGMMA", "HMMA", "LDGSTS", "STS", "ATOMG", "RED") if ops[o]}
-            smem = k.metadata.shared
-            ok = smem <= 232448 and (ops["HGMMA"] or ops["HMMA"])
-            rec = dict(kernel=name, ok=bool(ok), smem=smem, regs=regs and int(regs.group(1)),
-                       spill=spill and int(spill.group(1)), ops=keys)
-            log(f"{'OK  ' if ok else 'BAD '} {name}: smem {smem} B, {rec['regs']} regs, spill {rec['spill']}, {keys}")
-        except Exception as e:  # noqa: BLE001
-            rec = dict(kernel=name, ok=False, error=repr(e)[:1500])
-            log(f"FAIL {name}: {repr(e)[:600]}")
-        RESULTS["compiled"].append(rec)
-    n_ok = sum(r["ok"] for r in RESULTS["compiled"])
-    log(f"compiled {n_ok} / {len(RESULTS['compiled'])} kernels for sm_90a")
-    with open(os.path.join(ttir_dir, "compile.json"), "w") as f:
-        json.dump(RESULTS["compiled"], f, indent=1)
-
-
 # ---------------------------------------------------------------------------------- the torch peer
 def torch_grouped_mm_us(ids, ws, *, e: int, d: int, inter: int, n: int = 20) -> float:
     """µs per MoE layer of torch._grouped_mm on its own random bf16 weights for this routing
@@ -242,12 +173,11 @@ def run(args):
     import numpy as np
 
     from pallas_kernels import grouped_gemm as gg
-    from pallas_kernels.quant import QuantizedWeight
 
     backend = "interpret" if args.smoke else "pallas"
     lowered: list[str] = []
     if args.lower:
-        _patch_lowering(lowered)
+        capture_triton(lowered)
         os.makedirs(args.lower, exist_ok=True)
     dev = jax.devices()[0]
     RESULTS["device"] = f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}"
@@ -261,24 +191,7 @@ def run(args):
 
     # ------------------------------------------------------------------ weights and routings
     def weights(fmt):
-        if args.lower:
-            if fmt == "bf16":
-                return sds((E, D, 2 * I), jnp.bfloat16), sds((E, I, D), jnp.bfloat16)
-            q = lambda n, k: QuantizedWeight(  # noqa: E731
-                sds((E, n // BN_Q, k // 8, BN_Q), jnp.uint32), sds((E, n // BN_Q, k // G, BN_Q), jnp.bfloat16),
-                None, 4, G, True, (n, k))
-            return q(2 * I, D), q(D, I)
-        k1, k2, k3, k4 = jax.random.split(jax.random.fold_in(key, fmt == "int4"), 4)
-        if fmt == "bf16":  # std chosen so h and y stay O(1)
-            return (jax.random.normal(k1, (E, D, 2 * I), jnp.bfloat16) * 0.03,
-                    jax.random.normal(k2, (E, I, D), jnp.bfloat16) * 0.05)
-
-        def q(ka, kb, n, k):  # random codes and scales: a valid quantised weight
-            words = jax.random.bits(ka, (E, n // BN_Q, k // 8, BN_Q), jnp.uint32)
-            scales = (jax.random.uniform(kb, (E, n // BN_Q, k // G, BN_Q)) * 0.01 + 1e-3).astype(jnp.bfloat16)
-            return QuantizedWeight(words, scales, None, 4, G, True, (n, k))
-
-        return q(k1, k2, 2 * I, D), q(k3, k4, D, I)
+        return random_experts(fmt, key, e=E, d=D, inter=I, group=G, block_n=BN_Q, abstract=bool(args.lower))
 
     routes = {}
 
@@ -299,20 +212,6 @@ def run(args):
     def expert_bytes(fmt):
         return 3 * D * I * 2 if fmt == "bf16" else 3 * D * I // 2 + 3 * D * I // G * 2
 
-    # ------------------------------------------------------------------ copy ceiling
-    def copy_ceiling():
-        n = (1 << 30) // 4
-        a = jnp.zeros((n,), jnp.uint32)
-        f = jax.jit(lambda a: a ^ jnp.uint32(1))
-        jax.block_until_ready(f(a))
-
-        def batch(c):
-            t = time.perf_counter()
-            jax.block_until_ready([f(a) for _ in range(c)])
-            return time.perf_counter() - t
-
-        return 2 * n * 4 * 8 / min(batch(10) - batch(2) for _ in range(3)) / 1e12
-
     # ------------------------------------------------------------------ timing
     def timed(fn, w, m, label="", plan=None, reps=(8, 2)):
         """(µs per call, y of one call)."""
@@ -322,7 +221,7 @@ def run(args):
             f.trace(x, ids, ws, w).lower(lowering_platforms=("cuda",))
             if plan is not None:
                 for text in list(lowered):
-                    kname = re.search(r'(?:tt\.func (?:\w+ )?@|sym_name = ")(\w+)', text).group(1)
+                    kname = kernel_name(text)
                     t = plan.up if "_up" in kname else plan.down
                     with open(os.path.join(args.lower, f"{label}_{kname}_w{t.num_warps}_s{t.num_stages}.ttir"),
                               "w") as fh:
@@ -371,7 +270,7 @@ def run(args):
 
     # ------------------------------------------------------------------ tasks
     if not (args.smoke or args.lower):
-        RESULTS["copy_tbs"] = copy_ceiling()
+        RESULTS["copy_tbs"] = copy_ceiling_tbs()
         log(f"copy ceiling: {RESULTS['copy_tbs']:.2f} TB/s (XLA, 1 GiB read + write, queued dispatches)")
     wts = {fmt: weights(fmt) for fmt in FMTS}
     rows = {(fmt, m): dict(fmt=fmt, m=m) for fmt in FMTS for m in MS}

@@ -27,16 +27,16 @@ run; the design floor adds the intermediates (~1.15 GB). A table is printed last
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
-import re
 import statistics
 import sys
 import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import capture_triton, compile_report, rel_err, time_torch_graph  # noqa: E402  (bench/common.py)
 
 B, T, H, KD, W = 1, 8192, 32, 128, 4
 T_CHECK = 1024
@@ -114,7 +114,6 @@ def time_loop(step, args, carry, lo=2, hi=7):
 
 
 def copy_ceiling():
-    import jax
     import jax.numpy as jnp
 
     a = jnp.zeros(((1 << 30) // 4,), jnp.uint32)
@@ -129,13 +128,6 @@ def record(case, what, us, t, bv, ceiling, **extra):
     ROWS.append(row)
     log(f"  {case:9s} {what:48s} {us:9.1f} µs  {row['tbs']:.2f} TB/s  {row['floor_pct']:.0f}% of floor")
     return row
-
-
-def rel_err(a, b):
-    import numpy as np
-
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.max(np.abs(a - b)) / max(1e-30, np.max(np.abs(b))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,25 +279,8 @@ def bench_fla(gate, ceiling):
             return chunk_kda(q, k, v, g, beta, **kw)
 
         with torch.inference_mode():
-            for _ in range(2):  # autotune outside the graph
-                call()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(10):
-                    call()
-            graph.replay()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            samples = []
-            for _ in range(3):
-                start.record()
-                for _ in range(5):
-                    graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                samples.append(start.elapsed_time(end) * 1e3 / 50)
-        record(gate, "fla chunk_kda (no conv, no gated norm; CUDA graph)", statistics.median(samples), T, None,
+            us = time_torch_graph([call] * 10)
+        record(gate, "fla chunk_kda (no conv, no gated norm; CUDA graph)", us, T, None,
                ceiling)
     except Exception as e:  # noqa: BLE001
         log(f"  fla FAILED: {type(e).__name__}: {str(e)[:600]}")
@@ -366,27 +341,13 @@ def table():
 def lower_all(out_dir, args):
     """Lower every plan of the sweep (both gates) at the timed shapes and keep each pallas_call's
     Triton module; jax 0.11 asks the local GPU for its compute capability: told sm_90."""
-    import types
-
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.triton import lowering as tlow
-    from jax._src.pallas.triton import pallas_call_registration as reg
 
     from pallas_kernels import kda, kda_prefill as kp
 
     captured = []
-    real = tlow.lower_jaxpr_to_triton_module
-
-    def capture(*a, **kw):
-        res = real(*a, **kw)
-        captured.append(res.module.operation.get_asm())
-        return res
-
-    tlow.lower_jaxpr_to_triton_module = capture
-    reg.lowering.lower_jaxpr_to_triton_module = capture
-    if hasattr(reg, "gpu_info_lib"):
-        reg.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
+    capture_triton(captured)
     os.makedirs(out_dir, exist_ok=True)
     sds = jax.ShapeDtypeStruct
     bf, f32, c = jnp.bfloat16, jnp.float32, H * KD
@@ -395,8 +356,8 @@ def lower_all(out_dir, args):
     w = kda.KdaWeights(sds((c, W), f32), sds((c, W), f32), sds((c, W), f32), sds((H,), f32), sds((c,), f32),
                        sds((KD,), bf))
     s = kda.KdaState(sds((B, W - 1, c), bf), sds((B, W - 1, c), bf), sds((B, W - 1, c), bf), sds((B, H, KD, KD), f32))
-    plans = [kp.default_plan(KD, bf), kp.Plan(bv=32, intra_warps=8), kp.Plan(bv=64, state_warps=8),
-             kp.Plan(bv=128, state_warps=8), kp.Plan(bv=32, precision="bf16x3")]
+    plans = [kp.default_plan(KD, bf), kp.Plan(bv=32, intra_warps=4), kp.Plan(bv=64, state_warps=8, state_stages=2),
+             kp.Plan(bv=128, state_warps=8, state_stages=2), kp.Plan(bv=32, precision="bf16x3")]
     for gate in args.gates:
         for plan in plans:
             n0 = len(captured)
@@ -408,51 +369,6 @@ def lower_all(out_dir, args):
                 with open(os.path.join(out_dir, tag + ".ttir"), "w") as f:
                     f.write(ir)
                 log(f"lowered {tag}")
-
-
-def compile_report(ttir_dir):
-    """Compile every dumped kernel with triton for sm_90a (when triton imports)."""
-    try:
-        import subprocess
-        import tempfile
-
-        import triton
-        from triton.backends.compiler import GPUTarget
-    except Exception as e:  # noqa: BLE001
-        log(f"triton not importable ({e!r}): lowered only, not compiled")
-        return
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    log(f"compiling for sm_90a with triton {triton.__version__}")
-    for name in sorted(os.listdir(ttir_dir)):
-        if not name.endswith(".ttir"):
-            continue
-        nw, ns = map(int, re.search(r"_w(\d+)_s(\d+)\.ttir$", name).groups())
-        try:
-            k = triton.compile(os.path.join(ttir_dir, name), target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=nw, num_stages=ns))
-            with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-                f.write(k.asm["cubin"])
-            sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", f.name], capture_output=True,
-                                  text=True).stdout
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-                f.write(k.asm["ptx"])
-            ptxas = subprocess.run([os.path.join(bin_dir, "ptxas"), "--gpu-name", "sm_90a", "-v", f.name, "-o",
-                                    os.devnull], capture_output=True, text=True).stderr
-            regs = re.search(r"Used (\d+) registers", ptxas)
-            spill = re.search(r"(\d+) bytes spill stores", ptxas)
-            ops = collections.Counter(o.split(".")[0] for o in re.findall(
-                r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M))
-            keys = {o: ops[o] for o in ("HGMMA", "HMMA", "LDGSTS", "MUFU", "BAR", "LDL", "STL") if ops[o]}
-            rec = dict(kernel=name, ok=k.metadata.shared <= 232448, smem=k.metadata.shared,
-                       regs=regs and int(regs.group(1)), spill=spill and int(spill.group(1)),
-                       instructions=sum(ops.values()), ops=keys)
-            log(f"{'OK  ' if rec['ok'] else 'BAD '} {name}: smem {rec['smem']} B, {rec['regs']} regs, spill "
-                f"{rec['spill']} B, {rec['instructions']} SASS instructions, {keys}")
-        except Exception as e:  # noqa: BLE001
-            rec = dict(kernel=name, ok=False, error=repr(e)[:1500])
-            log(f"FAIL {name}: {repr(e)[:600]}")
-        COMPILED.append(rec)
-    log(f"compiled {sum(r['ok'] for r in COMPILED)} / {len(COMPILED)} kernels for sm_90a")
 
 
 def main():
@@ -474,7 +390,7 @@ def main():
     try:
         if args.lower:
             lower_all(args.lower, args)
-            compile_report(args.lower)
+            COMPILED.extend(compile_report(args.lower, log))
         else:
             run_gpu(args)
     except Exception:  # noqa: BLE001

@@ -231,7 +231,8 @@ class Plan:
     bv: int  # V-block of the state kernel (V/BV programs per head); BV == V fuses the gated norm
     intra_warps: int = 8  # H200, 8192 tokens: 2442 µs vs 4 warps' 2953 (7k vs 10k SASS instructions a thread)
     state_warps: int = 4
-    state_stages: int = 3  # Triton pipelining of the chunk loop; H200: 367 µs vs 562 at 2 stages
+    state_stages: int = 3  # Triton pipelining of the chunk loop; H200 at BV 32: 367 µs vs 562 at 2 stages
+    # (3 stages of BV 128's loads pass the 227 KB of shared memory: give larger V-blocks 2 or 1)
     precision: str = "tf32"  # dot operand precision, a key of PRECISIONS
 
 

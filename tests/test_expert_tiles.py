@@ -15,8 +15,7 @@ from pallas_kernels import expert_tiles as et
 from pallas_kernels import fused_moe as fm
 from pallas_kernels.quant import QuantizedWeight
 
-from moe_inputs import (D, E, I,
-                        dense64 as _dense64,
+from moe_inputs import (D, E, dense64 as _dense64,
                         expert_weights as _weights,
                         routing as _routing,
                         swiglu64,

@@ -4,7 +4,6 @@ Small shapes (D 256, I 128, E 13: not a power of two) keep Pallas' interpreter f
 draws fresh random inputs and starts the kernels' outputs as NaN, so a row left unwritten shows.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

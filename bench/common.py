@@ -1,0 +1,186 @@
+"""What the benchmarks share: the copy ceiling, relative error, the experts' random weights, and
+the offline path (capture each pallas_call's Triton IR as it is lowered, compile it for sm_90a
+with the triton package, report registers, spills, shared memory and the SASS mix) — which runs on
+a machine without a GPU, since Triton's compiler needs none: `pip install triton` there.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import statistics
+import time
+
+
+def copy_ceiling_tbs(n_bytes: int = 1 << 30) -> float:
+    """TB/s of an XLA read + write pass over n_bytes: one jit dispatched 10 and 2 times (queued,
+    one sync each), the difference of the two counts, the best of three — timed like the kernels
+    next to it, so that it does not count dispatch and sync that theirs do not."""
+    import jax
+    import jax.numpy as jnp
+
+    n = n_bytes // 4
+    a = jnp.zeros((n,), jnp.uint32)
+    f = jax.jit(lambda a: a ^ jnp.uint32(1))
+    jax.block_until_ready(f(a))
+
+    def batch(c):
+        t = time.perf_counter()
+        jax.block_until_ready([f(a) for _ in range(c)])
+        return time.perf_counter() - t
+
+    return 2 * n * 4 * 8 / min(batch(10) - batch(2) for _ in range(3)) / 1e12
+
+
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b| in float32; inf when a holds a non-finite value."""
+    import numpy as np
+
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    if not np.all(np.isfinite(a)):
+        return float("inf")
+    return float(np.max(np.abs(a - b)) / max(1e-30, float(np.max(np.abs(b)))))
+
+
+def time_torch_graph(calls) -> float:
+    """µs per call of the zero-argument callables (torch), run twice on a side stream (autotune,
+    warm-up), captured once in a CUDA graph, replayed 20 times a sample: median of 3."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls[:2]:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(3):
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / 20 / len(calls))
+    return statistics.median(samples)
+
+
+def random_experts(fmt: str, key, *, e: int, d: int, inter: int, group: int, block_n: int, abstract: bool = False):
+    """(w13 [E, D, 2I], w2 [E, I, D]) of random bf16 experts (std chosen so h and y stay O(1)), or,
+    fmt "int4", a valid grouped-int4 pair of `QuantizedWeight`s with random codes and scales.
+    abstract: ShapeDtypeStructs (lowering only)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.quant import QuantizedWeight
+
+    sds = jax.ShapeDtypeStruct
+    k1, k2, k3, k4 = jax.random.split(jax.random.fold_in(key, fmt == "int4"), 4)
+    if fmt == "bf16":
+        if abstract:
+            return sds((e, d, 2 * inter), jnp.bfloat16), sds((e, inter, d), jnp.bfloat16)
+        return (jax.random.normal(k1, (e, d, 2 * inter), jnp.bfloat16) * 0.03,
+                jax.random.normal(k2, (e, inter, d), jnp.bfloat16) * 0.05)
+
+    def q(ka, kb, n, k):
+        shapes = (e, n // block_n, k // 8, block_n), (e, n // block_n, k // group, block_n)
+        if abstract:
+            words, scales = sds(shapes[0], jnp.uint32), sds(shapes[1], jnp.bfloat16)
+        else:
+            words = jax.random.bits(ka, shapes[0], jnp.uint32)
+            scales = (jax.random.uniform(kb, shapes[1]) * 0.01 + 1e-3).astype(jnp.bfloat16)
+        return QuantizedWeight(words, scales, None, 4, group, True, (n, k))
+
+    return q(k1, k2, 2 * inter, d), q(k3, k4, d, inter)
+
+
+# ---------------------------------------------------------------------------------- offline
+
+
+def capture_triton(captured: list) -> None:
+    """From now on every pallas_call lowered to Triton appends its module's text to `captured`;
+    jax 0.11 asks the local GPU for its compute capability: it is told sm_90."""
+    import types
+
+    from jax._src.pallas.triton import lowering as tlow
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    real = tlow.lower_jaxpr_to_triton_module
+
+    def capture(*a, **kw):
+        res = real(*a, **kw)
+        captured.append(res.module.operation.get_asm())
+        return res
+
+    tlow.lower_jaxpr_to_triton_module = capture
+    reg.lowering.lower_jaxpr_to_triton_module = capture
+    if hasattr(reg, "gpu_info_lib"):
+        reg.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
+
+
+def kernel_name(ttir: str) -> str:
+    """The kernel's name in a captured Triton module's text."""
+    return re.search(r'(?:tt\.func (?:\w+ )?@|sym_name = ")(\w+)', ttir).group(1)
+
+
+KEY_OPS = ("HGMMA", "HMMA", "LDGSTS", "STS", "ATOMG", "RED", "MUFU", "BAR", "LDL", "STL")
+
+
+def compile_report(ttir_dir: str, log=print) -> list[dict]:
+    """Compiles every `*_w{warps}_s{stages}.ttir` in ttir_dir with triton for sm_90a and logs,
+    per kernel: shared memory, registers, spilled bytes, SASS instructions and the opcodes in
+    KEY_OPS (tensor cores, async copies, atomics, MUFU, barriers, local memory). ok: it fits the
+    H100/H200's shared memory. Returns the records (also written to compile.json there)."""
+    import json
+    import subprocess
+    import tempfile
+
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except Exception as e:  # noqa: BLE001
+        log(f"triton not importable ({e!r}): lowered only, not compiled")
+        return []
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    log(f"compiling for sm_90a with triton {triton.__version__}")
+    records = []
+    for name in sorted(os.listdir(ttir_dir)):
+        if not name.endswith(".ttir"):
+            continue
+        nw, ns = map(int, re.search(r"_w(\d+)_s(\d+)\.ttir$", name).groups())
+        try:
+            k = triton.compile(os.path.join(ttir_dir, name), target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=nw, num_stages=ns))
+            with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+                f.write(k.asm["cubin"])
+            sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", f.name], capture_output=True,
+                                  text=True).stdout
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                f.write(k.asm["ptx"])
+            ptxas = subprocess.run([os.path.join(bin_dir, "ptxas"), "--gpu-name", "sm_90a", "-v", f.name, "-o",
+                                    os.devnull], capture_output=True, text=True).stderr
+            regs = re.search(r"Used (\d+) registers", ptxas)
+            spill = re.search(r"(\d+) bytes spill stores", ptxas)
+            ops = collections.Counter(o.split(".")[0] for o in re.findall(
+                r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M))
+            rec = dict(kernel=name, ok=k.metadata.shared <= 232448, smem=k.metadata.shared,
+                       regs=regs and int(regs.group(1)), spill=spill and int(spill.group(1)),
+                       instructions=sum(ops.values()), ops={o: ops[o] for o in KEY_OPS if ops[o]})
+            log(f"{'OK  ' if rec['ok'] else 'BAD '} {name}: smem {rec['smem']} B, {rec['regs']} regs, spill "
+                f"{rec['spill']} B, {rec['instructions']} SASS instructions, {rec['ops']}")
+        except Exception as e:  # noqa: BLE001
+            rec = dict(kernel=name, ok=False, error=repr(e)[:1500])
+            log(f"FAIL {name}: {repr(e)[:600]}")
+        records.append(rec)
+    log(f"compiled {sum(r['ok'] for r in records)} / {len(records)} kernels for sm_90a")
+    with open(os.path.join(ttir_dir, "compile.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    return records
