@@ -9,9 +9,10 @@ The MoE block itself runs under `jax.shard_map` when its module carries a mesh (
 - decode / verify sizes: tokens are replicated on every rank; each rank computes the pairs routed
   to its local experts and the partial outputs are summed over the expert axis (one psum of
   [M, D] fp32 a layer);
-- from A2A_MIN_TOKENS tokens (measured: above any prefill chunk on 2 GPUs, see there): the tokens are split over the ranks, each
-  pair is sent to the rank owning its expert with an all-to-all of fixed capacity, computed
-  there and sent back, and the combined tokens are gathered again.
+- from A2A_MIN_TOKENS tokens (set above any prefill chunk: the psum path was faster at every
+  size measured on two GPUs, see there): the tokens are split over the ranks, each pair is sent
+  to the rank owning its expert with an all-to-all of fixed capacity, computed there and sent
+  back, and the combined tokens are gathered again.
 """
 
 from __future__ import annotations

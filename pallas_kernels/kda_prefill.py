@@ -472,11 +472,12 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, csq_ref, csk_ref
         tb10 = -_dot(inv, _dot(m10, inv0, inv_precision), inv_precision) * beta0[None, :]
         w_ref[sl, :] = (_dot(tb, keg, precision) + _dot(tb10, keg0, precision)).astype(act)
         u_ref[sl, :] = (_dot(tb, v, precision) + _dot(tb10, v0, precision)).astype(act)
-        # kg = k ⊙ e^{G_C - G}: half 0's rows are final once G_C = O_2 is known (h = 1); at h = 0
-        # the first store lands on the half's own rows and the second overwrites it.
-        kg_ref[pl.ds(pl.multiple_of(jnp.maximum(h - 1, 0) * hf, hf), hf), :] = (
-            kt0 * jnp.exp2(o_next - o_h)[None, :]).astype(act)
-        kg_ref[sl, :] = kt.astype(act)
+        # kg = k ⊙ e^{G_C - G} needs G_C = O_2: both halves' rows are stored at h = 1 (half 0's
+        # from the carry), and nothing at h = 0 — each address is written once, since two
+        # stores of differently laid-out tiles to one address are unordered between threads.
+        last = jnp.broadcast_to(h == 1, (hf, kd))
+        pltriton.store(kg_ref.at[pl.ds(0, hf), :], (kt0 * jnp.exp2(o_next - o_h)[None, :]).astype(act), mask=last)
+        pltriton.store(kg_ref.at[pl.ds(hf, hf), :], kt.astype(act), mask=last)
         return o_next, kt, keg, v, inv, beta
 
     zk = jnp.zeros((hf, kd), f32)

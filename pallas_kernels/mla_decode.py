@@ -37,8 +37,8 @@ def default_num_splits(batch: int, row_blocks: int, max_len: int, block_l: int) 
     """Splits per sequence: about one program per SM (one fits at BL 64), each with at least one
     cache block, at most 128 (the partials grow with the split count). Power of two (the
     combine loads all splits at once). On the H200 (bench/attention.py, 8k, T = 1) a program
-    costs ~4 µs a 64-position block whatever the split count: 8 blocks 40.5 µs, 4 24.7, 2 16.4,
-    1 15.2; at T = 6 (6 row blocks) 16 splits beat 32, 64 and 128."""
+    costs ~4 µs a 64-position block whatever the split count: 4 blocks a program 24.6 µs, 2 16.4,
+    1 14.7; at T = 6 (6 row blocks) 16 splits beat 4, 8, 32, 64 and 128."""
     by_sms = NUM_SMS // max(1, batch * row_blocks)
     by_len = max_len // block_l
     return _pow2_floor(max(1, min(by_sms, by_len, 128)))
@@ -79,9 +79,10 @@ def _split_kernel(len_ref, ql_ref, qr_ref, c_ref, kr_ref, acc_ref, m_ref, l_ref,
     splits of a sequence get equal work whatever the cache capacity.
 
     Transposed form: the cache block is the dots' M side (scores sᵀ = c·qᵀ [BL, BM], then
-    accᵀ += cᵀ·pᵀ [R, BM]), so both dots have M ≥ 64 and run as Hopper's asynchronous wgmma
-    with the cache tile read from shared memory, instead of chains of dependent mma.sync on
-    M = BM rows (32 at T = 1), whose latency bounded each block."""
+    accᵀ += cᵀ·pᵀ [R, BM]), so at BL 64 both dots compile to Hopper's wgmma with the cache tile
+    read from shared memory (M = BM = 32 rows at T = 1 gave mma.sync). Measured, this did not
+    cut the ~4 µs a block costs a program (at BL 32 it was no faster than the untransposed
+    kernel); what gained was fewer, larger blocks, more splits and smaller partials."""
     f32 = jnp.float32
     bm = ql_ref.shape[0]
     r, s = pl.program_id(0), pl.program_id(1)
@@ -212,15 +213,15 @@ def mla_decode(q_lat, q_rope, c, k_rope, lengths, *, scale: float, block_rows: i
     Pallas: (1) split kernel, grid (T·H/BM, S, B): each program takes BM (token, head) rows and
     one of S chunks of its sequence's cache (chunk = lengths[b]/S rounded up to BL; blocks of BL
     positions in a loop, scores by two tensor-core dots with the cache block on the M side,
-    online softmax), and writes partials: accᵀ / l [R, BM] in the activation dtype, m and l fp32. (2) combine kernel, grid
-    (B, T·H/BMc, R/BR), every split of a tile loaded at once. BL = 64 with 8 warps and 2 stages
-    fits one program per SM (188 KB of shared memory, 252 registers, no spills: triton 3.6,
-    sm_90a). Bytes that must
-    move: lengths[b]·(R + P)·e (the cache, read once from HBM; further row blocks hit L2)
-    + T·H·(R + P + R)·e (queries in, output out), e = element bytes; the partials,
-    B·S·T·H·(R·e + 8) written and read back (ncu at 8k, S = 128, fp32 partials: the combine read
-    them from HBM at ~1 TB/s, 8.4 µs). At T = 6 the dots
-    (2·T·H·L·(2R + P) flops) also approach the tensor-core floor.
+    online softmax), and writes partials: accᵀ / l [R, BM] in the activation dtype, m and l
+    fp32. (2) combine kernel, grid (B, T·H/BMc, R/BR), every split of a tile loaded at once.
+    BL = 64 with 8 warps and 2 stages fits one program per SM (188 KB of shared memory, 252
+    registers, no spills: triton 3.6, sm_90a).
+    Bytes that must move: lengths[b]·(R + P)·e (the cache, read once from HBM; further row
+    blocks hit L2) + T·H·(R + P + R)·e (queries in, output out), e = element bytes; the
+    partials, B·S·T·H·(R·e + 8), are written and read back (ncu at 8k, S = 128, fp32 partials:
+    the combine read them from HBM at ~1 TB/s, 8.4 µs). At T = 6 the dots (2·T·H·L·(2R + P)
+    flops) also approach the tensor-core floor.
     """
     b, t, h, r = q_lat.shape
     l_max = c.shape[1]
