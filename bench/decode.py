@@ -7,9 +7,11 @@ extend), each against its roofline floor at the copy bandwidth measured in the s
 Random weights (bf16), batch 1. `--layers N` keeps the first N decoder layers (and the NEXTN
 layer) so that the model fits. `--ep N` shards the routed experts over N GPUs (`moe.parallel`,
 attention replicated): the weights are made already sharded, and the table gains the cost of the
-MoE block's cross-GPU sum (a psum of [M, D] fp32 per MoE layer) at decode and verify sizes; the
-floors are then per GPU (the replicated weights plus 1/N of the experts, each GPU at the measured
-copy bandwidth). Prints a table last.
+MoE block's cross-GPU sum (a psum of [M, D] fp32 per MoE layer) at decode and verify sizes, and
+one MoE layer at prefill sizes (`--dispatch-tokens`, multiples of N) by the psum path and by the
+all-to-all, the measurement behind `moe.parallel.A2A_MIN_TOKENS`; the floors are then per GPU
+(the replicated weights plus 1/N of the experts, each GPU at the measured copy bandwidth).
+Prints a table last.
 """
 
 from __future__ import annotations
@@ -129,7 +131,8 @@ def main():
     ap.add_argument("--quantize", choices=["int8", "int4"], default=None, help="low-bit projections")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel over this many GPUs")
     ap.add_argument("--dispatch-tokens", type=int, nargs="*", default=[256, 1024, 4096, 8192],
-                    help="with --ep: token counts at which the psum and all-to-all MoE paths are timed")
+                    help="with --ep: token counts (multiples of --ep) at which one MoE layer is timed by the "
+                         "psum and by the all-to-all path")
     args = ap.parse_args()
     full = preset(args.preset)
     n = min(args.layers, full.num_hidden_layers)
