@@ -38,7 +38,8 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import capture_triton, copy_ceiling_tbs, kernel_name, random_experts  # noqa: E402  (bench/common.py)
+# bench/common.py
+from common import capture_triton, copy_ceiling_tbs, kernel_name, queued_us, random_experts  # noqa: E402
 
 E, K, D, I = 512, 8, 2560, 768
 MS = (1, 6, 16, 64)
@@ -189,16 +190,7 @@ def run(args):
         ys = jax.block_until_ready(f(w, x, ids, ws))
         if args.smoke:
             return 0.0, ys
-
-        def batch(n):
-            t = time.perf_counter()
-            outs = [f(w, x, ids, ws) for _ in range(n)]
-            jax.block_until_ready(outs)
-            return time.perf_counter() - t
-
-        batch(2)
-        best = min(batch(12) - batch(3) for _ in range(2))
-        return best / (9 * r) * 1e6, ys
+        return queued_us(f, w, x, ids, ws, hi=12, lo=3) / r, ys
 
     refs = {}
 

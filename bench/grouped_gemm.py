@@ -36,7 +36,8 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import capture_triton, compile_report, copy_ceiling_tbs, kernel_name, random_experts  # noqa: E402  (bench/common.py)
+from common import (  # noqa: E402  (bench/common.py)
+    capture_triton, compile_report, copy_ceiling_tbs, kernel_name, queued_us, random_experts)
 
 E, K, D, I = 512, 8, 2560, 768
 MS = (512, 2048, 4096)
@@ -231,16 +232,7 @@ def run(args):
         y = jax.block_until_ready(f(x, ids, ws, w))
         if args.smoke:
             return 0.0, y
-
-        def batch(n):
-            t = time.perf_counter()
-            jax.block_until_ready([f(x, ids, ws, w) for _ in range(n)])
-            return time.perf_counter() - t
-
-        hi, lo = reps
-        batch(lo)
-        best = min(batch(hi) - batch(lo) for _ in range(2))
-        return best / (hi - lo) * 1e6, y
+        return queued_us(f, x, ids, ws, w, hi=reps[0], lo=reps[1]), y
 
     refs = {}
 

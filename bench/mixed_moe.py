@@ -34,6 +34,8 @@ import traceback
 
 import numpy as np
 
+from common import queued_us  # bench/common.py, beside this module
+
 K = 8
 DECODE = 8
 PREFILLS = (512, 2048, 8192)
@@ -95,15 +97,7 @@ class Bench:
         outs = jax.block_until_ready(f(w, x, ids, ws))
         if self.smoke:
             return 0.0, outs
-
-        def batch(n):
-            t = time.perf_counter()
-            jax.block_until_ready([f(w, x, ids, ws) for _ in range(n)])
-            return time.perf_counter() - t
-
-        batch(2)
-        best = min(batch(8) - batch(2) for _ in range(2))
-        return best / (6 * r) * 1e6, outs
+        return queued_us(f, w, x, ids, ws, hi=8, lo=2) / r, outs
 
     def once(self, fn, x, ids, ws):
         import jax

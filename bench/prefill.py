@@ -42,6 +42,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)  # the other benchmarks' helpers
 
+from common import queued_us  # noqa: E402  (bench/common.py)
+
 T0 = time.time()
 DENSE_TFLOPS = 790.0  # bf16 8192³ GEMM through torch on the H200 (769-798 TFLOP/s, device notes)
 LOG = None
@@ -117,23 +119,12 @@ def main():
 
 
 def device_us(f, *args, reps=(6, 2)):
-    """µs per call of f (jitted): batches of queued calls, the difference of two batch sizes (best
-    of two), after one call that compiles."""
+    """µs per call of f (jitted), after one call that compiles: `common.queued_us` with
+    batches of reps = (hi, lo) calls."""
     import jax
 
     jax.block_until_ready(f(*args))
-
-    def batch(n):
-        t = time.perf_counter()
-        jax.block_until_ready([f(*args) for _ in range(n)])
-        return time.perf_counter() - t
-
-    hi, lo = reps
-    batch(lo)
-    per = min(batch(hi) - batch(lo) for _ in range(2)) / (hi - lo)
-    if per <= 0:  # a noisy host (CPU runs of --tiny): the plain mean instead
-        per = batch(hi) / hi
-    return per * 1e6
+    return queued_us(f, *args, hi=reps[0], lo=reps[1])
 
 
 def torch_us(fn, n=10, warm=3):

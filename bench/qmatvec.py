@@ -33,6 +33,8 @@ import traceback
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common import time_torch_graph  # noqa: E402  (bench/common.py)
+
 SHAPES = [(4096, 2560), (2560, 4096), (6144, 2560), (20480, 2560), (157184, 2560)]
 MS = (1, 6)
 BITS = (4, 8)
@@ -68,31 +70,6 @@ def torch_part(shapes, args):
     props = torch.cuda.get_device_properties(0)
     RESULTS["device"] = f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}"
     log("device:", RESULTS["device"])
-
-    def graph_time(fns, reps=10):
-        """Median µs per call of fns (a list of closures) replayed as one CUDA graph."""
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for f in fns[:2]:
-                f()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for f in fns:
-                f()
-        g.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            ts.append(e0.elapsed_time(e1) * 1e3 / len(fns))
-        del g
-        return statistics.median(ts)
 
     # Copy ceiling: 1 GiB device-to-device, bytes read + written.
     a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
@@ -167,7 +144,7 @@ def torch_part(shapes, args):
                     outs[i] = F.linear(x, ws[i])
                 return f
 
-            t_cublas = graph_time([mk(i) for i in range(len(ws))])
+            t_cublas = time_torch_graph([mk(i) for i in range(len(ws))])
             ref = F.linear(x.float(), ws[0].float())
             err = (F.linear(x, ws[0]).float() - ref).norm() / ref.norm()
             log(f"cuBLAS bf16 {n}x{k} M={m}: {t_cublas:.2f} µs ({nb / t_cublas / 1e6:.2f} TB/s), "
@@ -202,7 +179,7 @@ def torch_part(shapes, args):
                             gouts[i] = layers[i][0](x)
                         return f
 
-                    t_gl = graph_time([mkg(i) for i in range(nl)])
+                    t_gl = time_torch_graph([mkg(i) for i in range(nl)])
                     log(f"gemlite int4 {n}x{k} M={m}: {t_gl:.2f} µs ({mtype}, config of {src}), "
                         f"rel err {err:.1e}")
                     del layers, gouts

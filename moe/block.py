@@ -25,21 +25,22 @@ from pallas_kernels.grouped_gemm import grouped_moe
 GATHER_MAX_PAIRS = 64  # decode and verify sizes: read only the routed experts
 
 
-def routed_experts(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend="auto"):
+def routed_experts(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend="auto", skips=False):
     """The routed experts: unless the backend resolves to the reference, the fused Pallas kernels
     up to GATHER_MAX_PAIRS (token, slot) pairs and the grouped GEMM beyond; `experts_reference`
-    otherwise. A pair whose id is E (= w13.shape[0]) is skipped: it adds nothing (expert
+    otherwise. skips: pairs whose id is E (= w13.shape[0]) are skipped and add nothing (expert
     parallelism marks the pairs of other ranks so). The grouped GEMM leaves such pairs out; up
     to GATHER_MAX_PAIRS a skipped pair borrows the expert of a live one with weight 0, adding a
-    row to an expert read anyway rather than a read of another."""
+    row to an expert read anyway rather than a read of another. Off by default: the masking is
+    a few small kernels a layer that the single-device decode step need not pay."""
     backend = resolve(backend)
-    e = w13.shape[0]
-    live = topk_ids < e
-    topk_weights = jnp.where(live, topk_weights, 0)
-    if topk_ids.size <= GATHER_MAX_PAIRS:
-        flat = live.reshape(-1)
-        borrow = jnp.where(jnp.any(flat), topk_ids.reshape(-1)[jnp.argmax(flat)], 0)
-        topk_ids = jnp.where(live, topk_ids, borrow)
+    if skips:
+        live = topk_ids < w13.shape[0]
+        topk_weights = jnp.where(live, topk_weights, 0)
+        if topk_ids.size <= GATHER_MAX_PAIRS:
+            flat = live.reshape(-1)
+            borrow = jnp.where(jnp.any(flat), topk_ids.reshape(-1)[jnp.argmax(flat)], 0)
+            topk_ids = jnp.where(live, topk_ids, borrow)
     if backend != "reference":
         kernel = fused_moe if topk_ids.size <= GATHER_MAX_PAIRS else grouped_moe
         return kernel(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, backend=backend)

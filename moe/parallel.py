@@ -105,7 +105,8 @@ def initialize_distributed(coordinator_address: str | None, num_processes: int |
 
 def expert_parallel(x, ids, weights, w13, w2, *, swiglu_limit, mesh: Mesh, compute):
     """The routed experts of x [M, D] over the mesh's expert axis; compute is the single-device
-    routed-experts function (moe.block.routed_experts). w13, w2 are sharded along experts."""
+    routed-experts function (moe.block.routed_experts), called with skips=True: other ranks'
+    pairs carry id E/ep. w13, w2 are sharded along experts."""
     ep = mesh.shape[EXPERT]
     if x.shape[0] >= A2A_MIN_TOKENS and x.shape[0] % ep == 0:
         return _all_to_all(x, ids, weights, w13, w2, swiglu_limit, mesh, compute)
@@ -122,7 +123,7 @@ def _replicated(x, ids, weights, w13, w2, limit, mesh, compute):
         mine = (ids >= lo) & (ids < lo + e_local)
         # Pairs of other ranks are skipped (id E/ep, `moe.block.routed_experts`).
         y = compute(x, jnp.where(mine, ids - lo, e_local), jnp.where(mine, weights, 0.0), w13, w2,
-                    swiglu_limit=limit)
+                    swiglu_limit=limit, skips=True)
         return jax.lax.psum(y, EXPERT)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(EXPERT), P(EXPERT)), out_specs=P(),
@@ -152,7 +153,8 @@ def _all_to_all(x, ids, weights, w13, w2, limit, mesh, compute):
         send_w = jnp.zeros((ep, cap), weights.dtype).at[dest, slot].set(weights.reshape(-1))
         a2a = lambda a: jax.lax.all_to_all(a, EXPERT, 0, 0, tiled=True)  # [ep, cap, ...]: row s from rank s
         rx, rid, rw = a2a(send_x), a2a(send_id), a2a(send_w)
-        out = compute(rx.reshape(ep * cap, d), rid.reshape(-1, 1), rw.reshape(-1, 1), w13, w2, swiglu_limit=limit)
+        out = compute(rx.reshape(ep * cap, d), rid.reshape(-1, 1), rw.reshape(-1, 1), w13, w2, swiglu_limit=limit,
+                      skips=True)
         back = a2a(out.reshape(ep, cap, d))  # row r: my pairs' results computed on rank r
         return jnp.zeros((m, d), jnp.float32).at[token].add(back[dest, slot].astype(jnp.float32)).astype(x.dtype)
 

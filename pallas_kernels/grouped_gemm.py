@@ -363,9 +363,10 @@ def grouped_moe(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backen
     topk_ids [M, k] int in [0, E], E marking a skipped pair (no expert: it adds nothing and
     costs nothing; expert parallelism's pairs of other ranks); topk_weights [M, k];
     w13 [E, D, 2I] (gate/up interleaved by column), w2 [E, I, D] in bf16 (or any float dtype:
-    x is cast to it), or both fields of `fused_moe.quantize_experts` (x in bf16). swiglu_limit: None or L. backend: "pallas" |
-    "interpret" | "reference" | "auto" (pallas_kernels.backend.resolve). plan overrides
-    `plan_for`. Any M works; it pays off once every expert has rows (prefill chunks).
+    x is cast to it), or both fields of `fused_moe.quantize_experts` (x in bf16).
+    swiglu_limit: None or L. backend: "pallas" | "interpret" | "reference" | "auto"
+    (pallas_kernels.backend.resolve). plan overrides `plan_for`. Any M works; it pays off once
+    every expert has rows (prefill chunks).
     """
     backend = resolve(backend)
     check_args(x, topk_ids, topk_weights, w13, w2)
