@@ -88,6 +88,9 @@ def main():
                     "shapes and fit moe/tiles.py's latency model")
     ap.add_argument("--tile-model", metavar="PATH", help="--profile-tiles: where the fitted model goes "
                     "(default $OUT/tile_model.json)")
+    ap.add_argument("--fmts", default="bf16,int4", help="weight formats to time (comma-separated)")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M (comma-separated)")
+    ap.add_argument("--align-only", action="store_true", help="time only the align (M > 1)")
     args = ap.parse_args()
     global E, D, I, LOG
     if args.smoke or args.lower:
@@ -216,12 +219,15 @@ def run(args):
         RESULTS["copy_tbs"] = copy_ceiling_tbs()
         log(f"copy ceiling: {RESULTS['copy_tbs']:.2f} TB/s (XLA, 1 GiB read + write)")
     reps = {1: 4, 6: 2, 16: 2, 64: 2}  # M = 1: 4 x 94 MB (bf16) or 4 x 24 MB (int4) rotate
-    ms = MS if not args.smoke else (1, 6, 16)
+    ms = tuple(int(m) for m in args.ms.split(",")) if not args.smoke else (1, 6, 16)
+    fmts = tuple(args.fmts.split(","))
+    if set(fmts) - {"bf16", "int4"} or not set(ms) <= set(reps):
+        raise SystemExit(f"--fmts takes bf16,int4 and --ms a subset of {MS}: got {args.fmts!r} / {args.ms!r}")
     sweep = plans()
     peers = {"ragged": lambda x, i, s, w: _experts_grouped(x, i, s, w[0], w[1], None),
              "gathered": lambda x, i, s, w: _experts_gathered(x, i, s, w[0], w[1], None)}
-    wts = {fmt: weights(fmt) for fmt in ("bf16", "int4")}
-    rows = {(fmt, m): dict(fmt=fmt, m=m) for fmt in ("bf16", "int4") for m in ms}
+    wts = {fmt: weights(fmt) for fmt in fmts}
+    rows = {(fmt, m): dict(fmt=fmt, m=m) for fmt in fmts for m in ms}
     RESULTS["rows"] = list(rows.values())
     routes = {}
 
@@ -244,7 +250,7 @@ def run(args):
         x, ids, ws, _ = routing(m)
         us, ys = timed(peers[name], wts["bf16"], x, ids, ws)
         check("bf16", m, wts["bf16"], x, ids, ws, ys, name)
-        for fmt in ("bf16", "int4"):
+        for fmt in fmts:
             rows[(fmt, m)][name] = us
         log(f"{name} bf16 M={m}: {us:.1f} µs")
 
@@ -293,9 +299,23 @@ def run(args):
         batch(2)
         us = min(batch(12) - batch(3) for _ in range(2)) / (9 * len(calls)) * 1e6
         check("bf16", m, wts["bf16"], x, ids, ws, [jnp.asarray(y0.cpu().float().numpy())], "torch")
-        for fmt in ("bf16", "int4"):
+        for fmt in fmts:
             rows[(fmt, m)]["torch"] = us
         log(f"torch._grouped_mm bf16 M={m}: {us:.1f} µs")
+
+    def align(_, m):
+        """The align alone (M > 1; the kernel up to 64 pairs, the argsort path beyond), as the bf16
+        default plan runs it: how much of the layer it is. N aligns of shifted routings a dispatch
+        (one alone is shorter than the host's dispatch: the queue would time the host)."""
+        x, ids, ws, _ = routing(m)
+        bm, n = fm.plan_for(m, K, False).block_m, 32
+        f = jax.jit(lambda ids: [fm.moe_align((i + j) % E, E, bm, backend=backend) for i in ids for j in range(n)])
+        jax.block_until_ready(f(ids))
+        us = 0.0 if args.smoke else queued_us(f, ids, hi=12, lo=3) / (n * len(ids))
+        for fmt in fmts:
+            rows[(fmt, m)]["align"] = us
+        log(f"align M={m} ({m * K} pairs, block {bm}, {'kernel' if m * K <= fm.MAX_ALIGN_PAIRS else 'argsort'}): "
+            f"{us:.1f} µs")
 
     def variants(fmt, m):
         x, ids, ws, _ = routing(m)
@@ -315,17 +335,21 @@ def run(args):
                 log(f"FAILED sweep {fmt} M={m} {plan}: {e!r}")
                 RESULTS["errors"].append(f"sweep {fmt} M={m} {plan}: " + traceback.format_exc(limit=4)[-1500:])
 
-    # In order of value: the budget may cut the tail.
-    tasks = [(default, ("bf16", m)) for m in ms]
-    if not (args.lower or args.smoke):
+    # In order of value: the budget may cut the tail. The peers run on bf16 weights.
+    bf16, int4 = "bf16" in fmts, "int4" in fmts
+    tasks = [(default, ("bf16", m)) for m in ms if bf16]
+    if bf16 and not (args.lower or args.smoke):
         tasks += [(torch_peer, ("torch", m)) for m in ms]
-    if not args.lower:
+    if bf16 and not args.lower:
         tasks += [(peer, (name, m)) for m in (1, 6) for name in peers]
-    tasks += [(default, ("int4", m)) for m in ms]
-    tasks += [(variants, ("bf16", 1)), (variants, ("int4", 1))]
-    if not args.lower:
+    tasks += [(default, ("int4", m)) for m in ms if int4]
+    tasks += [(align, ("align", m)) for m in ms if m > 1 and not args.lower]
+    tasks += [(variants, (fmt, 1)) for fmt in fmts]
+    if bf16 and not args.lower:
         tasks += [(peer, (name, m)) for m in ms if m > 6 for name in peers]
-    tasks += [(variants, (fmt, m)) for m in ms if m > 1 for fmt in ("bf16", "int4")]
+    tasks += [(variants, (fmt, m)) for m in ms if m > 1 for fmt in fmts]
+    if args.align_only:
+        tasks = [t for t in tasks if t[0] is align]
     for fn, a in tasks:
         if a[1] not in ms:
             continue

@@ -88,7 +88,8 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.backend import resolve
 from pallas_kernels.kda import KdaInputs, KdaState, KdaWeights, _gated_norm, check_args
 
-CHUNK = 64  # tokens per chunk of the WY form
+CHUNK = 32  # tokens per chunk of the WY form. H200, 8192 tokens: the layer 1656 µs vs 2792 at 64
+# (the intra kernel's code halves, 3.5-5k SASS instructions; the state kernel takes twice the steps)
 SUB = 16  # rows per sub-block of one decay anchor (and the smallest side of a dot)
 ANCHOR_MAX = 40.0  # bound of |Gl - anchor| in the bounded-gate blocks: e^±40, far from overflow and denormals
 
@@ -229,7 +230,7 @@ def reference(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate: str 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     bv: int  # V-block of the state kernel (V/BV programs per head); BV == V fuses the gated norm
-    intra_warps: int = 8  # H200, 8192 tokens: 2442 µs vs 4 warps' 2953 (7k vs 10k SASS instructions a thread)
+    intra_warps: int = 4  # H200, 8192 tokens, chunks of 32: 1124 µs vs 8 warps' 2400 (chunks of 64: 8 warps won)
     state_warps: int = 4
     state_stages: int = 3  # Triton pipelining of the chunk loop; H200 at BV 32: 367 µs vs 562 at 2 stages
     # (3 stages of BV 128's loads pass the 227 KB of shared memory: give larger V-blocks 2 or 1)
@@ -238,7 +239,7 @@ class Plan:
 
 def default_plan(v: int, dtype) -> Plan:
     """The H200 sweep's best at Ling's shapes (bench/kda_prefill_check.py, bench/RESULTS.md):
-    BV 32 of 4 warps and 3 stages for the state kernel, 8 warps for the intra kernel. fp32
+    BV 32 of 4 warps and 3 stages for the state kernel, 4 warps for the intra kernel. fp32
     intermediates (4 B each) do not fit two pipeline stages of the state kernel's loads in
     shared memory."""
     return Plan(bv=min(v, 32), state_stages=3 if jnp.dtype(dtype).itemsize <= 2 else 1)
