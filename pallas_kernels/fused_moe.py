@@ -25,8 +25,11 @@ The kernel ranks pairs against pairs ([PP, PP] comparisons, PP = pow2 >= P): ran
 bucket size, bucket block offset from the bucket representatives (rank 0); nothing grows with E.
 At M = 1 ("direct") there is no align: block j is pair j (a token's top-k experts are distinct).
 
-GEMMs (`_gemm_kernel`, Triton lowering), grid (NB, N / BN): program (j, t) reads block j's rows
-and streams expert e_j's [K, BN] weight tile t once (unused blocks exit before any load):
+GEMMs (`_gemm_kernel`, Triton lowering), grid (NB, N / BN, S): program (j, t, s) reads block j's
+rows and streams the s-th of S shares of expert e_j's [K, BN] weight tile t once (unused blocks
+exit before any load). S = 1 but for quantised weights at M = 1 (`GemmPlan.split`): there each
+program writes an fp32 partial ([S, rows, 2I] of raw gate/up sums; [S, P + 1, D]) and the XLA
+fusions after the GEMM (SwiGLU and rounding of h; the combine) sum them in a fixed order.
   up:   rows x[pair // k] (gathered) @ W13_e[:, tile]  -> swiglu -> h [NB*BM, I] (bf16, slot rows)
   down: rows h[slot] @ W2_e[:, tile]                   -> out [P + 1, D] float32 (pair rows;
         row P is the masked padding's address)
@@ -47,9 +50,10 @@ U * 3*D*I * (b + 16/G) / 8 quantised (int4 G=128: 24.3 MB); activations are nois
 h (2 * NB*BM*I*2), out (2 * P*D*4), y (M*D*2). A block re-reads its expert only when the expert
 has more than BM pairs ("dot") or more than one pair ("fma").
 
-Measured on the H200 (bench/RESULTS.md, 2026-11-30), µs per layer incl. align and combine:
-bf16 M = 1 / 6 / 16 / 64: 27.0 / 138.1 / 369.5 / 1006 (3.5-3.9 TB/s); int4: 26.2 / 89.9 / 268 / 778
-(instruction / latency bound, 0.9-1.5 TB/s).
+Measured on the H200 (bench/RESULTS.md, 2026-11-30 and 2026-12-01), µs per layer incl. align and
+combine: bf16 M = 1 / 6 / 16 / 64: 23.6-30 / 138-144 / 312 / 1012 (3.2-4.1 TB/s); int4: 17.4-18.5
+(K split) / 76-92 / 202 / 736 (1.3-1.8 TB/s: latency and instruction bound). M = 1 figures move
+by up to 25% between machines of one kind; compare within a run.
 """
 
 from __future__ import annotations
@@ -139,6 +143,11 @@ def _dims(w13, w2):
     if e != e2 or d != d2 or n13 != 2 * i:
         raise ValueError(f"w13 (E={e}, D={d}, 2I={n13}) and w2 (E={e2}, I={i}, D={d2}) disagree")
     return e, d, i
+
+
+def _k_groups(w13: QuantizedWeight, w2: QuantizedWeight) -> tuple[int, int]:
+    """Groups of K of the up and down GEMMs (D / G, I / G)."""
+    return tuple(w.shape[1] // w.group_size for w in (w13, w2))
 
 
 # ---------------------------------------------------------------------------------- reference
@@ -268,12 +277,15 @@ def moe_align(topk_ids, n_experts: int, block_m: int, *, backend="auto"):
 class GemmPlan:
     """One GEMM's launch. block_k: K per loop step (bf16; quantised weights step one group).
     block_n: output columns per program (w13: interleaved, so h gets block_n / 2); quantised
-    weights fix it to their tile B_N."""
+    weights fix it to their tile B_N. split: quantised weights only, K's groups shared among this
+    many programs, each writing its own fp32 partial (summed by the next XLA fusion, in a fixed
+    order: no atomics). More programs in flight per SM where the grid is small (M = 1)."""
 
     block_k: int = 128
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 4
+    split: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,19 +296,29 @@ class Plan:
     down: GemmPlan
 
 
-def plan_for(m: int, k: int, quantized: bool) -> Plan:
-    """Launch heuristics: the H200 sweep's winners (bench/fused_moe.py, bench/RESULTS.md 2026-11-30).
+def _split(n_groups: int, per_program: int) -> int:
+    """Programs sharing K's n_groups: n_groups / per_program, or the largest divisor below it."""
+    return max(d for d in range(1, max(1, n_groups // per_program) + 1) if n_groups % d == 0)
+
+
+def plan_for(m: int, k: int, quantized: bool, k_groups: tuple[int, int] = (1, 1)) -> Plan:
+    """Launch heuristics: the H200 sweep's winners (bench/fused_moe.py, bench/RESULTS.md 2026-11-30,
+    2026-12-01). k_groups: quantised weights' groups of K in the up and down GEMMs (D/G, I/G).
 
     bf16: block 16, tensor-core dot, weight tiles pipelined by cp.async; [64, 128] tiles, 6 / 5
     stages won at M = 1, 6, 16 (27.0 / 138.1 / 369.5 us); M = 64 was measured on [128, 64] x 4.
-    Quantised: "fma" (~4.5 SASS instructions per weight, the dot path ~6) is latency-bound:
-    more warps per program won (M = 1: 8 warps 26.2 us, 4: 38.7, 2: 61.1; the dot path 30.0);
-    M = 6 and 16: 4 warps (89.9 / 268.4 us); M = 64 was measured on the dot path (778 us).
+    Quantised: "fma" (~6 SASS instructions per weight, the dot path more) waits on its loads
+    (ncu at M = 1: 7 cycles of long-scoreboard stall per issued instruction, 18% occupancy: 192
+    up programs). Splitting K among programs, 2 groups each in the up GEMM and 1 in the down
+    GEMM, 4 warps: M = 1 24.2 -> 18.5 and 23.9 -> 17.4 us in two interleaved A/B runs (8 warps
+    21.2 / 19.4); at M = 6 (1152 up programs already) splits gained nothing reproducible.
+    M = 6 and 16: 4 warps; M = 64: the dot path.
     Beyond 512 pairs (prefill): block 64, not measured on the GPU.
     """
     if quantized:
         if m == 1:
-            return Plan("fma", 1, GemmPlan(0, 0, 8, 1), GemmPlan(0, 0, 8, 1))
+            up, down = (GemmPlan(0, 0, 4, 1, split=_split(n, per)) for n, per in zip(k_groups, (2, 1)))
+            return Plan("fma", 1, up, down)
         if m * k <= 128:
             return Plan("fma", 1, GemmPlan(0, 0, 4, 1), GemmPlan(0, 0, 4, 1))
         if m * k <= 512:
@@ -335,8 +357,9 @@ class _QMeta:
     n_groups: int  # groups of K
 
 
-def _acc_quant(qrefs, qm: _QMeta, e, t, a_load, *, bm, fma):
-    """The same for quantised weights, one group of G input rows per loop step.
+def _acc_quant(qrefs, qm: _QMeta, e, t, a_load, *, bm, fma, groups=None):
+    """The same for quantised weights, one group of G input rows per loop step; groups = (first,
+    count) of K's groups to sum (default: all).
 
     "dot": qmatvec's `_lanes` unpack to the exact u - z, cast to bf16 (exact), tensor-core dot
     with lane i's [BM, WPG] slice of a; the group's scale once per column.
@@ -393,10 +416,11 @@ def _acc_quant(qrefs, qm: _QMeta, e, t, a_load, *, bm, fma):
         scale = scales_ref[e, t, g, :].astype(jnp.float32)[None, :]
         return acc + (p_acc - corr) * scale
 
+    g0, n_g = (0, qm.n_groups) if groups is None else groups
     if fma:
-        acc = lax.fori_loop(0, qm.n_groups, body_fma, jnp.zeros((wpg, bn), jnp.float32))
+        acc = lax.fori_loop(g0, g0 + n_g, body_fma, jnp.zeros((wpg, bn), jnp.float32))
         return jnp.sum(acc, axis=0)
-    return lax.fori_loop(0, qm.n_groups, body_dot, jnp.zeros((bm, bn), jnp.float32))
+    return lax.fori_loop(g0, g0 + n_g, body_dot, jnp.zeros((bm, bn), jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,13 +470,13 @@ def pop_weight_refs(refs: list, qm: _QMeta | None):
     return refs.pop(0), refs.pop(0), refs.pop(0), None if qm.symmetric else refs.pop(0)
 
 
-def expert_tile(wrefs, qm: _QMeta | None, e, t, a_load, *, n_k, bk, bn, bm, fma):
+def expert_tile(wrefs, qm: _QMeta | None, e, t, a_load, *, n_k, bk, bn, bm, fma, groups=None):
     """a @ W_e[:, tile t] in fp32 for either weight format: [BM, BN] ("dot") or [BN] ("fma").
     a_load(k0, size) gives the rows' columns [k0, k0 + size): [BM, size] in the activation dtype
-    ("dot") or [size] fp32 ("fma")."""
+    ("dot") or [size] fp32 ("fma"). groups: quantised weights, (first, count) of K's groups."""
     if qm is None:
         return _acc_dense(wrefs, e, t * bn, a_load, n_k=n_k, bk=bk, bn=bn, bm=bm, fma=fma)
-    return _acc_quant(wrefs, qm, e, t, a_load, bm=bm, fma=fma)
+    return _acc_quant(wrefs, qm, e, t, a_load, bm=bm, fma=fma, groups=groups)
 
 
 def swiglu_columns(acc, limit):
@@ -467,17 +491,18 @@ def swiglu_columns(acc, limit):
     return _swiglu(g, u, limit)
 
 
-def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, limit, n_init):
-    """Program (j, t): block j's rows times expert e_j's weight tile t; see the module doc."""
+def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, limit, n_init):
+    """Program (j, t, s): block j's rows times expert e_j's weight tile t, over the s-th of split
+    shares of K; see the module doc."""
     refs = list(refs)
     a_ref = refs.pop(0)  # up: x [M, D]; down: h [NB*BM, I]
     route_ref = refs.pop(0)  # direct: topk ids [P]; else block_expert [NBP]
     sorted_ref = None if direct else refs.pop(0)  # [S]
     wrefs = pop_weight_refs(refs, qm)
     del refs[:n_init]  # aliased initial outputs (tests poison them): only the output ref is used
-    out_ref = refs.pop(0)  # up: h [NB*BM, I]; down: out [P + 1, D] f32
+    out_ref = refs.pop(0)  # up: h [NB*BM, I], or (split) partials [S, NB*BM, 2I] f32; down: out [S, P + 1, D] f32
 
-    j, t = pl.program_id(0), pl.program_id(1)
+    j, t, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     e = route_ref[j]
     r = jnp.arange(bm, dtype=jnp.int32)
     if fma:  # one pair per block: never padding
@@ -508,40 +533,49 @@ def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, limit, n_
 
     @pl.when(e >= 0)  # an unused block reads and writes nothing
     def _():
-        acc = expert_tile(wrefs, qm, e, t, a_load, n_k=n_k, bk=bk, bn=bn, bm=bm, fma=fma)
-        if stage == "up":
+        share = None if qm is None else (s * (qm.n_groups // split), qm.n_groups // split)
+        acc = expert_tile(wrefs, qm, e, t, a_load, n_k=n_k, bk=bk, bn=bn, bm=bm, fma=fma, groups=share)
+        if stage == "up" and split > 1:  # raw (gate, up) partial sums: SwiGLU after their sum
+            if fma:
+                out_ref[s, j, pl.ds(t * bn, bn)] = acc
+            else:
+                out_ref[s, pl.ds(j * bm, bm), pl.ds(t * bn, bn)] = acc
+        elif stage == "up":
             h = swiglu_columns(acc, limit).astype(out_ref.dtype)  # padding rows: x = 0 -> h = 0
             if fma:
                 out_ref[j, pl.ds(t * (bn // 2), bn // 2)] = h
             else:
                 out_ref[pl.ds(j * bm, bm), pl.ds(t * (bn // 2), bn // 2)] = h
         elif fma:
-            out_ref[pair, pl.ds(t * bn, bn)] = acc
+            out_ref[s, pair, pl.ds(t * bn, bn)] = acc
         else:
             rows = jnp.where(valid, pair, p)[:, None]  # padding goes nowhere (masked, row P)
             cols = (t * bn + jnp.arange(bn, dtype=jnp.int32))[None, :]
-            pltriton.store(out_ref.at[rows, cols], acc, mask=valid[:, None])
+            pltriton.store(out_ref.at[s, rows, cols], acc, mask=valid[:, None])
 
 
 def _gemm(stage, a, route, sorted_pairs, w, *, n_blocks, k, p, plan: Plan, gp: GemmPlan, out_shape,
           limit, interpret, init=None):
-    """One expert-GEMM pallas_call (stage "up" or "down"), grid (n_blocks, N / BN).
+    """One expert-GEMM pallas_call (stage "up" or "down"), grid (n_blocks, N / BN, split).
 
     route: topk ids [P] when sorted_pairs is None (direct), else block_expert [NBP].
     init: an initial output to alias (tests poison it)."""
     ops = weight_operands(w, gp.block_k, gp.block_n, dot=plan.path == "dot", stage=stage)
     qm, bk, bn, n_k, n_tiles, w_inputs = ops.qm, ops.bk, ops.bn, ops.n_k, ops.n_tiles, ops.inputs
+    if gp.split > 1 and (qm is None or qm.n_groups % gp.split):
+        raise ValueError(f"plan: split={gp.split} needs quantised weights whose {stage} GEMM's groups of K "
+                         f"({None if qm is None else qm.n_groups}) it divides")
     direct = sorted_pairs is None
     inputs = [a, route] + ([] if direct else [sorted_pairs]) + w_inputs
     inits = [] if init is None else [init]
     kernel = functools.partial(
         _gemm_kernel, stage=stage, direct=direct, k=k, p=p, bm=plan.block_m,
-        fma=plan.path == "fma", n_k=n_k, bk=bk, bn=bn, qm=qm, limit=limit, n_init=len(inits))
+        fma=plan.path == "fma", n_k=n_k, bk=bk, bn=bn, qm=qm, split=gp.split, limit=limit, n_init=len(inits))
     bits = "" if qm is None else f"_int{qm.bits}"
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(n_blocks, n_tiles),
+        grid=(n_blocks, n_tiles, gp.split),
         input_output_aliases={len(inputs) + i: i for i in range(len(inits))},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=gp.num_warps, num_stages=gp.num_stages),
@@ -551,13 +585,15 @@ def _gemm(stage, a, route, sorted_pairs, w, *, n_blocks, k, p, plan: Plan, gp: G
 
 # ---------------------------------------------------------------------------------- public
 def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poison=False):
-    """The kernel path; returns (y, h, out). poison: start h and out as NaN (tests)."""
+    """The kernel path; returns (y, h, out). poison: start h and out as NaN (tests).
+    h: [NB*BM, I], or the up GEMM's fp32 partials [S, NB*BM, 2I] when it is split; out: the down
+    GEMM's [S, P + 1, D] (S = 1 unless split)."""
     m, k = topk_ids.shape
     p = m * k
     e, d, i = _dims(w13, w2)
     quant = isinstance(w13, QuantizedWeight)
     act = jnp.bfloat16 if quant else w13.dtype
-    plan = plan or plan_for(m, k, quant)
+    plan = plan or plan_for(m, k, quant, _k_groups(w13, w2) if quant else (1, 1))
     if (plan.path == "fma") != (plan.block_m == 1) or plan.path not in ("dot", "fma"):
         raise ValueError(f"plan: path 'fma' goes with block_m 1, 'dot' with block_m >= 16, got {plan}")
     interpret = backend == "interpret"
@@ -567,8 +603,9 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
     else:
         sorted_pairs, route = moe_align(ids, e, plan.block_m, backend=backend)
         nb = align_sizes(p, e, plan.block_m).nb
-    h_shape = jax.ShapeDtypeStruct((nb * plan.block_m, i), act)
-    out_shape = jax.ShapeDtypeStruct((p + 1, d), jnp.float32)
+    rows, su, sd = nb * plan.block_m, plan.up.split, plan.down.split
+    h_shape = jax.ShapeDtypeStruct((su, rows, 2 * i) if su > 1 else (rows, i), jnp.float32 if su > 1 else act)
+    out_shape = jax.ShapeDtypeStruct((sd, p + 1, d), jnp.float32)
 
     def nan(s):
         return jnp.full(s.shape, jnp.nan, s.dtype) if poison else None
@@ -576,10 +613,12 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
     common = dict(n_blocks=nb, k=k, p=p, plan=plan, limit=swiglu_limit, interpret=interpret)
     h = _gemm("up", x.astype(act), route, sorted_pairs, w13, gp=plan.up, out_shape=h_shape,
               init=nan(h_shape), **common)
-    out = _gemm("down", h, route, sorted_pairs, w2, gp=plan.down, out_shape=out_shape,
+    # A split up GEMM's partials: summed in a fixed order, SwiGLU, rounded (one XLA fusion).
+    h_in = swiglu_columns(jnp.sum(h, axis=0), swiglu_limit).astype(act) if su > 1 else h
+    out = _gemm("down", h_in, route, sorted_pairs, w2, gp=plan.down, out_shape=out_shape,
                 init=nan(out_shape), **common)
     w = topk_weights.astype(jnp.float32)[..., None]  # [M, k, 1]
-    y = jnp.sum(out[:p].reshape(m, k, d) * w, axis=1)  # one XLA fusion, fp32
+    y = jnp.sum(jnp.sum(out[:, :p], axis=0).reshape(m, k, d) * w, axis=1)  # one XLA fusion, fp32
     return y.astype(x.dtype), h, out
 
 

@@ -74,9 +74,52 @@ def test_fused_moe_matches_float64_experts(m, k, bits, kind, limit, plan):
     y, h, out = fm._run(x, ids, w, w13, w2, swiglu_limit=limit, backend="interpret", plan=plan,
                         poison=True)
     assert y.dtype == jnp.bfloat16
-    out = np.asarray(out)
-    assert np.isfinite(out[: m * k]).all() and np.isnan(out[m * k]).all()  # each pair, no padding
+    out = np.asarray(out)  # [S, P + 1, D]
+    assert np.isfinite(out[:, : m * k]).all() and np.isnan(out[:, m * k]).all()  # each pair, no padding
     _check(y, x, ids, w, w13, w2, limit)
+
+
+# Quantised GEMMs with K split among programs (fp32 partials): group 64 gives the up GEMM 4 groups
+# and the down GEMM 2 (D 256, I 128). (M, k, bits, routing, limit, plan)
+SPLIT_CASES = [
+    (1, 8, 4, "random", 0.5, None),  # plan_for's M = 1 plan: 2 groups an up program, 1 a down program
+    (1, 8, 4, "random", None, fm.Plan("fma", 1, fm.GemmPlan(0, 0, 2, 1, split=4), fm.GemmPlan(0, 0, 2, 1, split=2))),
+    (6, 8, 4, "skewed", 0.5, fm.Plan("fma", 1, fm.GemmPlan(0, 0, 2, 1, split=2), fm.GemmPlan(0, 0, 2, 1))),
+    (3, 4, 8, "random", 1.0, fm.Plan("fma", 1, fm.GemmPlan(0, 0, 2, 1), fm.GemmPlan(0, 0, 2, 1, split=2))),
+    (5, 8, 8, "one", None, fm.Plan("dot", 16, fm.GemmPlan(0, 0, 4, 2, split=2), fm.GemmPlan(0, 0, 4, 2, split=2))),
+]
+
+
+@pytest.mark.parametrize("m,k,bits,kind,limit,plan", SPLIT_CASES)
+def test_split_k_partials_match_float64_experts(m, k, bits, kind, limit, plan):
+    rng = np.random.default_rng([m, k, bits, 64])
+    w13, w2 = _weights(rng, bits, symmetric=bits != 8, group_size=64)
+    x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
+    ids, w = _routing(rng, m, k, kind)
+    if plan is None:  # 4 up groups in 2 programs, 2 down groups in 2
+        plan = fm.plan_for(m, k, True, fm._k_groups(w13, w2))
+        assert (plan.up.split, plan.down.split) == (2, 2)
+    y, h, out = fm._run(x, ids, w, w13, w2, swiglu_limit=limit, backend="interpret", plan=plan, poison=True)
+    out = np.asarray(out)
+    assert out.shape[0] == plan.down.split and np.isfinite(out[:, : m * k]).all()
+    if plan.up.split > 1:  # every pair's row of every partial written
+        rows = np.asarray(h)[:, : m * k] if plan.path == "fma" else np.asarray(h)
+        assert h.shape[0] == plan.up.split and (plan.path == "dot" or np.isfinite(rows).all())
+    _check(y, x, ids, w, w13, w2, limit)
+
+
+def test_split_needs_quantised_weights_it_divides():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((1, D)), jnp.bfloat16)
+    ids, w = _routing(rng, 1, 2, "random")
+    dense = _weights(rng, None)
+    plan = fm.Plan("dot", 16, fm.GemmPlan(64, 64, 4, 2, split=2), fm.GemmPlan(64, 64, 4, 2))
+    with pytest.raises(ValueError, match="split=2"):
+        fm.fused_moe(x, ids, w, *dense, plan=plan, backend="interpret")
+    quant = _weights(rng, 4)  # group 128: the up GEMM has 2 groups of K
+    plan = fm.Plan("fma", 1, fm.GemmPlan(0, 0, 2, 1, split=3), fm.GemmPlan(0, 0, 2, 1))
+    with pytest.raises(ValueError, match="split=3"):
+        fm.fused_moe(x, ids, w, *quant, plan=plan, backend="interpret")
 
 
 def test_public_entry_and_reference_agree():
