@@ -2,6 +2,9 @@
 
 Run on the GPU machine from the repository root:
     python3 bench/fused_moe.py [--budget 160]          (log and JSON under $OUT, else ./bench_out)
+    python3 bench/fused_moe.py --fmts int4 --ms 1,6    (a subset of the weight formats and token counts)
+    python3 bench/fused_moe.py --ab                    (default and sweep plans in interleaved rounds)
+    python3 bench/fused_moe.py --align-only            (the align alone, M > 1)
     python3 bench/fused_moe.py --smoke                 (CPU, interpret mode, tiny shapes: the script runs)
     python3 bench/fused_moe.py --lower DIR             (CPU: lower every timed kernel to Triton IR in DIR)
     python3 bench/fused_moe.py --mixed --profile-tiles [--tile-model PATH] [--budget 200]
@@ -59,8 +62,8 @@ def log(*a):
 
 
 def plans():
-    """The sweep: (format, M) -> [Plan], timed after the default plan (`plan_for`)."""
-    from pallas_kernels.fused_moe import GemmPlan as GP, Plan
+    """The sweep: (format, M) -> [Plan], timed after the default plan (`plan_for`); E, D, I as set."""
+    from pallas_kernels.fused_moe import GemmPlan as GP, Plan, _split
 
     dot = lambda up, down: Plan("dot", 16, up, down)  # noqa: E731
     fma = lambda up, down: Plan("fma", 1, up, down)  # noqa: E731
@@ -69,15 +72,18 @@ def plans():
     m1 = tiles + [dot(GP(128, 64, 2, 5), GP(128, 32, 2, 4)),
                   dot(GP(256, 64, 8, 3), GP(128, 64, 4, 4)),
                   fma(GP(64, 64, 2, 1), GP(64, 64, 2, 1))]
-    # quantised: (warps, K split of the up GEMM's 20 groups, of the down GEMM's 6)
-    q = lambda w, su=1, sd=1: fma(GP(0, 0, w, 1, split=su), GP(0, 0, w, 1, split=sd))  # noqa: E731
-    qdot = lambda su=1, sd=1: dot(GP(0, 0, 4, 4, split=su), GP(0, 0, 4, 4, split=sd))  # noqa: E731
+    # quantised: (warps, groups of K an up program, a down program; 0: no split), against
+    # D / G = 20 and I / G = 6 groups at Ling's shapes
+    ku, kd = D // G, I // G
+    split = lambda n, per: _split(n, per) if per else 1  # noqa: E731
+    q = lambda w, pu=0, pd=0: fma(GP(0, 0, w, 1, split=split(ku, pu)), GP(0, 0, w, 1, split=split(kd, pd)))  # noqa: E731
+    qdot = lambda pu=0, pd=0: dot(GP(0, 0, 4, 4, split=split(ku, pu)), GP(0, 0, 4, 4, split=split(kd, pd)))  # noqa: E731
     return {("bf16", 1): m1, ("bf16", 6): tiles, ("bf16", 16): tiles[:1],
             ("bf16", 64): [dot(GP(64, 128, 4, 6), GP(64, 128, 4, 5))],
-            ("int4", 1): [q(8, 20, 6), q(8, 5, 6), q(8, 10, 3), q(8, 20, 3), q(16, 10, 6), q(8, 4, 3)],
-            ("int4", 6): [q(4, 2, 1), q(4, 2, 2), q(4, 4, 3), q(8, 2, 2), qdot(2, 2)],
-            ("int4", 16): [q(4, 2, 2), qdot(), qdot(2, 1), qdot(2, 2)],
-            ("int4", 64): [qdot(2, 2), q(4)]}
+            ("int4", 1): [q(8), q(8, 2, 1), q(8, 4, 1), q(8, 1, 2), q(8, 1, 1), q(16, 2, 1), q(4, 5, 2)],
+            ("int4", 6): [q(4, 10, 0), q(4, 10, 3), q(4, 5, 2), q(8, 10, 3), qdot(10, 3)],
+            ("int4", 16): [q(4, 10, 3), qdot(), qdot(10, 0), qdot(10, 3)],
+            ("int4", 64): [qdot(10, 3), q(4)]}
 
 
 def main():
@@ -94,6 +100,8 @@ def main():
     ap.add_argument("--fmts", default="bf16,int4", help="weight formats to time (comma-separated)")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M (comma-separated)")
     ap.add_argument("--align-only", action="store_true", help="time only the align (M > 1)")
+    ap.add_argument("--ab", action="store_true", help="only the default and the sweep's plans, timed in "
+                    "interleaved rounds (plan comparisons that machine-to-machine spread does not blur)")
     args = ap.parse_args()
     global E, D, I, LOG
     if args.smoke or args.lower:
@@ -323,6 +331,25 @@ def run(args):
         log(f"align M={m} ({m * K} pairs, block {bm}, {'kernel' if m * K <= fm.MAX_ALIGN_PAIRS else 'argsort'}): "
             f"{us:.1f} µs")
 
+    def interleaved(fmt, m, rounds=3):
+        """--ab: the default plan and the sweep's, each timed once a round in turn (machines of one
+        kind differ by up to 25% at M = 1: compare plans within a run); best of the rounds."""
+        x, ids, ws, _ = routing(m)
+        plans = [None] + sweep.get((fmt, m), [])
+        fns = []
+        for plan in plans:
+            f = jax.jit(lambda w, x, ids, ws, plan=plan: [ours(plan)(x, i, s, w) for i, s in zip(ids, ws)])
+            check(fmt, m, wts[fmt], x, ids, ws, jax.block_until_ready(f(wts[fmt], x, ids, ws)), "ab")
+            fns.append(f)
+        times = [[] for _ in plans]
+        for _ in range(0 if args.smoke else rounds):
+            for f, t in zip(fns, times):
+                t.append(queued_us(f, wts[fmt], x, ids, ws, hi=10, lo=2) / len(ids))
+        for plan, t in zip(plans, times):
+            RESULTS["sweep"].append(dict(fmt=fmt, m=m, us=min(t, default=0.0), rounds=t, plan=str(plan or "default")))
+            log(f"ab {fmt} M={m}: {' '.join(f'{u:6.1f}' for u in t)}  best {min(t, default=0.0):6.1f} µs  "
+                f"{'default ' + str(fm.plan_for(m, K, fmt == 'int4', (D // G, I // G))) if plan is None else plan}")
+
     def variants(fmt, m):
         x, ids, ws, _ = routing(m)
         for n, plan in enumerate(sweep.get((fmt, m), [])):
@@ -356,6 +383,8 @@ def run(args):
     tasks += [(variants, (fmt, m)) for m in ms if m > 1 for fmt in fmts]
     if args.align_only:
         tasks = [t for t in tasks if t[0] is align]
+    if args.ab:
+        tasks = [(interleaved, (fmt, m)) for m in ms for fmt in fmts]
     for fn, a in tasks:
         if a[1] not in ms:
             continue

@@ -1,6 +1,6 @@
 """KDA prefill kernels (pallas_kernels/kda_prefill.py) on the GPU at Ling shapes: check, time, sweep.
 
-    python3 bench/kda_prefill_check.py              (GPU; log and JSON under $OUT, else ./bench_out)
+    python3 bench/kda_prefill_check.py [--chunk C]  (GPU; log and JSON under $OUT, else ./bench_out)
     python3 bench/kda_prefill_check.py --smoke      (CPU, interpret mode, tiny shapes: the script runs)
     python3 bench/kda_prefill_check.py --lower DIR  (CPU: each plan's Triton IR into DIR and, where
                                                      triton imports, its sm_90a compile: registers,
@@ -16,7 +16,8 @@ kernels depend on it, so nothing is hoisted out of the loop) and o carried from 
 for 2 and 7 iterations; the difference / 5 is one call. Median of 3.
 Rows: ours (default plan), the two kernels alone (intra: grid (B, N, H); state: grid (B, H, V/BV)
 plus the norm epilogue), the sweep of plans (intra: warps x precision; state: BV x warps x
-stages), the best combination, the XLA reference, and fla 0.6.0's chunk_kda (the peer: L2 norm,
+stages), the best combination, the layer in chunks of 64 when C is not (the default before
+2026-12-01), the XLA reference, and fla 0.6.0's chunk_kda (the peer: L2 norm,
 gate and beta in kernel; no conv, no gated norm) under a CUDA graph where fla imports (carry it as
 a wheel: ../shared/tools/device-wheels.sh).
 Figures: µs per layer; TB/s over the bytes that must move (q, k, v, g_in, gate_in in, o out,
@@ -63,7 +64,7 @@ def must_move_bytes(t, e=2):
     return e * t * (6 * c + H) + 2 * (4 * H * KD * KD) + 2 * e * 3 * (W - 1) * c
 
 
-def design_bytes(t, bv, e=2, chunk=64):
+def design_bytes(t, bv, e=2, chunk=32):
     """must_move + the intermediates written and read (w, u, qg, kg, aqk in the activation dtype,
     gc fp32) + with BV < V the unfused norm's o (written and read once more)."""
     tp = -(-t // chunk) * chunk
@@ -122,10 +123,10 @@ def copy_ceiling():
     return 2 * (1 << 30) / (us * 1e-6)  # read + write
 
 
-def record(case, what, us, t, bv, ceiling, **extra):
+def record(case, what, us, t, bv, ceiling, chunk=32, **extra):
     mm = must_move_bytes(t)
     row = dict(case=case, what=what, us=us, tbs=mm / (us * 1e-6) / 1e12, floor_pct=100 * mm / ceiling / (us * 1e-6),
-               design_floor_us=design_bytes(t, bv) / ceiling * 1e6 if bv else None, **extra)
+               design_floor_us=design_bytes(t, bv, chunk=chunk) / ceiling * 1e6 if bv else None, **extra)
     ROWS.append(row)
     log(f"  {case:9s} {what:48s} {us:9.1f} µs  {row['tbs']:.2f} TB/s  {row['floor_pct']:.0f}% of floor")
     return row
@@ -174,7 +175,7 @@ def bench_ours(gate, ceiling, backend, args):
         return time_loop(step, (x, w, valid), (zeros_o, s))
 
     us = full(base)
-    record(gate, f"ours, default plan {plan_name(base)}", us, T, base.bv, ceiling)
+    record(gate, f"ours, default plan {plan_name(base)}", us, T, base.bv, ceiling, chunk=chunk)
     if args.no_sweep:
         return
 
@@ -234,10 +235,10 @@ def bench_ours(gate, ceiling, backend, args):
         plan = kp.Plan(bv=best_state[1], intra_warps=best_intra[1], state_warps=best_state[2],
                        state_stages=best_state[3], precision=best_intra[2])
         if plan != base:
-            record(gate, f"ours, best plan {plan_name(plan)}", full(plan), T, plan.bv, ceiling)
+            record(gate, f"ours, best plan {plan_name(plan)}", full(plan), T, plan.bv, ceiling, chunk=chunk)
     if chunk != 64 and time.time() - T0 < args.budget:  # the default before 2026-12-01
         plan = dataclasses.replace(base, intra_warps=8)
-        record(gate, f"ours, chunks of 64 {plan_name(plan)}", full(plan, 64), T, plan.bv, ceiling)
+        record(gate, f"ours, chunks of 64 {plan_name(plan)}", full(plan, 64), T, plan.bv, ceiling, chunk=64)
 
 
 def plan_name(p):

@@ -51,8 +51,8 @@ h (2 * NB*BM*I*2), out (2 * P*D*4), y (M*D*2). A block re-reads its expert only 
 has more than BM pairs ("dot") or more than one pair ("fma").
 
 Measured on the H200 (bench/RESULTS.md, 2026-11-30 and 2026-12-01), µs per layer incl. align and
-combine: bf16 M = 1 / 6 / 16 / 64: 23.6-30 / 138-144 / 312 / 1012 (3.2-4.1 TB/s); int4: 17.4-18.5
-(K split) / 76-92 / 202 / 736 (1.3-1.8 TB/s: latency and instruction bound). M = 1 figures move
+combine: bf16 M = 1 / 6 / 16 / 64: 23.6-30 / 138-147 / 312 / 1012 (3.2-4.1 TB/s); int4: 17.4-21.7
+(K split) / 76-92 / 202 / 736 (1.1-1.8 TB/s: latency and instruction bound). M = 1 figures move
 by up to 25% between machines of one kind; compare within a run.
 """
 
@@ -310,8 +310,9 @@ def plan_for(m: int, k: int, quantized: bool, k_groups: tuple[int, int] = (1, 1)
     Quantised: "fma" (~6 SASS instructions per weight, the dot path more) waits on its loads
     (ncu at M = 1: 7 cycles of long-scoreboard stall per issued instruction, 18% occupancy: 192
     up programs). Splitting K among programs, 2 groups each in the up GEMM and 1 in the down
-    GEMM, 4 warps: M = 1 24.2 -> 18.5 and 23.9 -> 17.4 us in two interleaved A/B runs (8 warps
-    21.2 / 19.4); at M = 6 (1152 up programs already) splits gained nothing reproducible.
+    GEMM, 4 warps: at M = 1 the best of three interleaved rounds went 24.2 -> 18.5, 23.9 -> 17.4
+    and 24.5 -> 21.7 us on three machines, though split plans vary more from round to round; at
+    M = 6 (1152 up programs already) splits gained nothing reproducible.
     M = 6 and 16: 4 warps; M = 64: the dot path.
     Beyond 512 pairs (prefill): block 64, not measured on the GPU.
     """

@@ -54,7 +54,7 @@ Kernels (Triton lowering):
          goes through one XLA fusion for it.
   The conv states after valid[b] are a gather of W-1 rows (XLA).
 
-Cost at Ling shapes (B 1, T 8192, H 32, K = V = 128, C 64, bf16), per layer:
+Cost at Ling shapes (B 1, T 8192, H 32, K = V = 128, C 64 unless said, bf16), per layer:
   FLOPs (useful), per token and head: A and Aqk lower halves 2·C·K, the solve C·(K + V), the
   state part (w S, q S, kᵀ v_new) 6·K·V and Aqk v_new C·V ≈ 139 k → 36.5 GFLOP a layer, 0.074 ms
   at the H200's ~495 TFLOP/s dense tf32.
@@ -70,8 +70,11 @@ Cost at Ling shapes (B 1, T 8192, H 32, K = V = 128, C 64, bf16), per layer:
   warp-instructions, 0.22 ms at the H200's issue peak (132 SMs × 4 a cycle × 1.98 GHz), above the
   byte floors. Unrolled, it was ~20k instructions and ncu found half its stalls in instruction
   fetch, at 12.5% occupancy (the registers allow 2 programs of 4 warps an SM).
-  Measured (H200, bench/RESULTS.md): intra 2.44 ms, state 0.37 ms, the layer 2.73 ms;
-  fla's chunk_kda 0.96 ms without conv and gated norm; target ≤ 1.0 ms.
+  Chunks of 32 (CHUNK, since 2026-12-01) halve that code: 5.0k instructions at 4 warps (76 B
+  spilled), for 8192 programs and twice the state kernel's steps.
+  Measured (H200, bench/RESULTS.md 2026-12-01): chunks of 32, intra 0.98 ms (4 warps; 8 warps
+  2.36), state 0.57 ms, the layer 1.65 ms; chunks of 64 (intra 8 warps) 2.83 ms; fla's chunk_kda
+  0.96 ms without conv and gated norm; target ≤ 1.0 ms.
 """
 
 from __future__ import annotations
