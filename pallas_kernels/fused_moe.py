@@ -27,11 +27,12 @@ At M = 1 ("direct") there is no align: block j is pair j (a token's top-k expert
 
 GEMMs (`_gemm_kernel`, Triton lowering), grid (NB, N / BN, S): program (j, t, s) reads block j's
 rows and streams the s-th of S shares of expert e_j's [K, BN] weight tile t once (unused blocks
-exit before any load). S = 1 but for quantised weights at M = 1 (`GemmPlan.split`): there each
-program writes an fp32 partial ([S, rows, 2I] of raw gate/up sums; [S, P + 1, D]) and the XLA
-fusions after the GEMM (SwiGLU and rounding of h; the combine) sum them in a fixed order.
+exit before any load). S = 1 unless the plan splits K (`GemmPlan.split`: quantised weights only,
+the default at M = 1): then each program writes an fp32 partial ([S, rows, 2I] of raw gate/up
+sums; [S, P + 1, D]) and the XLA fusions after the GEMM (SwiGLU and h's rounding; the combine)
+sum them in a fixed order.
   up:   rows x[pair // k] (gathered) @ W13_e[:, tile]  -> swiglu -> h [NB*BM, I] (bf16, slot rows)
-  down: rows h[slot] @ W2_e[:, tile]                   -> out [P + 1, D] float32 (pair rows;
+  down: rows h[slot] @ W2_e[:, tile]                   -> out [S, P + 1, D] float32 (pair rows;
         row P is the masked padding's address)
   path "dot": BM rows (>= 16), tensor-core dot, fp32 accumulator [BM, BN] (quantised: qmatvec's
         `_lanes` unpack to bf16 in registers); Triton pipelines the weight tiles (cp.async).
