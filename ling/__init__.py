@@ -28,14 +28,17 @@ def _dtype(dtype):
 
 def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, progress: bool = True,
          quantize: str | None = None, group_size: int = 128, quantize_lm_head: bool = False,
-         ep_size: int = 1) -> LingModel:
+         quantize_experts: bool = False, ep_size: int = 1) -> LingModel:
     """A preset name gives random weights; a hub directory (config.json + safetensors) or a
     converted directory (`python -m ling.convert`) gives the checkpoint's weights.
-    quantize ("int8", "int4", "int2") stores the projections grouped low-bit (`ling.quantize`);
+    quantize ("int8", "int4", "int2") stores the projections grouped low-bit (`ling.quantize`),
+    and with quantize_experts (int4 / int8) the routed experts in the fused MoE kernel's format;
     a converted directory that was quantised at conversion is served as stored.
     ep_size > 1 shards the routed experts over that many devices (`moe.parallel`)."""
+    if quantize_experts and quantize is None:
+        raise ValueError("quantize_experts needs quantize (int4 or int8): the experts take its bits")
     model = _load(path_or_preset, dtype=dtype, seed=seed, progress=progress, quantize=quantize,
-                  group_size=group_size, quantize_lm_head=quantize_lm_head)
+                  group_size=group_size, quantize_lm_head=quantize_lm_head, quantize_experts=quantize_experts)
     if ep_size > 1:
         from moe.parallel import make_mesh, shard_model
 
@@ -43,7 +46,8 @@ def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, 
     return model
 
 
-def _load(path_or_preset, *, dtype, seed, progress, quantize, group_size, quantize_lm_head) -> LingModel:
+def _load(path_or_preset, *, dtype, seed, progress, quantize, group_size, quantize_lm_head,
+          quantize_experts) -> LingModel:
     from ling import checkpoint
     from ling.quantize import bits_of, quantize_model
 
@@ -53,7 +57,8 @@ def _load(path_or_preset, *, dtype, seed, progress, quantize, group_size, quanti
     if os.path.isdir(p) and checkpoint.is_converted(p):
         model = checkpoint.load_converted(p, dtype=dtype)
         if bits is not None and checkpoint.converted_quantization(p) is None:
-            quantize_model(model, bits=bits, group_size=group_size, lm_head=quantize_lm_head)
+            quantize_model(model, bits=bits, group_size=group_size, lm_head=quantize_lm_head,
+                           experts=quantize_experts)
         return model
     cfg = load_config(p)
     if os.path.isdir(p):
@@ -61,7 +66,7 @@ def _load(path_or_preset, *, dtype, seed, progress, quantize, group_size, quanti
     else:
         model = LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
     if bits is not None:
-        quantize_model(model, bits=bits, group_size=group_size, lm_head=quantize_lm_head)
+        quantize_model(model, bits=bits, group_size=group_size, lm_head=quantize_lm_head, experts=quantize_experts)
     return model
 
 

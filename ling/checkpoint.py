@@ -278,11 +278,12 @@ def save_hub(model, directory: str, *, dtype=None) -> None:
     from ling.config import KDA, MOE, from_hub_config
     from ling.model import LingModel
     from ling.quantize import QLinear
+    from moe.block import QExperts
 
     cfg = model.cfg
     if cfg.model_type != "bailing_hybrid":
         raise CheckpointError(f"save_hub writes bailing_hybrid checkpoints; this model is {cfg.model_type!r}")
-    if any(isinstance(m, QLinear) for _, m in nnx.iter_graph(model)):
+    if any(isinstance(m, (QLinear, QExperts)) for _, m in nnx.iter_graph(model)):
         raise CheckpointError("save_hub writes full-precision weights; this model holds quantised projections")
 
     # config.json: the names transformers' save_pretrained writes, read back by from_hub_config.
@@ -390,13 +391,17 @@ def save_converted(model, directory: str) -> None:
 
 
 def quantization_of(model) -> dict | None:
-    """How `ling.quantize` stored the model's projections, or None (full precision)."""
+    """How `ling.quantize` stored the model's projections (and routed experts), or None (full
+    precision)."""
     from ling.quantize import QLinear
+    from moe.block import QExperts
 
-    q = [m for _, m in nnx.iter_graph(model) if isinstance(m, QLinear)]
+    nodes = [m for _, m in nnx.iter_graph(model)]
+    q = [m for m in nodes if isinstance(m, QLinear)]
     if not q:
         return None
-    return {"bits": q[0].bits, "group_size": q[0].group_size, "lm_head": isinstance(model.lm_head, QLinear)}
+    return {"bits": q[0].bits, "group_size": q[0].group_size, "lm_head": isinstance(model.lm_head, QLinear),
+            "experts": any(isinstance(m, QExperts) for m in nodes)}
 
 
 def converted_quantization(directory: str) -> dict | None:
@@ -428,7 +433,8 @@ def load_converted(directory: str, *, dtype=None):
         if quant:
             from ling.quantize import quantize_model
 
-            quantize_model(model, bits=quant["bits"], group_size=quant["group_size"], lm_head=quant["lm_head"])
+            quantize_model(model, bits=quant["bits"], group_size=quant["group_size"], lm_head=quant["lm_head"],
+                           experts=quant.get("experts", False))
         return model
 
     abstract = nnx.eval_shape(build)

@@ -21,15 +21,17 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16; router, gate "
                     "and KDA decay parameters stay float32)")
     ap.add_argument("--quantize", choices=["int8", "int4", "int2"], default=None,
-                    help="store the projections, dense MLPs and shared experts grouped low-bit "
-                         "(the router gate, embeddings and routed experts stay as they are)")
+                    help="store the projections, dense MLPs and shared experts grouped low-bit (the router "
+                         "gate, embeddings and, unless --quantize-experts, routed experts stay as they are)")
     ap.add_argument("--group-size", type=int, default=128, help="input columns per scale (default 128)")
     ap.add_argument("--quantize-lm-head", action="store_true", help="quantise the lm_head too")
+    ap.add_argument("--quantize-experts", action="store_true", help="quantise the routed experts too "
+                    "(int4 / int8, in the fused MoE kernel's format)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
         model = load(args.hf, dtype=args.dtype, quantize=args.quantize, group_size=args.group_size,
-                     quantize_lm_head=args.quantize_lm_head)
+                     quantize_lm_head=args.quantize_lm_head, quantize_experts=args.quantize_experts)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,9 @@ precision, and why:
 - the router gate (fp32: low-bit scores reorder near-ties and change the routing);
 - MLA's kv_b_proj (used as a tensor, split into W_UK and W_UV for the absorbed form);
 - embeddings, norms, conv and decay parameters (small, read a few rows per token);
-- the routed experts (their low-bit format belongs to the fused MoE kernel).
+- the routed experts, unless asked (`experts=True`): they then take the fused MoE kernel's own
+  grouped format (`moe.block.QExperts`, int4 or int8, symmetric, B_N 64), which the fused MoE
+  kernels (decode, verify) and the grouped GEMM (prefill) read directly.
 Decode and verify (up to 16 rows) run `qmatvec`, dequantising in registers; longer inputs
 (prefill) dequantise the weight once per call and multiply.
 """
@@ -17,11 +19,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from moe.block import MoE, QExperts
 from moe.nn import Linear
+from pallas_kernels.fused_moe import quantize_experts
 from pallas_kernels.qmatvec import MAX_M, qmatvec
 from pallas_kernels.quant import QuantizedWeight, check_config, dequantize, quantize
 
 SCHEMES = {"int8": 8, "int4": 4, "int2": 2}
+EXPERT_BITS = (4, 8)  # the fused MoE kernels' tested formats
+EXPERT_BLOCK_N = 64  # the fused MoE kernels' tile of output columns
 KEEP_FULL = ("kv_b_proj",)  # attribute names of Linears that stay in full precision
 
 
@@ -65,14 +71,19 @@ def _eligible(name, lin: Linear, group_size: int) -> bool:
     return True
 
 
-def quantize_model(model, *, bits: int, group_size: int = 128, lm_head: bool = False):
+def quantize_model(model, *, bits: int, group_size: int = 128, lm_head: bool = False, experts: bool = False):
     """Quantises the model's projections in place (see the module docstring); returns the model.
-    Linears whose input size the group does not divide stay in full precision."""
+    Linears whose input size the group does not divide stay in full precision. experts: the
+    routed experts too (int4 / int8; the group must divide D and I, and 64 divide 2I and D)."""
     check_config(group_size * 2, bits, group_size, 128)  # names a bad bits / group_size early
-    found = []
+    if experts and bits not in EXPERT_BITS:
+        raise ValueError(f"quantize_experts takes int4 or int8 (the fused MoE kernels' formats), got {bits} bits")
+    found, moes = [], []
 
     def walk(module):
         for name, child in list(vars(module).items()):
+            if isinstance(child, MoE):
+                moes.append(child)
             if isinstance(child, Linear):
                 if _eligible(name, child, group_size):
                     found.append((module, name, child))
@@ -89,6 +100,13 @@ def quantize_model(model, *, bits: int, group_size: int = 128, lm_head: bool = F
     for parent, name, lin in found:
         w = lin.kernel[...].T  # [N, K], the torch orientation the codec takes
         setattr(parent, name, QLinear(quantize(w, bits=bits, group_size=group_size)))
+    for moe in moes if experts else ():
+        try:
+            q = quantize_experts(moe.w13[...], moe.w2[...], bits=bits, group_size=group_size, block_n=EXPERT_BLOCK_N)
+        except ValueError as e:
+            raise ValueError(f"the routed experts (D {moe.w13.shape[1]}, I {moe.w2.shape[1]}) cannot be quantised "
+                             f"with group_size {group_size}: {e}") from e
+        moe.w13, moe.w2 = QExperts(q.w13), QExperts(q.w2)
     if lm_head:
         w = model.embed_tokens[...] if model.lm_head is None else model.lm_head[...].T  # [V, D]
         model.lm_head = QLinear(quantize(w, bits=bits, group_size=group_size))

@@ -2,10 +2,12 @@
 
 Expert weights are stacked per layer: w13 [E, D, 2I] with gate and up interleaved column by column
 (column 2j is gate j, column 2j+1 is up j, so a fused kernel forms silu(gate) * up from adjacent
-columns), and w2 [E, I, D]. The routed experts (`routed_experts`) run Pallas kernels when the kernel
-backend is not the reference: the fused MoE kernels (pallas_kernels/fused_moe.py) at decode and
-verify sizes, the grouped GEMM (pallas_kernels/grouped_gemm.py) beyond GATHER_MAX_PAIRS pairs
-(prefill); otherwise plain jnp (`experts_reference`).
+columns), and w2 [E, I, D]; or, once `ling.quantize` stored them low-bit, the fused MoE kernel's
+grouped format (`QExperts`, `fused_moe.quantize_experts`). The routed experts (`routed_experts`)
+run Pallas kernels when the kernel backend is not the reference: the fused MoE kernels
+(pallas_kernels/fused_moe.py) at decode and verify sizes, the grouped GEMM
+(pallas_kernels/grouped_gemm.py) beyond GATHER_MAX_PAIRS pairs (prefill); otherwise plain jnp
+(`experts_reference`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from moe.nn import SwiGLUMLP, param, swiglu
 from moe.parallel import expert_parallel
 from moe.router import route
 from pallas_kernels.backend import resolve
-from pallas_kernels.fused_moe import fused_moe
+from pallas_kernels.fused_moe import fused_moe, num_experts
 from pallas_kernels.grouped_gemm import grouped_moe
+from pallas_kernels.quant import QuantizedWeight, dequantize
 
 
 GATHER_MAX_PAIRS = 64  # decode and verify sizes: read only the routed experts
@@ -35,7 +38,7 @@ def routed_experts(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, bac
     a few small kernels a layer that the single-device decode step need not pay."""
     backend = resolve(backend)
     if skips:
-        live = topk_ids < w13.shape[0]
+        live = topk_ids < num_experts(w13)
         topk_weights = jnp.where(live, topk_weights, 0)
         if topk_ids.size <= GATHER_MAX_PAIRS:
             flat = live.reshape(-1)
@@ -50,7 +53,8 @@ def routed_experts(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, bac
 def experts_reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None):
     """y [M, D] = sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x), fp32 accumulation.
 
-    x [M, D]; topk_ids, topk_weights [M, k]; w13 [E, D, 2I] (interleaved); w2 [E, I, D].
+    x [M, D]; topk_ids, topk_weights [M, k]; w13 [E, D, 2I] (interleaved); w2 [E, I, D], or
+    both stacked `QuantizedWeight`s (dequantised here: the gathered experts, or all of them).
     Up to GATHER_MAX_PAIRS (token, slot) pairs gather their experts' weights (XLA's GPU ragged_dot
     reads every expert, ~6 GB a layer at Ling's size); beyond, pairs are sorted by expert and run
     as one grouped matmul (`lax.ragged_dot`).
@@ -60,15 +64,27 @@ def experts_reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None):
     return _experts_grouped(x, topk_ids, topk_weights, w13, w2, swiglu_limit)
 
 
+def _dense(w, ids=None):
+    """Experts in x @ W orientation: w[ids] ([..., K, N]; all of them [E, K, N] when ids is None),
+    dequantised from a stacked `QuantizedWeight` (only the experts asked for)."""
+    if not isinstance(w, QuantizedWeight):
+        return w if ids is None else w[ids]
+    if ids is not None:
+        w = jax.tree.map(lambda a: a[ids.reshape(-1)], w)  # the pairs' experts, still low-bit
+    dense = jnp.swapaxes(jax.vmap(dequantize)(w), 1, 2)  # [n, K, N]
+    return dense if ids is None else dense.reshape(*ids.shape, *dense.shape[1:])
+
+
 def _experts_gathered(x, topk_ids, topk_weights, w13, w2, swiglu_limit):
-    h = jnp.einsum("md,mkdn->mkn", x, w13[topk_ids].astype(x.dtype), preferred_element_type=jnp.float32)
+    h = jnp.einsum("md,mkdn->mkn", x, _dense(w13, topk_ids).astype(x.dtype), preferred_element_type=jnp.float32)
     h = swiglu(h[..., 0::2], h[..., 1::2], swiglu_limit).astype(x.dtype)  # [M, k, I]
-    out = jnp.einsum("mki,mkid->mkd", h, w2[topk_ids].astype(x.dtype), preferred_element_type=jnp.float32)
+    out = jnp.einsum("mki,mkid->mkd", h, _dense(w2, topk_ids).astype(x.dtype), preferred_element_type=jnp.float32)
     return jnp.sum(out * topk_weights[..., None].astype(jnp.float32), axis=1).astype(x.dtype)
 
 
 def _experts_grouped(x, topk_ids, topk_weights, w13, w2, swiglu_limit):
     m, k = topk_ids.shape
+    w13, w2 = _dense(w13), _dense(w2)
     e = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)  # [M*k]
     order = jnp.argsort(flat_ids, stable=True)
@@ -80,6 +96,23 @@ def _experts_grouped(x, topk_ids, topk_weights, w13, w2, swiglu_limit):
     out = out * topk_weights.reshape(-1)[order, None].astype(jnp.float32)
     y = jnp.zeros((m, x.shape[1]), jnp.float32).at[order // k].add(out)
     return y.astype(x.dtype)
+
+
+class QExperts(nnx.Module):
+    """Stacked routed experts in the fused MoE kernel's grouped low-bit format (one
+    `QuantizedWeight` with a leading E axis), held as Params with logical axes."""
+
+    def __init__(self, qw: QuantizedWeight):
+        self.words = nnx.Param(qw.words, logical_axes=("experts", "tiles", "words", "tile_rows"))
+        self.scales = nnx.Param(qw.scales, logical_axes=("experts", "tiles", "groups", "tile_rows"))
+        self.zeros = None if qw.zeros is None else nnx.Param(
+            qw.zeros, logical_axes=("experts", "tiles", "groups", "tile_rows"))
+        self.bits, self.group_size, self.symmetric, self.shape = qw.bits, qw.group_size, qw.symmetric, qw.shape
+
+    @property
+    def weight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.words[...], self.scales[...], None if self.zeros is None else self.zeros[...],
+                               self.bits, self.group_size, self.symmetric, self.shape)
 
 
 class MoE(nnx.Module):
@@ -98,17 +131,22 @@ class MoE(nnx.Module):
         self.swiglu_limit = swiglu_limit
         self.mesh = None  # set by moe.parallel.shard_model: the experts then run expert-parallel
 
+    def expert_weights(self):
+        """(w13, w2): arrays, or stacked `QuantizedWeight`s where `ling.quantize` made them `QExperts`."""
+        return tuple(w.weight if isinstance(w, QExperts) else w[...] for w in (self.w13, self.w2))
+
     def __call__(self, x):  # x [B, T, D]
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         weights, ids = route(flat, self.gate_weight[...], self.expert_bias[...], top_k=self.top_k,
                              n_group=self.n_group, topk_group=self.topk_group,
                              routed_scaling_factor=self.routed_scaling_factor, norm_topk_prob=self.norm_topk_prob)
+        w13, w2 = self.expert_weights()
         if self.mesh is not None:
-            y = expert_parallel(flat, ids, weights, self.w13[...], self.w2[...], swiglu_limit=self.swiglu_limit,
-                                mesh=self.mesh, compute=routed_experts)
+            y = expert_parallel(flat, ids, weights, w13, w2, swiglu_limit=self.swiglu_limit, mesh=self.mesh,
+                                compute=routed_experts)
         else:
-            y = routed_experts(flat, ids, weights, self.w13[...], self.w2[...], swiglu_limit=self.swiglu_limit)
+            y = routed_experts(flat, ids, weights, w13, w2, swiglu_limit=self.swiglu_limit)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         return y.reshape(b, t, d)

@@ -64,11 +64,14 @@ def shard_model(model, mesh: Mesh, rules=RULES):
     run expert-parallel (and the MLA blocks, whose cuDNN prefill pins its inputs replicated).
     Checks that the expert count divides over the expert axis."""
     from ling.mla import MLAttention
-    from moe.block import MoE
+    from moe.block import MoE, QExperts
 
     ep = mesh.shape[EXPERT]
     for _, node in nnx.iter_graph(model):
         if isinstance(node, MoE):
+            if isinstance(node.w13, QExperts):
+                raise ValueError("expert parallelism runs the routed experts in full precision: load the "
+                                 "model without quantize_experts (--quantize-experts) or with --ep-size 1")
             e = node.w13.shape[0]
             if e % ep:
                 raise ValueError(f"--ep-size {ep} must divide the number of experts ({e})")

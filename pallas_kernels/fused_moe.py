@@ -146,6 +146,11 @@ def _dims(w13, w2):
     return e, d, i
 
 
+def num_experts(w) -> int:
+    """E of stacked experts in either format ([E, K, N] array or a stacked `QuantizedWeight`)."""
+    return w.words.shape[0] if isinstance(w, QuantizedWeight) else w.shape[0]
+
+
 def _k_groups(w13: QuantizedWeight, w2: QuantizedWeight) -> tuple[int, int]:
     """Groups of K of the up and down GEMMs (D / G, I / G)."""
     return tuple(w.shape[1] // w.group_size for w in (w13, w2))

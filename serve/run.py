@@ -2,7 +2,7 @@
 
     python -m serve.run [--model DIR_OR_PRESET] [--host 127.0.0.1] [--port 30000]
                         [--speculative-num-steps N] [--max-batch B] [--max-seq-len L] [--api-key KEY]
-                        [--quantize int8|int4|int2] [--dtype bfloat16|float32] [--prefill-chunk C]
+                        [--quantize int8|int4|int2 [--quantize-experts]] [--dtype bfloat16|float32] [--prefill-chunk C]
                         [--tile-model PATH --tpot-slo-ms MS]
 
 With no --model it serves serve/default_model: ling-small, a 15 M-parameter Ling-architecture model
@@ -60,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "XLA has no bf16 x bf16 -> f32 dot)")
     ap.add_argument("--quantize", default=None, choices=["int8", "int4", "int2"], help="low-bit weights (ling.load)")
     ap.add_argument("--group-size", type=int, default=128, help="input columns per scale with --quantize (default 128)")
+    ap.add_argument("--quantize-experts", action="store_true", help="with --quantize int4 / int8: the routed "
+                    "experts too, in the fused MoE kernel's format")
     ap.add_argument("--ep-size", type=int, default=1, help="shard the routed experts over this many devices")
     ap.add_argument("--coordinator-address", default=None, help="multi-host: JAX coordinator host:port")
     ap.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
@@ -99,7 +101,7 @@ def _load_model(args):
     import ling
 
     return ling.load(args.model, dtype=args.dtype, seed=args.seed, quantize=args.quantize,
-                     group_size=args.group_size, ep_size=args.ep_size)
+                     group_size=args.group_size, quantize_experts=args.quantize_experts, ep_size=args.ep_size)
 
 
 def chunk_sizer(args, cfg):
