@@ -284,7 +284,7 @@ def save_hub(model, directory: str, *, dtype=None) -> None:
     if cfg.model_type != "bailing_hybrid":
         raise CheckpointError(f"save_hub writes bailing_hybrid checkpoints; this model is {cfg.model_type!r}")
     if any(isinstance(m, (QLinear, QExperts)) for _, m in nnx.iter_graph(model)):
-        raise CheckpointError("save_hub writes full-precision weights; this model holds quantised projections")
+        raise CheckpointError("save_hub writes full-precision weights; this model holds quantised weights")
 
     # config.json: the names transformers' save_pretrained writes, read back by from_hub_config.
     n, heads = cfg.num_hidden_layers, cfg.num_attention_heads

@@ -38,7 +38,8 @@ def main(argv=None) -> int:
     checkpoint.save_converted(model, args.out)
     print(f"wrote {args.out} ({model.cfg.model_type}, {model.cfg.num_hidden_layers} layers"
           f"{', NEXTN' if model.nextn is not None else ''}"
-          f"{f', {args.quantize} g{args.group_size}' if args.quantize else ''}) in {time.perf_counter() - t0:.1f}s")
+          f"{f', {args.quantize} g{args.group_size}' if args.quantize else ''}"
+          f"{', routed experts too' if args.quantize_experts else ''}) in {time.perf_counter() - t0:.1f}s")
     return 0
 
 
