@@ -68,18 +68,23 @@ def test_converted_quantised_checkpoint_serves_the_same_model(tmp_path):
     assert isinstance(ling.load(out).layers[0].attention.q_proj, QLinear)
 
 
-def test_decode_through_qmatvec_kernel_matches_prefill(monkeypatch):
-    """Decode steps (qmatvec, interpret mode) give the logits of one prefill (dequantise + dot)."""
-    monkeypatch.setenv("LING_KERNELS", "interpret")
-    model = ling.load("ling-tiny", dtype="float32", seed=2, quantize="int8", group_size=32)
-    full = ling.forward(model, TOKENS[:22])
+def decode_logits(model):
+    """Logits [2, vocab] of decode steps 21 and 22 of TOKENS, after a prefill of the first 20."""
     state = init_state(model.cfg, 1, 22, jnp.float32)
     _, _, state = model(jnp.asarray(TOKENS[None, :20]), state, form="prefill")
     steps = []
     for tok in TOKENS[20:22]:
         logits, _, state = model(jnp.asarray([[tok]]), state, form="decode")
         steps.append(np.asarray(logits[0, 0]))
-    assert oracle.rel_err(np.stack(steps), full[20:]) < 2e-2  # qmatvec rounds its output to bf16
+    return np.stack(steps)
+
+
+def test_decode_through_qmatvec_kernel_matches_prefill(monkeypatch):
+    """Decode steps (qmatvec, interpret mode) give the logits of one prefill (dequantise + dot)."""
+    monkeypatch.setenv("LING_KERNELS", "interpret")
+    model = ling.load("ling-tiny", dtype="float32", seed=2, quantize="int8", group_size=32)
+    full = ling.forward(model, TOKENS[:22])
+    assert oracle.rel_err(decode_logits(model), full[20:]) < 2e-2  # qmatvec rounds its output to bf16
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,13 +124,7 @@ def test_decode_through_fused_moe_int4_experts_matches_prefill(monkeypatch):
     model = ling.load("ling-tiny", dtype="float32", seed=3, quantize="int4", group_size=32, quantize_experts=True)
     full = ling.forward(model, TOKENS[:22])
     monkeypatch.setenv("LING_KERNELS", "interpret")
-    state = init_state(model.cfg, 1, 22, jnp.float32)
-    _, _, state = model(jnp.asarray(TOKENS[None, :20]), state, form="prefill")
-    steps = []
-    for tok in TOKENS[20:22]:
-        logits, _, state = model(jnp.asarray([[tok]]), state, form="decode")
-        steps.append(np.asarray(logits[0, 0]))
-    assert oracle.rel_err(np.stack(steps), full[20:]) < 2e-2  # the kernels round h and outputs to bf16
+    assert oracle.rel_err(decode_logits(model), full[20:]) < 2e-2  # the kernels round h and outputs to bf16
 
 
 def test_converted_checkpoint_keeps_quantised_experts(tmp_path):
