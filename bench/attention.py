@@ -289,11 +289,11 @@ def bench_mla(length, t, ceiling, mm_tflops=790.0, sweep=True):
     ref_us = time_jax(lambda sh, c: run(sh, c, backend="reference"), (ql, qr, lengths), caches, perturb)
     record("mla", case, "xla reference", ref_us, nbytes, ceiling, flop_floor_us=round(flop_floor_us, 2))
 
-    def try_cfg(bm, bl, ns, nwarps, stages):
-        cfg = f"pallas BM={bm} BL={bl} S={ns} w={nwarps} st={stages}"
+    def try_cfg(bm, bl, ns, nwarps, stages, combine="kernel"):
+        cfg = f"pallas BM={bm} BL={bl} S={ns} w={nwarps} st={stages}" + ("" if combine == "kernel" else f" {combine}")
         try:
             kw = dict(block_rows=bm, block_l=bl, num_splits=ns, num_warps=nwarps, num_stages=stages,
-                      backend=PALLAS)
+                      combine=combine, backend=PALLAS)
             err = rel_err(run((ql, qr, lengths), caches[0], **kw), want)
             us = time_jax(lambda sh, c: run(sh, c, **kw), (ql, qr, lengths), caches, perturb)
             return record("mla", case, cfg, us, nbytes, ceiling, err=f"{err:.1e}", vs_xla=round(ref_us / us, 2),
@@ -303,20 +303,53 @@ def bench_mla(length, t, ceiling, mm_tflops=790.0, sweep=True):
             return None
 
     rows = t * MH
-    bm0 = min(32, 1 << (rows - 1).bit_length())
+    bm0 = min(32, max(16, 1 << (rows - 1).bit_length()))  # mla_decode's default
     ns0 = md.default_num_splits(1, math.ceil(rows / bm0), length, 64)
     default = (bm0, 64, ns0, 8, 2)
     results = [try_cfg(*default)]
     if sweep:
-        cands = [(bm0, 64, max(1, ns0 // 2), 8, 2), (bm0, 64, max(1, ns0 // 4), 8, 2),
-                 (bm0, 64, min(128, ns0 * 2), 8, 2), (16, 64, ns0, 4, 2), (bm0, 32, ns0, 8, 3)]
+        cands = [default + ("xla",), (bm0, 64, max(1, ns0 // 2), 8, 2), (bm0, 64, min(128, ns0 * 2), 8, 2),
+                 (16, 64, ns0, 4, 2), (bm0, 32, ns0, 8, 2), (bm0, 64, ns0, 8, 1), (bm0, 64, ns0, 4, 2)]
         for cand in dict.fromkeys(c for c in cands if c != default):
             if over_budget():
                 log(f"  (budget) skipping {cand}")
                 continue
             results.append(try_cfg(*cand))
+        if not over_budget():
+            mla_parts(run, (ql, qr, lengths), caches, perturb, default, nbytes, ceiling, case)
     ok = [r for r in results if r is not None and r["ok"]]
     return min(ok, key=lambda r: r["us"]) if ok else None
+
+
+def mla_parts(run, shared, caches, perturb, cfg, nbytes, ceiling, case):
+    """Where the default's time goes: the split kernel alone, and the cost of two launches that do
+    no work (one program per split each, in the same timer): what any split + combine pays."""
+    from jax.experimental import pallas as pl
+
+    bm, bl, ns, nwarps, stages = cfg
+    kw = dict(scale=MLA_SCALE, block_rows=bm, block_l=bl, num_splits=ns, num_warps=nwarps, num_stages=stages,
+              interpret=SMOKE)
+
+    def split_only(sh, c):
+        q_lat, q_rope, lens = sh
+        return md._split(q_lat, q_rope, c[0], c[1], lens, **kw)
+
+    record("mla", case, "· split kernel alone", time_jax(split_only, shared, caches, perturb), nbytes, ceiling)
+
+    def bump(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    def launch(x):  # one program per split, 16 floats each
+        return pl.pallas_call(bump, grid=(ns,), in_specs=[pl.BlockSpec((16,), lambda i: (0,))],
+                              out_specs=pl.BlockSpec((16,), lambda i: (i,)),
+                              out_shape=jax.ShapeDtypeStruct((16 * ns,), jnp.float32), interpret=SMOKE)(x)
+
+    def two_empty(sh, c):
+        x = sh[0].reshape(-1)[:16].astype(jnp.float32) + c[1].reshape(-1)[0].astype(jnp.float32)
+        return launch(launch(x)[-16:])
+
+    record("mla", case, "· two launches doing nothing", time_jax(two_empty, shared, caches, perturb), nbytes,
+           ceiling)
 
 
 # ----------------------------------------------------------------------------------------------

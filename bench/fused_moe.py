@@ -97,6 +97,8 @@ def main():
                     "shapes and fit moe/tiles.py's latency model")
     ap.add_argument("--tile-model", metavar="PATH", help="--profile-tiles: where the fitted model goes "
                     "(default $OUT/tile_model.json)")
+    ap.add_argument("--tile-per-sm", default="1", help="--mixed: the tile kernel's persistent programs per SM "
+                    "(comma-separated: each is timed)")
     ap.add_argument("--fmts", default="bf16,int4", help="weight formats to time (comma-separated)")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M (comma-separated)")
     ap.add_argument("--align-only", action="store_true", help="time only the align (M > 1)")

@@ -136,18 +136,20 @@ def record(case, what, us, t, bv, ceiling, chunk=32, **extra):
 # GPU run
 
 
-def check(gate, t, backend, budget_left):
+def check(gate, t, backend, plan=None):
     import jax
 
     from pallas_kernels import kda_prefill as kp
 
     x, w, s, valid = make_inputs(t, jax.random.PRNGKey(t), jax.numpy.bfloat16)
-    o, st = kp.kda_prefill(x, w, s, valid, gate=gate, backend=backend)
+    o, st = kp.kda_prefill(x, w, s, valid, gate=gate, plan=plan, backend=backend)
     o_ref, st_ref = jax.jit(lambda *a: kp.reference(*a, gate=gate))(x, w, s, valid)
     rec = dict(gate=gate, t=t, o=rel_err(o, o_ref), state=rel_err(st.recurrent, st_ref.recurrent),
-               conv=max(rel_err(a, b) for a, b in zip(st[:3], st_ref[:3])))
+               conv=max(rel_err(a, b) for a, b in zip(st[:3], st_ref[:3])),
+               plan="default" if plan is None else plan_name(plan))
     CHECKS.append(rec)
-    log(f"  check {gate} T={t}: rel err o {rec['o']:.2e}, state {rec['state']:.2e}, conv {rec['conv']:.1e}")
+    log(f"  check {gate} T={t} {rec['plan']}: rel err o {rec['o']:.2e}, state {rec['state']:.2e}, "
+        f"conv {rec['conv']:.1e}")
     return rec
 
 
@@ -176,6 +178,8 @@ def bench_ours(gate, ceiling, backend, args):
 
     us = full(base)
     record(gate, f"ours, default plan {plan_name(base)}", us, T, base.bv, ceiling, chunk=chunk)
+    other = dataclasses.replace(base, state_hi_lo=not base.state_hi_lo)  # the state's other dot form
+    record(gate, f"ours, {plan_name(other)}", full(other), T, other.bv, ceiling, chunk=chunk)
     if args.no_sweep:
         return
 
@@ -197,11 +201,11 @@ def bench_ours(gate, ceiling, backend, args):
     inter = kp._intra(x, w, s, valid, chunk=chunk, gate=gate, lower_bound=-5.0, precision=prec(base.precision),
                       inv_precision=inv_prec, num_warps=base.intra_warps, interpret=interp)
 
-    def state(bv, warps, stages, precision):
+    def state(bv, warps, stages, precision, hi_lo=True):
         def step(a, c):
             inter, x, w = a
             return kp._state(inter, x, w, c[1], chunk=chunk, eps=1e-6, bv=bv, precision=prec(precision),
-                             num_warps=warps, num_stages=stages, interpret=interp)
+                             num_warps=warps, num_stages=stages, interpret=interp, hi_lo=hi_lo)
         return time_loop(step, (inter, x, w), (zeros_o, s.recurrent))
 
     best_intra, best_state = None, None
@@ -217,23 +221,28 @@ def bench_ours(gate, ceiling, backend, args):
                 best_intra = (us, warps, precision)
         except Exception as e:  # noqa: BLE001
             log(f"  intra {warps} warps {precision} FAILED: {type(e).__name__}: {str(e)[:400]}")
-    for bv, warps, stages in ((base.bv, base.state_warps, base.state_stages), (16, 4, 2), (64, 4, 2), (64, 8, 2),
-                              (32, 4, 3), (32, 8, 2), (128, 8, 2), (128, 4, 1)):
+    hl = base.state_hi_lo
+    for bv, warps, stages, hi_lo in ((base.bv, base.state_warps, base.state_stages, hl),
+                                     (base.bv, base.state_warps, base.state_stages, not hl),
+                                     (16, 4, 3, hl), (16, 4, 3, not hl), (64, 4, 2, hl), (64, 8, 2, hl),
+                                     (32, 4, 2, hl), (32, 8, 2, hl), (128, 8, 2, hl), (128, 4, 1, hl)):
         if bv > KD:  # (--smoke: V is 32)
             continue
         if time.time() - T0 > args.budget:
             log("  budget spent: state sweep cut short")
             break
+        dots = "hi+lo" if hi_lo else "rounded"
         try:
-            us = state(bv, warps, stages, base.precision)
-            record(gate, f"state kernel (+ norm) alone, BV {bv}, {warps} warps, {stages} stages", us, T, None, ceiling)
-            if best_state is None or us < best_state[0]:
+            us = state(bv, warps, stages, base.precision, hi_lo)
+            record(gate, f"state kernel (+ norm) alone, BV {bv}, {warps} warps, {stages} stages, {dots}", us, T,
+                   None, ceiling)
+            if hi_lo == hl and (best_state is None or us < best_state[0]):
                 best_state = (us, bv, warps, stages)
         except Exception as e:  # noqa: BLE001
-            log(f"  state BV {bv} {warps} warps {stages} stages FAILED: {type(e).__name__}: {str(e)[:400]}")
+            log(f"  state BV {bv} {warps} warps {stages} stages {dots} FAILED: {type(e).__name__}: {str(e)[:400]}")
     if best_intra and best_state and time.time() - T0 < args.budget:
         plan = kp.Plan(bv=best_state[1], intra_warps=best_intra[1], state_warps=best_state[2],
-                       state_stages=best_state[3], precision=best_intra[2])
+                       state_stages=best_state[3], precision=best_intra[2], state_hi_lo=hl)
         if plan != base:
             record(gate, f"ours, best plan {plan_name(plan)}", full(plan), T, plan.bv, ceiling, chunk=chunk)
     if chunk != 64 and time.time() - T0 < args.budget:  # the default before 2026-12-01
@@ -242,7 +251,8 @@ def bench_ours(gate, ceiling, backend, args):
 
 
 def plan_name(p):
-    return f"(intra {p.intra_warps}w {p.precision}; state BV {p.bv} {p.state_warps}w {p.state_stages}s)"
+    dots = "hi+lo" if p.state_hi_lo else "rounded"
+    return f"(intra {p.intra_warps}w {p.precision}; state BV {p.bv} {p.state_warps}w {p.state_stages}s {dots})"
 
 
 def bench_reference(gate, ceiling, args):
@@ -297,6 +307,8 @@ def bench_fla(gate, ceiling):
 def run_gpu(args):
     import jax
 
+    from pallas_kernels import kda_prefill as kp
+
     global T, T_CHECK, H, KD
     backend = "interpret" if args.smoke else "pallas"
     if args.smoke:
@@ -307,9 +319,10 @@ def run_gpu(args):
     log(f"copy ceiling {ceiling / 1e12:.2f} TB/s; bytes that must move {must_move_bytes(T) / 1e6:.0f} MB "
         f"(floor {must_move_bytes(T) / ceiling * 1e6:.1f} µs); design {design_bytes(T, 32) / 1e6:.0f} MB")
     for gate in args.gates:
-        for t in (T_CHECK, T):
+        rounded = dataclasses.replace(kp.default_plan(KD, jax.numpy.bfloat16), state_hi_lo=False)
+        for t, plan in ((T_CHECK, None), (T, None), (T, rounded)):
             try:
-                check(gate, t, backend, args.budget)
+                check(gate, t, backend, plan)
             except Exception as e:  # noqa: BLE001
                 log(f"  check {gate} T={t} FAILED: {type(e).__name__}: {str(e)[:600]}")
         if time.time() - T0 > args.budget:
@@ -338,7 +351,8 @@ def table():
             d = f"{r['design_floor_us']:.0f}" if r["design_floor_us"] else ""
             print(f"| {gate} | {r['what']} | {r['us']:.1f} | {r['tbs']:.2f} | {r['floor_pct']:.0f}% | {d} | {vs} |")
     for c in CHECKS:
-        print(f"check {c['gate']} T={c['t']}: rel err o {c['o']:.2e}, state {c['state']:.2e}, conv {c['conv']:.1e}")
+        print(f"check {c['gate']} T={c['t']} {c['plan']}: rel err o {c['o']:.2e}, state {c['state']:.2e}, "
+              f"conv {c['conv']:.1e}")
 
 
 # ----------------------------------------------------------------------------------------------

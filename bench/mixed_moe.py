@@ -57,7 +57,10 @@ class Bench:
         self.results = {"mixed": [], "profile": [], "errors": []}
         dev = jax.devices()[0]
         self.results["device"] = f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}"
-        self.programs = 4 if self.smoke else (getattr(dev, "core_count", None) or 132)
+        self.sms = 4 if self.smoke else (getattr(dev, "core_count", None) or 132)
+        # (c) at each of these persistent grid sizes, in programs per SM (the first is the default)
+        self.per_sm = [int(v) for v in str(getattr(args, "tile_per_sm", "1")).split(",")]
+        self.programs = self.sms * self.per_sm[0]
         self._w = None
 
     # ------------------------------------------------------------------ inputs
@@ -143,11 +146,11 @@ class Bench:
 
         return dict(union=union, split=split, decode=decode, tiles=tiles, tiles_decode=tiles_decode, traced=traced)
 
-    def plan(self, mp, bm=None):
+    def plan(self, mp, bm=None, programs=None):
         from pallas_kernels import expert_tiles as et
 
         p = et.plan_for(mp * K, self.e, False)
-        return et.Plan(bm or p.block_m, p.up, p.down, p.num_warps, p.num_stages, self.programs)
+        return et.Plan(bm or p.block_m, p.up, p.down, p.num_warps, p.num_stages, programs or self.programs)
 
     @staticmethod
     def spans(trace, stamps, programs):
@@ -192,20 +195,28 @@ class Bench:
                 row["split_err"] = self.check(np.concatenate([np.asarray(a, np.float32) for a in ys[0]]),
                                               base, "split vs union")
                 row["decode_us"], _ = self.timed(k["decode"], x, ids, ws)
-                row["tiles_us"], ys = self.timed(k["tiles"], x, ids, ws)
-                row["tiles_err"] = self.check(ys[0], base, "tiles vs union")
-                row["tiles_decode_us"], _ = self.timed(k["tiles_decode"], x, ids, ws)
-                traced_us, outs = self.timed(k["traced"], x, ids, ws)
-                spans = [self.spans(t, s, self.programs) for _, t, s in outs]
-                if self.smoke:
-                    row["decode_ticket"], row["tiles_claimed"] = spans[0]
-                else:
-                    dec, span = np.mean([s[0] for s in spans]), np.mean([s[1] for s in spans])
-                    row.update(traced_us=traced_us, decode_span_us=dec, kernel_span_us=span,
-                               tiles_decode_done_us=traced_us - (span - dec))
+                row["tiles"] = []
+                for n in self.per_sm:  # (c) at each persistent grid size
+                    programs = self.sms * n
+                    k = self.kernels(md, self.plan(mp, programs=programs))
+                    c = dict(per_sm=n)
+                    row["tiles"].append(c)
+                    c["tiles_us"], ys = self.timed(k["tiles"], x, ids, ws)
+                    c["tiles_err"] = self.check(ys[0], base, f"tiles ({n} a SM) vs union")
+                    c["tiles_decode_us"], _ = self.timed(k["tiles_decode"], x, ids, ws)
+                    traced_us, outs = self.timed(k["traced"], x, ids, ws)
+                    spans = [self.spans(t, s, programs) for _, t, s in outs]
+                    if self.smoke:
+                        c["decode_ticket"], c["tiles_claimed"] = spans[0]
+                    else:
+                        dec, span = np.mean([s[0] for s in spans]), np.mean([s[1] for s in spans])
+                        c.update(traced_us=traced_us, decode_span_us=dec, kernel_span_us=span,
+                                 tiles_decode_done_us=traced_us - (span - dec))
+                    self.log(f"  tiles, {n} program(s) a SM: " + ", ".join(
+                        f"{a}={b:.1f}" if isinstance(b, float) else f"{a}={b}" for a, b in c.items()))
                 row["x_moe"] = self.x_moe(ids, md, plan.block_m)
                 self.log(f"mixed {md}+{mp}: " + ", ".join(f"{a}={b:.1f}" if isinstance(b, float) else f"{a}={b}"
-                                                          for a, b in row.items() if a != "plan"))
+                                                          for a, b in row.items() if a not in ("plan", "tiles")))
             except Exception as e:
                 self.log(f"FAILED mixed {md}+{mp}: {e!r}")
                 self.results["errors"].append(f"mixed {md}+{mp}: " + traceback.format_exc(limit=6)[-2000:])
@@ -272,16 +283,20 @@ class Bench:
             lines.append("decode+prefill  x_moe   (a) union µs | (b) split: decode done / total µs | "
                          "(c) tiles: decode done / total µs (decode-only tiles µs)")
             for r in self.results["mixed"]:
-                if "tiles_us" not in r:
+                if not r.get("tiles"):
                     lines.append(f"{r['decode']}+{r['prefill']}  (failed)")
                     continue
-                if self.smoke:
-                    done = f"ticket {r.get('decode_ticket')}/{r.get('tiles_claimed')}"
-                else:
-                    done = f"{r.get('tiles_decode_done_us', float('nan')):8.1f}"
-                lines.append(f"{r['decode']:3}+{r['prefill']:<6} {r['x_moe']:7.1f} {r['union_us']:12.1f} | "
-                             f"{r['decode_us']:10.1f} / {r['split_us']:8.1f} | {done} / {r['tiles_us']:8.1f} "
-                             f"({r['tiles_decode_us']:.1f})")
+                for c in r["tiles"]:
+                    if self.smoke:
+                        done = f"ticket {c.get('decode_ticket')}/{c.get('tiles_claimed')}"
+                    else:
+                        done = f"{c.get('tiles_decode_done_us', float('nan')):8.1f}"
+                    ratios = "" if self.smoke else (
+                        f": decode done / decode-only {c['tiles_decode_done_us'] / c['tiles_decode_us']:.2f}, "
+                        f"total / (a) {c['tiles_us'] / r['union_us']:.2f}")
+                    lines.append(f"{r['decode']:3}+{r['prefill']:<6} {r['x_moe']:7.1f} {r['union_us']:12.1f} | "
+                                 f"{r['decode_us']:10.1f} / {r['split_us']:8.1f} | {done} / {c['tiles_us']:8.1f} "
+                                 f"({c['tiles_decode_us']:.1f}), {c['per_sm']} a SM{ratios}")
             lines.append("(a) decode done = total. (c) decode done = total - (kernel span - decode span), "
                          "spans from %globaltimer stamps")
         if self.results["profile"]:

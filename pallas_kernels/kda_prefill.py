@@ -238,6 +238,10 @@ class Plan:
     state_stages: int = 3  # Triton pipelining of the chunk loop; H200 at BV 32: 367 µs vs 562 at 2 stages
     # (3 stages of BV 128's loads pass the 227 KB of shared memory: give larger V-blocks 2 or 1)
     precision: str = "tf32"  # dot operand precision, a key of PRECISIONS
+    # 16-bit activations: the fp32 state enters the state kernel's dots as 16-bit hi + lo (two dots,
+    # ~16 mantissa bits) when True; rounded to the activation dtype (one dot, as fla's chunk_kda)
+    # when False
+    state_hi_lo: bool = True
 
 
 def default_plan(v: int, dtype) -> Plan:
@@ -558,23 +562,25 @@ def _intra(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, chunk, gate, 
 
 
 def _state_kernel(w_ref, qg_ref, kg_ref, u_ref, aqk_ref, gc_ref, s0_ref, gate_ref, wn_ref, o_ref, s_ref,
-                  *, t_len: int, chunk: int, n_chunks: int, eps: float, fuse_norm: bool, precision):
+                  *, t_len: int, chunk: int, n_chunks: int, eps: float, fuse_norm: bool, precision,
+                  hi_lo: bool):
     """Refs (squeezed blocks): w, qg, kg [Tp, K]; u [Tp, BV]; aqk [Tp, C]; gc [N, K];
     s0 / s [K, BV]; gate [T, V] and wn [V] (fused norm only); o [T, BV]."""
     f32 = jnp.float32
-    split = jnp.dtype(w_ref.dtype).itemsize == 2
+    bits16 = jnp.dtype(w_ref.dtype).itemsize == 2
 
     def mm(a, b, *, contract_a=1):
-        """a (stored, activation dtype) times b fp32. With 16-bit storage a is exact in its
-        dtype and b is split into hi + lo of that dtype: two 16-bit dots, ~2x the mantissa bits
-        of b, and a stays a shared-memory operand (no fp32 copy in registers)."""
+        """a (stored, activation dtype) times b fp32. With 16-bit storage a is exact in its dtype
+        and b enters in that dtype too, so a stays a shared-memory operand (no fp32 copy in
+        registers): split into hi + lo (two dots, ~2x the mantissa bits of b), or rounded."""
         dims = (((contract_a,), (0,)), ((), ()))
-        if not split:
+        if not bits16:
             return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
         b_hi = b.astype(a.dtype)
-        b_lo = (b - b_hi.astype(f32)).astype(a.dtype)
-        return (lax.dot_general(a, b_hi, dims, preferred_element_type=f32)
-                + lax.dot_general(a, b_lo, dims, preferred_element_type=f32))
+        out = lax.dot_general(a, b_hi, dims, preferred_element_type=f32)
+        if hi_lo:
+            out = out + lax.dot_general(a, (b - b_hi.astype(f32)).astype(a.dtype), dims, preferred_element_type=f32)
+        return out
 
     def body(n, s):  # s [K, BV] fp32: the state at the start of chunk n
         r0 = pl.multiple_of(n * chunk, chunk)
@@ -594,7 +600,7 @@ def _state_kernel(w_ref, qg_ref, kg_ref, u_ref, aqk_ref, gc_ref, s0_ref, gate_re
 
 
 def _state(inter, x: KdaInputs, w: KdaWeights, rec, *, chunk, eps, bv, precision, num_warps, num_stages,
-           interpret):
+           interpret, hi_lo: bool = True):
     wy, u, qg, kg, aqk, gc = inter
     b, h, tp, kd = wy.shape
     t = x.q.shape[1]
@@ -625,7 +631,7 @@ def _state(inter, x: KdaInputs, w: KdaWeights, rec, *, chunk, eps, bv, precision
         jax.ShapeDtypeStruct((b, h, kd, vd), jnp.float32),
     ]
     kernel = functools.partial(_state_kernel, t_len=t, chunk=chunk, n_chunks=tp // chunk, eps=eps,
-                               fuse_norm=fuse_norm, precision=precision)
+                               fuse_norm=fuse_norm, precision=precision, hi_lo=hi_lo)
     o, s = pl.pallas_call(
         kernel,
         grid=(b, h, nv),  # V-blocks fastest: the programs of one head share its loads in L2
@@ -661,7 +667,8 @@ def _prefill_pallas(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate
     inter = _intra(x, w, state, valid, chunk=chunk, gate=gate, lower_bound=lower_bound, precision=precision,
                    inv_precision=inv_precision, num_warps=plan.intra_warps, interpret=interpret)
     o, rec = _state(inter, x, w, state.recurrent, chunk=chunk, eps=eps, bv=plan.bv, precision=precision,
-                    num_warps=plan.state_warps, num_stages=plan.state_stages, interpret=interpret)
+                    num_warps=plan.state_warps, num_stages=plan.state_stages, interpret=interpret,
+                    hi_lo=plan.state_hi_lo)
     conv = (_conv_state_after_valid(a, s, valid) for a, s in ((x.q, state.conv_q), (x.k, state.conv_k),
                                                               (x.v, state.conv_v)))
     return o, KdaState(*conv, rec)

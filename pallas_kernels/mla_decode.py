@@ -72,7 +72,7 @@ def reference(q_lat, q_rope, c, k_rope, lengths, *, scale: float):
 # Pallas (Triton lowering): a split kernel and a combine kernel.
 
 
-def _split_kernel(len_ref, ql_ref, qr_ref, c_ref, kr_ref, acc_ref, m_ref, l_ref, *,
+def _split_kernel(len_ref, ql_ref, qr_ref, c_ref, kr_ref, acc_ref, lse_ref, *,
                   t_len: int, heads: int, block_l: int, num_splits: int, scale: float):
     """Program (row block r, split s, sequence b): rows = BM (token, head) pairs against the
     s-th chunk of sequence b's cache. Chunks are sized at run time from lengths[b], so all
@@ -121,27 +121,42 @@ def _split_kernel(len_ref, ql_ref, qr_ref, c_ref, kr_ref, acc_ref, m_ref, l_ref,
     init = (jnp.zeros((c_ref.shape[1], bm), f32), jnp.full((bm,), _NEG, f32), jnp.zeros((bm,), f32))
     acc, m, l = lax.fori_loop(0, n_blocks, body, init)
     # Stored normalised (acc / l) in the partials' dtype — the activations' (bf16: half the
-    # bytes the combine reads back; it was 8 MB at 8k with 128 splits); l travels in fp32.
+    # bytes the combine reads back; it was 8 MB at 8k with 128 splits) — with the split's
+    # log-sum-exp m + ln l in fp32 (-inf for a split that saw nothing: its weight is 0).
     acc_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[None, :]).astype(acc_ref.dtype)
-    m_ref[...] = m
-    l_ref[...] = l
+    lse_ref[...] = m + jnp.log(l)
 
 
-def _combine_kernel(acc_ref, m_ref, l_ref, o_ref):
-    """Program (sequence b, BMc rows, BR latent columns): all S splits at once (one load each,
-    all in flight), out = Σ_s e^{m_s - m} l_s accn_s / Σ_s e^{m_s - m} l_s, accn_s = acc_s / l_s."""
-    m_all = m_ref[...]  # [S, BMc]
-    m_max = jnp.max(m_all, axis=0)
-    wgt = jnp.exp(m_all - m_max[None, :]) * l_ref[...]  # [S, BMc]; 0 for splits that saw nothing
-    den = jnp.sum(wgt, axis=0)  # [BMc]
-    num = jnp.sum(wgt[:, None, :] * acc_ref[...].astype(jnp.float32), axis=0)  # [S, BR, BMc] -> [BR, BMc]
+def _combine_kernel(acc_ref, lse_ref, o_ref, *, split_block: int):
+    """Program (sequence b, BMc rows, BR latent columns): out = Σ_s e^{lse_s - M} accn_s /
+    Σ_s e^{lse_s - M}, M = max_s lse_s, accn_s = acc_s / l_s the normalised partials. The S
+    splits go in blocks of SB (registers: SB·BR·BMc ≤ 4096 fp32); lse [S, BMc] is read once for
+    M and once a block (it is small next to the BR columns of partials a program reads)."""
+    f32 = jnp.float32
+    ns, br, bmc = acc_ref.shape
+    m_max = jnp.max(lse_ref[...], axis=0)  # [BMc]; finite: every row sees position 0
+
+    def body(i, carry):
+        num, den = carry
+        blk = pl.ds(i * split_block, split_block)
+        wgt = jnp.exp(lse_ref[blk, :] - m_max[None, :])  # [SB, BMc]; 0 for splits that saw nothing
+        num = num + jnp.sum(wgt[:, None, :] * acc_ref[blk, :, :].astype(f32), axis=0)  # [BR, BMc]
+        return num, den + jnp.sum(wgt, axis=0)
+
+    num, den = lax.fori_loop(0, ns // split_block, body, (jnp.zeros((br, bmc), f32), jnp.zeros((bmc,), f32)))
     o_ref[...] = (num / den[None, :]).T.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_rows", "block_l", "num_splits",
-                                             "num_warps", "num_stages", "interpret"))
-def _mla_pallas(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l, num_splits,
-                num_warps, num_stages, interpret):
+def _combine_xla(acc, lse, dtype):
+    """The combine as one XLA fusion (acc [B, S, R, rows], lse [B, S, rows] -> [B, rows, R])."""
+    wgt = jnp.exp(lse - jnp.max(lse, axis=1, keepdims=True))  # [B, S, rows]
+    num = jnp.einsum("bsrm,bsm->bmr", acc.astype(jnp.float32), wgt, precision=lax.Precision.HIGHEST)
+    return (num / jnp.sum(wgt, axis=1)[:, :, None]).astype(dtype)
+
+
+def _split(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l, num_splits, num_warps,
+           num_stages, interpret):
+    """The split kernel's launch: partials accᵀ / l [B, S, R, rows_pad] and lse [B, S, rows_pad]."""
     b, t, h, r = q_lat.shape
     p = q_rope.shape[-1]
     l_max = c.shape[1]
@@ -159,7 +174,7 @@ def _mla_pallas(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l
                                scale=scale)
     # Grid (row block, split, sequence): row blocks of one chunk are adjacent in launch order,
     # so a chunk read by several row blocks is served from L2 after the first.
-    acc, m, l = pl.pallas_call(
+    acc, lse = pl.pallas_call(
         kernel,
         grid=(nr, ns, b),
         in_specs=[
@@ -170,56 +185,70 @@ def _mla_pallas(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l
             pl.BlockSpec((None, l_max, p), lambda i, j, k: (k, 0, 0)),  # rope-key cache
         ],
         out_specs=[
-            pl.BlockSpec((None, None, r, bm), lambda i, j, k: (k, j, 0, i)),  # accᵀ
-            pl.BlockSpec((None, None, bm), lambda i, j, k: (k, j, i)),
-            pl.BlockSpec((None, None, bm), lambda i, j, k: (k, j, i)),
+            pl.BlockSpec((None, None, r, bm), lambda i, j, k: (k, j, 0, i)),  # accᵀ / l
+            pl.BlockSpec((None, None, bm), lambda i, j, k: (k, j, i)),  # lse
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, ns, r, rows_pad), q_lat.dtype),
-            jax.ShapeDtypeStruct((b, ns, rows_pad), jnp.float32),
             jax.ShapeDtypeStruct((b, ns, rows_pad), jnp.float32),
         ],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="mla_decode_split",
     )(lengths.astype(jnp.int32), ql, qr, c, k_rope)
+    return acc, lse
 
-    # Combine tiles: S·BR·BMc ≤ 4096 fp32 (32 registers a thread at 4 warps), many programs;
-    # rows are the partials' minor dim, so BMc rows are one contiguous load per (split, column).
-    bmc = min(bm, 32)
-    br = max(1, min(r, _pow2_floor(4096 // (ns * bmc))))
-    out = pl.pallas_call(
-        _combine_kernel,
-        grid=(b, rows_pad // bmc, r // br),
-        in_specs=[
-            pl.BlockSpec((None, ns, br, bmc), lambda i, j, k: (i, 0, k, j)),
-            pl.BlockSpec((None, ns, bmc), lambda i, j, k: (i, 0, j)),
-            pl.BlockSpec((None, ns, bmc), lambda i, j, k: (i, 0, j)),
-        ],
-        out_specs=pl.BlockSpec((None, bmc, br), lambda i, j, k: (i, j, k)),
-        out_shape=jax.ShapeDtypeStruct((b, rows_pad, r), q_lat.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="mla_decode_combine",
-    )(acc, m, l)
-    return out[:, :rows].reshape(b, t, h, r)
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_rows", "block_l", "num_splits",
+                                             "num_warps", "num_stages", "combine", "interpret"))
+def _mla_pallas(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l, num_splits,
+                num_warps, num_stages, combine, interpret):
+    b, t, h, r = q_lat.shape
+    acc, lse = _split(q_lat, q_rope, c, k_rope, lengths, scale=scale, block_rows=block_rows, block_l=block_l,
+                      num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    ns, rows_pad, bm = acc.shape[1], acc.shape[3], block_rows
+    if combine == "xla":
+        out = _combine_xla(acc, lse, q_lat.dtype)
+    else:
+        # Tiles: BMc = 16 rows (the partials' minor dim: 32 contiguous bytes, one sector, per split
+        # and column), BR columns for about two programs an SM, splits in blocks of SB.
+        bmc = min(bm, 16)
+        tiles = b * (rows_pad // bmc)
+        br = _pow2_floor(max(1, min(r, r * tiles // (2 * NUM_SMS))))
+        sb = _pow2_floor(max(1, min(ns, 4096 // (br * bmc))))
+        out = pl.pallas_call(
+            functools.partial(_combine_kernel, split_block=sb),
+            grid=(b, rows_pad // bmc, r // br),
+            in_specs=[
+                pl.BlockSpec((None, ns, br, bmc), lambda i, j, k: (i, 0, k, j)),
+                pl.BlockSpec((None, ns, bmc), lambda i, j, k: (i, 0, j)),
+            ],
+            out_specs=pl.BlockSpec((None, bmc, br), lambda i, j, k: (i, j, k)),
+            out_shape=jax.ShapeDtypeStruct((b, rows_pad, r), q_lat.dtype),
+            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+            interpret=interpret,
+            name="mla_decode_combine",
+        )(acc, lse)
+    return out[:, :t * h].reshape(b, t, h, r)
 
 
 def mla_decode(q_lat, q_rope, c, k_rope, lengths, *, scale: float, block_rows: int | None = None,
                block_l: int = 64, num_splits: int | None = None, num_warps: int = 8,
-               num_stages: int = 2, backend: str = "auto"):
+               num_stages: int = 2, combine: str = "kernel", backend: str = "auto"):
     """Absorbed MLA attention of T query tokens over the latent cache; see the module docstring.
 
     Pallas: (1) split kernel, grid (T·H/BM, S, B): each program takes BM (token, head) rows and
     one of S chunks of its sequence's cache (chunk = lengths[b]/S rounded up to BL; blocks of BL
     positions in a loop, scores by two tensor-core dots with the cache block on the M side,
-    online softmax), and writes partials: accᵀ / l [R, BM] in the activation dtype, m and l
-    fp32. (2) combine kernel, grid (B, T·H/BMc, R/BR), every split of a tile loaded at once.
+    online softmax), and writes partials: accᵀ / l [R, BM] in the activation dtype and the
+    log-sum-exp m + ln l in fp32. (2) combine kernel, grid (B, T·H/BMc, R/BR) with BMc = 16 and
+    BR for about two programs an SM, looping over the splits in blocks; or (combine="xla") one
+    XLA fusion.
     BL = 64 with 8 warps and 2 stages fits one program per SM (188 KB of shared memory, 252
     registers, no spills: triton 3.6, sm_90a).
     Bytes that must move: lengths[b]·(R + P)·e (the cache, read once from HBM; further row
     blocks hit L2) + T·H·(R + P + R)·e (queries in, output out), e = element bytes; the
-    partials, B·S·T·H·(R·e + 8), are written and read back (ncu at 8k, S = 128, fp32 partials:
+    partials, B·S·T·H·(R·e + 4), are written and read back (ncu at 8k, S = 128, fp32 partials:
     the combine read them from HBM at ~1 TB/s, 8.4 µs). At T = 6 the dots (2·T·H·L·(2R + P)
     flops) also approach the tensor-core floor.
     """
@@ -238,6 +267,8 @@ def mla_decode(q_lat, q_rope, c, k_rope, lengths, *, scale: float, block_rows: i
     for name, val in (("block_rows", block_rows), ("block_l", block_l), ("num_splits", num_splits)):
         if val & (val - 1):
             raise ValueError(f"{name} must be a power of two, got {val}")
+    if combine not in ("kernel", "xla"):
+        raise ValueError(f"combine must be 'kernel' or 'xla', got {combine!r}")
     return _mla_pallas(q_lat, q_rope, c, k_rope, lengths, scale=float(scale), block_rows=block_rows,
                        block_l=block_l, num_splits=num_splits, num_warps=num_warps,
-                       num_stages=num_stages, interpret=backend == "interpret")
+                       num_stages=num_stages, combine=combine, interpret=backend == "interpret")

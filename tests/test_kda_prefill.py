@@ -59,27 +59,30 @@ def test_reference_matches_token_loop(gate):
 
 # (T, gate, chunk, BV, dtype): T = 1, not a multiple of the chunk, several chunks; both gates,
 # both norm paths (BV 16 < V: XLA epilogue; BV 32 = V: fused), fp32 and bf16.
+# hi_lo False: the bf16 state kernel's dots take the state rounded to bf16 (one dot, as fla).
 CASES = [
-    (1, "safe", 64, 16, jnp.float32),
-    (37, "softplus", 32, 32, jnp.float32),
-    (37, "safe", 32, 16, jnp.bfloat16),
-    (130, "safe", 64, 32, jnp.float32),
-    (130, "softplus", 64, 16, jnp.bfloat16),
+    (1, "safe", 64, 16, jnp.float32, True),
+    (37, "softplus", 32, 32, jnp.float32, True),
+    (37, "safe", 32, 16, jnp.bfloat16, True),
+    (130, "safe", 64, 32, jnp.float32, True),
+    (130, "softplus", 64, 16, jnp.bfloat16, True),
+    (130, "safe", 32, 32, jnp.bfloat16, False),
 ]
 
 
-@pytest.mark.parametrize("t,gate,chunk,bv,dtype", CASES)
-def test_interpret_matches_reference(t, gate, chunk, bv, dtype):
+@pytest.mark.parametrize("t,gate,chunk,bv,dtype,hi_lo", CASES)
+def test_interpret_matches_reference(t, gate, chunk, bv, dtype, hi_lo):
     """B = 3, ragged: one full sequence, one cut short, one slot sitting out (valid 0, its state
     must come back unchanged); nonzero initial recurrent and conv states."""
     seed = _seed()
     x, w, s = make_inputs(seed, b=3, t=t, dtype=dtype, h=H, kd=K)
     valid = jnp.asarray([t, (t + 1) // 2, 0])
     plan = kp.default_plan(K, dtype)
-    plan = kp.Plan(bv=bv, intra_warps=plan.intra_warps, state_warps=plan.state_warps, state_stages=plan.state_stages)
+    plan = kp.Plan(bv=bv, intra_warps=plan.intra_warps, state_warps=plan.state_warps, state_stages=plan.state_stages,
+                   state_hi_lo=hi_lo)
     got_o, got = kp.kda_prefill(x, w, s, valid, gate=gate, chunk=chunk, plan=plan, backend="interpret")
     want_o, want = kp.kda_prefill(x, w, s, valid, gate=gate, chunk=chunk, backend="reference")
-    msg = f"T={t} gate={gate} chunk={chunk} BV={bv} {jnp.dtype(dtype).name} seed {seed}"
+    msg = f"T={t} gate={gate} chunk={chunk} BV={bv} {jnp.dtype(dtype).name} hi_lo={hi_lo} seed {seed}"
     assert got_o.dtype == dtype and got.recurrent.dtype == jnp.float32
     # fp32: rounding level (40 seeds: o ≤ 2e-5; the norm amplifies errors of rows with a small
     # rms). bf16: the kernels keep their intermediates in bf16 and o is rounded twice (before
