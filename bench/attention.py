@@ -289,11 +289,11 @@ def bench_mla(length, t, ceiling, mm_tflops=790.0, sweep=True):
     ref_us = time_jax(lambda sh, c: run(sh, c, backend="reference"), (ql, qr, lengths), caches, perturb)
     record("mla", case, "xla reference", ref_us, nbytes, ceiling, flop_floor_us=round(flop_floor_us, 2))
 
-    def try_cfg(bm, bl, ns, nwarps, stages, combine="kernel"):
-        cfg = f"pallas BM={bm} BL={bl} S={ns} w={nwarps} st={stages}" + ("" if combine == "kernel" else f" {combine}")
+    def try_cfg(bm, bl, ns, nwarps, stages):
+        cfg = f"pallas BM={bm} BL={bl} S={ns} w={nwarps} st={stages}"
         try:
             kw = dict(block_rows=bm, block_l=bl, num_splits=ns, num_warps=nwarps, num_stages=stages,
-                      combine=combine, backend=PALLAS)
+                      backend=PALLAS)
             err = rel_err(run((ql, qr, lengths), caches[0], **kw), want)
             us = time_jax(lambda sh, c: run(sh, c, **kw), (ql, qr, lengths), caches, perturb)
             return record("mla", case, cfg, us, nbytes, ceiling, err=f"{err:.1e}", vs_xla=round(ref_us / us, 2),
@@ -305,11 +305,11 @@ def bench_mla(length, t, ceiling, mm_tflops=790.0, sweep=True):
     rows = t * MH
     bm0 = min(32, max(16, 1 << (rows - 1).bit_length()))  # mla_decode's default
     ns0 = md.default_num_splits(1, math.ceil(rows / bm0), length, 64)
-    default = (bm0, 64, ns0, 8, 2)
+    default = (bm0, 64, ns0, 4, 2)
     results = [try_cfg(*default)]
     if sweep:
-        cands = [default + ("xla",), (bm0, 64, max(1, ns0 // 2), 8, 2), (bm0, 64, min(128, ns0 * 2), 8, 2),
-                 (16, 64, ns0, 4, 2), (bm0, 32, ns0, 8, 2), (bm0, 64, ns0, 8, 1), (bm0, 64, ns0, 4, 2)]
+        cands = [(bm0, 64, ns0, 8, 2), (bm0, 64, max(1, ns0 // 2), 4, 2), (bm0, 64, min(128, ns0 * 2), 4, 2),
+                 (16, 64, ns0, 4, 2), (bm0, 32, ns0, 4, 3), (bm0, 64, ns0, 4, 1)]
         for cand in dict.fromkeys(c for c in cands if c != default):
             if over_budget():
                 log(f"  (budget) skipping {cand}")
@@ -322,8 +322,9 @@ def bench_mla(length, t, ceiling, mm_tflops=790.0, sweep=True):
 
 
 def mla_parts(run, shared, caches, perturb, cfg, nbytes, ceiling, case):
-    """Where the default's time goes: the split kernel alone, and the cost of two launches that do
-    no work (one program per split each, in the same timer): what any split + combine pays."""
+    """Where the default's time goes: the split kernel alone, and chains of one and of two
+    launches that do no work (one program per split, 16 floats each, nothing between them), timed
+    the same way: what one launch costs, and what any split + combine pays before moving a byte."""
     from jax.experimental import pallas as pl
 
     bm, bl, ns, nwarps, stages = cfg
@@ -336,20 +337,24 @@ def mla_parts(run, shared, caches, perturb, cfg, nbytes, ceiling, case):
 
     record("mla", case, "· split kernel alone", time_jax(split_only, shared, caches, perturb), nbytes, ceiling)
 
-    def bump(x_ref, o_ref):
-        o_ref[...] = x_ref[...] + 1.0
+    def bump(x_ref, tie_ref, o_ref):
+        o_ref[...] = x_ref[...].astype(jnp.float32) + tie_ref[...].astype(jnp.float32)
 
-    def launch(x):  # one program per split, 16 floats each
-        return pl.pallas_call(bump, grid=(ns,), in_specs=[pl.BlockSpec((16,), lambda i: (0,))],
+    def launch(x, tie):  # x: 16 * ns elements (or more); tie: this call's cache, so no two calls are equal
+        return pl.pallas_call(bump, grid=(ns,), in_specs=[pl.BlockSpec((16,), lambda i: (i,)),
+                                                          pl.BlockSpec((16,), lambda i: (0,))],
                               out_specs=pl.BlockSpec((16,), lambda i: (i,)),
-                              out_shape=jax.ShapeDtypeStruct((16 * ns,), jnp.float32), interpret=SMOKE)(x)
+                              out_shape=jax.ShapeDtypeStruct((16 * ns,), jnp.float32), interpret=SMOKE)(x, tie)
 
-    def two_empty(sh, c):
-        x = sh[0].reshape(-1)[:16].astype(jnp.float32) + c[1].reshape(-1)[0].astype(jnp.float32)
-        return launch(launch(x)[-16:])
+    for n in (1, 2):
+        def chain(sh, c, n=n):
+            x, tie = sh[0].reshape(-1), c[1].reshape(-1)  # free reshapes: no XLA kernel before the first
+            for _ in range(n):
+                x = launch(x, tie)
+            return x
 
-    record("mla", case, "· two launches doing nothing", time_jax(two_empty, shared, caches, perturb), nbytes,
-           ceiling)
+        record("mla", case, f"· {n} launch(es) doing nothing", time_jax(chain, shared, caches, perturb), nbytes,
+               ceiling)
 
 
 # ----------------------------------------------------------------------------------------------

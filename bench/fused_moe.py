@@ -97,8 +97,10 @@ def main():
                     "shapes and fit moe/tiles.py's latency model")
     ap.add_argument("--tile-model", metavar="PATH", help="--profile-tiles: where the fitted model goes "
                     "(default $OUT/tile_model.json)")
-    ap.add_argument("--tile-per-sm", default="1", help="--mixed: the tile kernel's persistent programs per SM "
+    ap.add_argument("--tile-per-sm", default="2", help="--mixed: the tile kernel's persistent programs per SM "
                     "(comma-separated: each is timed)")
+    ap.add_argument("--tile-bm", default="0", help="--mixed: the tile kernel's BM (comma-separated; 0: plan_for's)")
+    ap.add_argument("--prefills", default="512,2048,8192", help="--mixed: prefill chunk sizes (comma-separated)")
     ap.add_argument("--fmts", default="bf16,int4", help="weight formats to time (comma-separated)")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M (comma-separated)")
     ap.add_argument("--align-only", action="store_true", help="time only the align (M > 1)")
@@ -236,6 +238,8 @@ def run(args):
     reps = {1: 16, 6: 4, 16: 2, 64: 2}
     ms = tuple(int(m) for m in args.ms.split(",")) if not args.smoke else (1, 6, 16)
     fmts = tuple(args.fmts.split(","))
+    if args.align_only:  # the align alone takes any M (prefill sizes included)
+        reps.update({m: 2 for m in ms if m not in reps})
     if set(fmts) - {"bf16", "int4"} or not set(ms) <= set(reps):
         raise SystemExit(f"--fmts takes bf16,int4 and --ms a subset of {MS}: got {args.fmts!r} / {args.ms!r}")
     sweep = plans()

@@ -29,8 +29,9 @@ read against four segments, in this order:
 one expert its weights). No tile list is materialised: a program maps c to its tile from the
 two used-block counts, so the queue costs no memory and no launch.
 
-Grid and claims. A persistent grid of G programs (`Plan.programs`, default one per SM: 132 on the
-H200). Each program loops: c = atomic_add(sync[0], 1); stop once c >= the tile count; run tile c.
+Grid and claims. A persistent grid of G programs (`Plan.programs`, default PROGRAMS_PER_SM = 2 a
+SM: 264 on the H200; where two do not fit an SM the second waits and finds the queue empty).
+Each program loops: c = atomic_add(sync[0], 1); stop once c >= the tile count; run tile c.
 Claims are handed out in queue order, so no prefill tile is claimed before the last decode tile
 (the debug trace makes that testable), and a decode tile waits behind no prefill tile at all
 (the bound of one tile per program would apply to decode work arriving mid-launch; within one
@@ -84,6 +85,10 @@ from pallas_kernels.quant import QuantizedWeight
 from pallas_kernels.relaxed_atomic import relaxed_atomic_add
 
 H200_SMS = 132
+# Persistent programs per SM by default. H200, 8 decode + 512 / 2048 prefill tokens (BM 16 / 64 of
+# 4 warps): the mixed launch 2018 -> 1586 / 2228 -> 1751 µs from 1 to 2 a SM, 3 no better; at
+# BM 128 of 8 warps (8192 prefill tokens) 1, 2 and 3 tie (bench/RESULTS.md, 2026-12-01).
+PROGRAMS_PER_SM = 2
 KINDS = ("decode up", "decode down", "prefill up", "prefill down")
 TRACE_FIELDS = ("kind", "block", "n_tile", "program", "ticket")
 
@@ -105,16 +110,17 @@ class Plan:
     down: Tile = Tile()
     num_warps: int = 4
     num_stages: int = 3
-    programs: int | None = None  # persistent programs; None: one per SM (4 in interpret mode)
+    programs: int | None = None  # persistent programs; None: PROGRAMS_PER_SM a SM (4 in interpret mode)
 
 
 def plan_for(p_prefill: int, e: int, quantized: bool) -> Plan:
-    """Launch heuristics (not yet measured): BM near the prefill class's mean rows per expert
-    P_p / E, as grouped_gemm.plan_for, so a prefill expert takes about one block; decode rows
-    then sit in mostly empty blocks, which costs registers, not bytes (padding is masked)."""
+    """Launch heuristics: BM 16 up to 24 prefill rows an expert, else 64 of 4 warps. Not 128 at
+    larger chunks (as grouped_gemm.plan_for) although an expert then takes two blocks: H200, 8
+    decode + 8192 prefill tokens (128 rows an expert), BM 64 took 3039 µs and its decode tiles
+    157 µs alone, BM 128 of 8 warps 3385 and 226 (bench/RESULTS.md, 2026-12-01)."""
     r = p_prefill / e
-    bm = 16 if r <= 24 else 64 if r <= 96 else 128
-    warps = 8 if bm == 128 else 4
+    bm = 16 if r <= 24 else 64
+    warps = 4
     if quantized:
         return Plan(bm, Tile(0, 0), Tile(0, 0), warps, 3)
     return Plan(bm, Tile(64, 128), Tile(64, 128), warps, 3)
@@ -285,7 +291,7 @@ def _programs(plan: Plan, interpret: bool) -> int:
         return plan.programs
     if interpret:
         return 4
-    return getattr(jax.devices()[0], "core_count", None) or H200_SMS
+    return PROGRAMS_PER_SM * (getattr(jax.devices()[0], "core_count", None) or H200_SMS)
 
 
 def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, backend, plan: Plan | None,

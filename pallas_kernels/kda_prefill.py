@@ -33,8 +33,9 @@ w, u, q ⊙ e^G, k ⊙ e^{G_C - G} and Aqk are stored in the activation dtype be
 (as fla's chunk_kda; exact for fp32 activations); o is rounded to it before the norm (as the
 model) and once more after. Dots: the intra kernel's at `Plan.precision` ("tf32": 10-bit
 operands, fp32 accumulation), the inverse's in 3xtf32; the state kernel multiplies the stored
-16-bit tiles exactly by the fp32 state split into 16-bit hi + lo (two 16-bit dots, ~16 mantissa
-bits of the state; fp32 activations: `Plan.precision`). The state itself stays fp32.
+16-bit tiles by the fp32 state rounded to 16 bits (as fla's chunk_kda; `Plan.state_hi_lo`: split
+into hi + lo, two dots, ~16 mantissa bits; fp32 activations: `Plan.precision`). The state itself
+accumulates in fp32.
 
 Layouts (C = H·K; every array is its own buffer): KdaInputs, KdaWeights, KdaState of
 `pallas_kernels.kda` with T the prompt length; valid [B] int32 (clipped to 0..T).
@@ -72,9 +73,10 @@ Cost at Ling shapes (B 1, T 8192, H 32, K = V = 128, C 64 unless said, bf16), pe
   fetch, at 12.5% occupancy (the registers allow 2 programs of 4 warps an SM).
   Chunks of 32 (CHUNK, since 2026-12-01) halve that code: 5.0k instructions at 4 warps (76 B
   spilled), for 8192 programs and twice the state kernel's steps.
-  Measured (H200, bench/RESULTS.md 2026-12-01): chunks of 32, intra 0.98 ms (4 warps; 8 warps
-  2.36), state 0.57 ms, the layer 1.65 ms; chunks of 64 (intra 8 warps) 2.83 ms; fla's chunk_kda
-  0.96 ms without conv and gated norm; target ≤ 1.0 ms.
+  Measured (H200, bench/RESULTS.md 2026-12-01): chunks of 32, intra 0.98-1.10 ms (4 warps; 8
+  warps 2.3), state 0.57-0.62 ms with hi + lo dots, 0.42 rounded; the layer 1.65-1.68 ms, 1.47
+  rounded; chunks of 64 (intra 8 warps) 2.83 ms; fla's chunk_kda 0.96 ms without conv and gated
+  norm; target ≤ 1.0 ms.
 """
 
 from __future__ import annotations
@@ -238,10 +240,11 @@ class Plan:
     state_stages: int = 3  # Triton pipelining of the chunk loop; H200 at BV 32: 367 µs vs 562 at 2 stages
     # (3 stages of BV 128's loads pass the 227 KB of shared memory: give larger V-blocks 2 or 1)
     precision: str = "tf32"  # dot operand precision, a key of PRECISIONS
-    # 16-bit activations: the fp32 state enters the state kernel's dots as 16-bit hi + lo (two dots,
-    # ~16 mantissa bits) when True; rounded to the activation dtype (one dot, as fla's chunk_kda)
-    # when False
-    state_hi_lo: bool = True
+    # 16-bit activations: the fp32 state (and v_new) enter the state kernel's dots rounded to the
+    # activation dtype (one dot, as fla's chunk_kda), or as 16-bit hi + lo when True (two dots, ~16
+    # mantissa bits). H200, 8192 tokens: state kernel 418 µs rounded vs 616 hi + lo, and the same
+    # error against the fp32 reference (o 7.5e-3, state 3.7e-3: the stored 16-bit tiles dominate)
+    state_hi_lo: bool = False
 
 
 def default_plan(v: int, dtype) -> Plan:

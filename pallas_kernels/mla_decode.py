@@ -147,13 +147,6 @@ def _combine_kernel(acc_ref, lse_ref, o_ref, *, split_block: int):
     o_ref[...] = (num / den[None, :]).T.astype(o_ref.dtype)
 
 
-def _combine_xla(acc, lse, dtype):
-    """The combine as one XLA fusion (acc [B, S, R, rows], lse [B, S, rows] -> [B, rows, R])."""
-    wgt = jnp.exp(lse - jnp.max(lse, axis=1, keepdims=True))  # [B, S, rows]
-    num = jnp.einsum("bsrm,bsm->bmr", acc.astype(jnp.float32), wgt, precision=lax.Precision.HIGHEST)
-    return (num / jnp.sum(wgt, axis=1)[:, :, None]).astype(dtype)
-
-
 def _split(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l, num_splits, num_warps,
            num_stages, interpret):
     """The split kernel's launch: partials accᵀ / l [B, S, R, rows_pad] and lse [B, S, rows_pad]."""
@@ -200,41 +193,38 @@ def _split(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l, num
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_rows", "block_l", "num_splits",
-                                             "num_warps", "num_stages", "combine", "interpret"))
+                                             "num_warps", "num_stages", "interpret"))
 def _mla_pallas(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l, num_splits,
-                num_warps, num_stages, combine, interpret):
+                num_warps, num_stages, interpret):
     b, t, h, r = q_lat.shape
     acc, lse = _split(q_lat, q_rope, c, k_rope, lengths, scale=scale, block_rows=block_rows, block_l=block_l,
                       num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     ns, rows_pad, bm = acc.shape[1], acc.shape[3], block_rows
-    if combine == "xla":
-        out = _combine_xla(acc, lse, q_lat.dtype)
-    else:
-        # Tiles: BMc = 16 rows (the partials' minor dim: 32 contiguous bytes, one sector, per split
-        # and column), BR columns for about two programs an SM, splits in blocks of SB.
-        bmc = min(bm, 16)
-        tiles = b * (rows_pad // bmc)
-        br = _pow2_floor(max(1, min(r, r * tiles // (2 * NUM_SMS))))
-        sb = _pow2_floor(max(1, min(ns, 4096 // (br * bmc))))
-        out = pl.pallas_call(
-            functools.partial(_combine_kernel, split_block=sb),
-            grid=(b, rows_pad // bmc, r // br),
-            in_specs=[
-                pl.BlockSpec((None, ns, br, bmc), lambda i, j, k: (i, 0, k, j)),
-                pl.BlockSpec((None, ns, bmc), lambda i, j, k: (i, 0, j)),
-            ],
-            out_specs=pl.BlockSpec((None, bmc, br), lambda i, j, k: (i, j, k)),
-            out_shape=jax.ShapeDtypeStruct((b, rows_pad, r), q_lat.dtype),
-            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-            interpret=interpret,
-            name="mla_decode_combine",
-        )(acc, lse)
+    # Tiles: BMc = 16 rows (the partials' minor dim: 32 contiguous bytes, one sector, per split
+    # and column), BR columns for about two programs an SM, splits in blocks of SB.
+    bmc = min(bm, 16)
+    tiles = b * (rows_pad // bmc)
+    br = _pow2_floor(max(1, min(r, r * tiles // (2 * NUM_SMS))))
+    sb = _pow2_floor(max(1, min(ns, 4096 // (br * bmc))))
+    out = pl.pallas_call(
+        functools.partial(_combine_kernel, split_block=sb),
+        grid=(b, rows_pad // bmc, r // br),
+        in_specs=[
+            pl.BlockSpec((None, ns, br, bmc), lambda i, j, k: (i, 0, k, j)),
+            pl.BlockSpec((None, ns, bmc), lambda i, j, k: (i, 0, j)),
+        ],
+        out_specs=pl.BlockSpec((None, bmc, br), lambda i, j, k: (i, j, k)),
+        out_shape=jax.ShapeDtypeStruct((b, rows_pad, r), q_lat.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="mla_decode_combine",
+    )(acc, lse)
     return out[:, :t * h].reshape(b, t, h, r)
 
 
 def mla_decode(q_lat, q_rope, c, k_rope, lengths, *, scale: float, block_rows: int | None = None,
-               block_l: int = 64, num_splits: int | None = None, num_warps: int = 8,
-               num_stages: int = 2, combine: str = "kernel", backend: str = "auto"):
+               block_l: int = 64, num_splits: int | None = None, num_warps: int = 4,
+               num_stages: int = 2, backend: str = "auto"):
     """Absorbed MLA attention of T query tokens over the latent cache; see the module docstring.
 
     Pallas: (1) split kernel, grid (T·H/BM, S, B): each program takes BM (token, head) rows and
@@ -242,10 +232,11 @@ def mla_decode(q_lat, q_rope, c, k_rope, lengths, *, scale: float, block_rows: i
     positions in a loop, scores by two tensor-core dots with the cache block on the M side,
     online softmax), and writes partials: accᵀ / l [R, BM] in the activation dtype and the
     log-sum-exp m + ln l in fp32. (2) combine kernel, grid (B, T·H/BMc, R/BR) with BMc = 16 and
-    BR for about two programs an SM, looping over the splits in blocks; or (combine="xla") one
-    XLA fusion.
-    BL = 64 with 8 warps and 2 stages fits one program per SM (188 KB of shared memory, 252
-    registers, no spills: triton 3.6, sm_90a).
+    BR for about two programs an SM, looping over the splits in blocks (an XLA fusion for it was
+    slower on the H200: 18.9 against 14.1 µs at 8k, T = 1).
+    BL = 64 and 2 stages fit one program per SM (188 KB of shared memory). 4 warps (255
+    registers, 620 B spilled: triton 3.6, sm_90a) beat 8 (252, no spills) on the H200: 8k, T = 1
+    13.8 against 14.1 µs, T = 6 31.5 against 43.7 (bench/RESULTS.md, 2026-12-01).
     Bytes that must move: lengths[b]·(R + P)·e (the cache, read once from HBM; further row
     blocks hit L2) + T·H·(R + P + R)·e (queries in, output out), e = element bytes; the
     partials, B·S·T·H·(R·e + 4), are written and read back (ncu at 8k, S = 128, fp32 partials:
@@ -267,8 +258,6 @@ def mla_decode(q_lat, q_rope, c, k_rope, lengths, *, scale: float, block_rows: i
     for name, val in (("block_rows", block_rows), ("block_l", block_l), ("num_splits", num_splits)):
         if val & (val - 1):
             raise ValueError(f"{name} must be a power of two, got {val}")
-    if combine not in ("kernel", "xla"):
-        raise ValueError(f"combine must be 'kernel' or 'xla', got {combine!r}")
     return _mla_pallas(q_lat, q_rope, c, k_rope, lengths, scale=float(scale), block_rows=block_rows,
                        block_l=block_l, num_splits=num_splits, num_warps=num_warps,
-                       num_stages=num_stages, combine=combine, interpret=backend == "interpret")
+                       num_stages=num_stages, interpret=backend == "interpret")

@@ -135,13 +135,14 @@ def test_public_entry_and_reference_agree():
 
 # ------------------------------------------------------------------------------------- align
 def _check_align(sorted_pairs, block_expert, ids, bm):
-    """Pairs grouped by expert in ascending order, stable, each run padded to bm with P."""
+    """Pairs grouped by expert in ascending order, stable, each run padded to bm with P; pairs
+    with id >= E (skipped) in no block."""
     ids = np.asarray(ids).reshape(-1)
     p = ids.size
     sp, be = np.asarray(sorted_pairs), np.asarray(block_expert)
     s = fm.align_sizes(p, E, bm)
     assert sp.shape == (s.n_slots,) and be.shape == (s.nbp,)
-    counts = np.bincount(ids, minlength=E)
+    counts = np.bincount(ids[ids < E], minlength=E)
     used = int(np.sum(-(-counts // bm)))
     assert used <= s.nb
     assert np.all(be[:used] >= 0) and np.all(be[used:] == -1)
@@ -167,11 +168,19 @@ def test_align_kernel(m, k, bm, kind):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("m,k,bm", [(9, 8, 16), (64, 8, 16), (100, 6, 64)])
-def test_align_beyond_the_kernel(m, k, bm):
-    ids, _ = _routing(np.random.default_rng([m, k]), m, k, "skewed")
+@pytest.mark.parametrize("m,k,bm,kind", [(9, 8, 16, "skewed"), (64, 8, 16, "skewed"), (100, 6, 64, "skewed"),
+                                         (1100, 8, 16, "random"), (1100, 8, 64, "one")])
+def test_align_beyond_the_kernel(m, k, bm, kind):
+    """The blocked align (histogram + place launches; blocks of 64 pairs up to 8192, 256 beyond):
+    the layout, and equal to the argsort path, with skipped pairs (id E) among them."""
+    ids, _ = _routing(np.random.default_rng([m, k]), m, k, kind)
+    ids = ids.at[m // 2, 0].set(E)
     assert m * k > fm.MAX_ALIGN_PAIRS
-    _check_align(*fm.moe_align(ids, E, bm, backend="interpret"), ids, bm)
+    got = fm.moe_align(ids, E, bm, backend="interpret")
+    _check_align(*got, ids, bm)
+    want = fm.moe_align(ids, E, bm, backend="reference")  # the argsort path
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # ------------------------------------------------------------------------------------- format

@@ -79,9 +79,8 @@ CASES = [  # t, l_max, block_l, num_splits, block_rows, dtype
 ]
 
 
-@pytest.mark.parametrize("combine", ["kernel", "xla"])
 @pytest.mark.parametrize("t,l_max,block_l,num_splits,block_rows,dtype", CASES)
-def test_interpret_matches_reference(t, l_max, block_l, num_splits, block_rows, dtype, combine):
+def test_interpret_matches_reference(t, l_max, block_l, num_splits, block_rows, dtype):
     seed = _seed()
     rng = np.random.default_rng(seed)
     # Lengths include the shortest legal one (= T: splits with nothing to do) and a full cache.
@@ -89,10 +88,10 @@ def test_interpret_matches_reference(t, l_max, block_l, num_splits, block_rows, 
     q_lat, q_rope, c, k_rope, lengths = make_inputs(rng, 3, t, l_max, lengths=lengths, dtype=dtype)
     scale = (R + P) ** -0.5
     got = md.mla_decode(q_lat, q_rope, c, k_rope, lengths, scale=scale, block_l=block_l,
-                        num_splits=num_splits, block_rows=block_rows, combine=combine, backend="interpret")
+                        num_splits=num_splits, block_rows=block_rows, backend="interpret")
     want = md.mla_decode(q_lat, q_rope, c, k_rope, lengths, scale=scale, backend="reference")
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    msg = f"T={t} L={l_max} lengths={np.asarray(lengths)} {jnp.dtype(dtype).name} {combine} seed {seed}"
+    msg = f"T={t} L={l_max} lengths={np.asarray(lengths)} {jnp.dtype(dtype).name} seed {seed}"
     assert got.shape == (3, t, H, R)
     assert np.all(np.isfinite(got)), "non-finite output: " + msg
     # bf16: the kernel rounds p to bf16 for the p·c dot (as flash attention does), and the output.
@@ -109,5 +108,3 @@ def test_default_splits_and_bad_blocks():
     args = make_inputs(rng, 1, 1, 32)
     with pytest.raises(ValueError):
         md.mla_decode(*args, scale=1.0, num_splits=3, backend="interpret")
-    with pytest.raises(ValueError, match="combine"):
-        md.mla_decode(*args, scale=1.0, combine="atomic", backend="interpret")
