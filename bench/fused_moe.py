@@ -324,7 +324,7 @@ def run(args):
         log(f"torch._grouped_mm bf16 M={m}: {us:.1f} µs")
 
     def align(_, m):
-        """The align alone (M > 1; the kernel up to 64 pairs, the argsort path beyond), as the bf16
+        """The align alone (M > 1; the kernel up to 64 pairs, the blocked path beyond), as the bf16
         default plan runs it: how much of the layer it is. N aligns of shifted routings a dispatch
         (one alone is shorter than the host's dispatch: the queue would time the host)."""
         x, ids, ws, _ = routing(m)
@@ -334,7 +334,7 @@ def run(args):
         us = 0.0 if args.smoke else queued_us(f, ids, hi=12, lo=3) / (n * len(ids))
         for fmt in fmts:
             rows[(fmt, m)]["align"] = us
-        log(f"align M={m} ({m * K} pairs, block {bm}, {'kernel' if m * K <= fm.MAX_ALIGN_PAIRS else 'argsort'}): "
+        log(f"align M={m} ({m * K} pairs, block {bm}, {'kernel' if m * K <= fm.MAX_ALIGN_PAIRS else 'blocked'}): "
             f"{us:.1f} µs")
 
     def interleaved(fmt, m, rounds=3):

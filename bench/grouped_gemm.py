@@ -10,7 +10,7 @@ Ling-3.0-flash's MoE layer: E = 512 experts, top-8, D = 2560, I = 768; bf16 weig
 int4 (G = 128, symmetric, B_N = 64, random codes and scales); M in {512, 2048, 4096} tokens with
 uniform random routing (distinct experts per token), so every expert has rows (M = 512: ~8 each).
 Per row (format, M):
-  ours     grouped_moe = align (argsort) + up GEMM/SwiGLU + down GEMM/weights + combine, with
+  ours     grouped_moe = align (blocked) + up GEMM/SwiGLU + down GEMM/weights + combine, with
            `plan_for`'s plan, then the sweep's plans (the best is shown with its plan)
   ragged   XLA `lax.ragged_dot` on bf16 weights (moe/block.py `_experts_grouped`)
   torch    torch._grouped_mm on its own random bf16 weights, same routing: argsort, gather,

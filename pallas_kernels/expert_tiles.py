@@ -36,8 +36,9 @@ Claims are handed out in queue order, so no prefill tile is claimed before the l
 (the debug trace makes that testable), and a decode tile waits behind no prefill tile at all
 (the bound of one tile per program would apply to decode work arriving mid-launch; within one
 launch the decode tiles simply come first). What decode does wait for is the work before the
-launch: both classes' aligns (the prefill class's is an XLA argsort beyond 64 pairs); the
-benchmark counts it as decode latency.
+launch: both classes' aligns (the prefill class's is the blocked align beyond 64 pairs, 25-33
+µs on the H200), the fp32 accumulator's zeroing, and after it y's rounding over all rows; the
+benchmark counts them as decode latency.
 
 The down tile's dependency. Down tile (b, t) needs all T_u up tiles of block b. An up tile
 stores its h tile, then (barrier, so every thread's stores precede it) atomically increments

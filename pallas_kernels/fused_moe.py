@@ -16,8 +16,10 @@ Layouts (x @ W orientation, every stacked weight passed whole, never sliced in f
 
 Pairs. p = m*k + slot is the (token, slot) pair index, P = M*k.
 
-Align (one Pallas launch for P <= 64, `_align_kernel`; jnp argsort beyond, `_align_jnp`): pairs
-ordered by expert, stable in p, each expert's run padded to a multiple of BM rows:
+Align (one Pallas launch for P <= 64, `_align_kernel`; beyond, `_align_blocked`: two Pallas
+launches around XLA cumsums, no sort; the reference backend's `_align_jnp` is a stable argsort,
+the same outputs): pairs ordered by expert, stable in p, each expert's run padded to a multiple
+of BM rows:
   sorted_pairs [S] int32  pair at each padded slot, P where the slot is padding (S > NB*BM),
   block_expert [NBP] int32 expert of block j (slots [j*BM, (j+1)*BM)), -1 for an unused block.
 NB = n + (P - n) // BM with n = min(P, E) bounds the blocks any routing needs (NBP = next pow2).
@@ -274,7 +276,8 @@ def _align_blocked(ids, s: AlignSizes, n_experts: int, interpret: bool):
     PB; (1) a Pallas histogram of each block's experts [NBk, E_pad]; (2) XLA: per expert, the pairs
     in earlier blocks (cumsum over blocks) plus the expert's first slot (cumsum of its padded block
     counts); (3) a Pallas launch that writes each pair to that base + its rank within its block.
-    H200: the argsort path took 36-100 µs at 128 to 65k pairs (2026-12-01)."""
+    H200 (bench/fused_moe.py --align-only): 23 / 25 / 33 / 26 / 29 µs at 128 / 512 / 16k / 32k /
+    65k pairs, where the argsort path took 49 / 36 / 78 / 100 / 79 (2026-12-01)."""
     p, bm = s.p, s.bm
     pb = 64 if p <= 8192 else 256  # programs: at most ~256 at 65k pairs
     nbk = -(-p // pb)
@@ -713,7 +716,7 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend=
     swiglu_limit: None, or L for min(silu(g), L) * clamp(u, -L, L).
     backend: "pallas" | "interpret" | "reference" | "auto" (pallas_kernels.backend.resolve).
     M <= 64 runs block 16 (bf16) or one pair per block (quantised, M <= 16); M = 1 without an
-    align launch; larger M the same kernels with block 64 (a grouped GEMM) and the argsort
+    align launch; larger M the same kernels with block 64 (a grouped GEMM) and the blocked
     align. plan overrides the launch heuristics (`plan_for`).
     """
     backend = resolve(backend)

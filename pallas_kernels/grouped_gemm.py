@@ -9,7 +9,7 @@ average), so the work is a grouped GEMM: one [rows_e, K] @ [K, N] product per ex
 tensor cores. XLA's `lax.ragged_dot` computes every expert against every row (298 ms a layer
 at 4096 tokens on the H200); this reads each expert's weights once per row block.
 
-Layout. Pairs p = m*k + slot. `fused_moe.moe_align` (argsort path beyond 64 pairs) sorts them by
+Layout. Pairs p = m*k + slot. `fused_moe.moe_align` (blocked path beyond 64 pairs) sorts them by
 expert, stable, each expert's run padded to BM rows, one expert per block:
   sorted_pairs [S] int32 (P = padding), block_expert [NBP] int32 (-1: unused block);
   NB = n + (P - n) // BM, n = min(P, E), bounds the blocks of any routing.
