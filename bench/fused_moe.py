@@ -97,8 +97,8 @@ def main():
                     "shapes and fit moe/tiles.py's latency model")
     ap.add_argument("--tile-model", metavar="PATH", help="--profile-tiles: where the fitted model goes "
                     "(default $OUT/tile_model.json)")
-    ap.add_argument("--tile-per-sm", default="2", help="--mixed: the tile kernel's persistent programs per SM "
-                    "(comma-separated: each is timed)")
+    ap.add_argument("--tile-per-sm", help="--mixed: the tile kernel's persistent programs per SM (comma-separated: "
+                    "each is timed; default expert_tiles.PROGRAMS_PER_SM)")
     ap.add_argument("--tile-bm", default="0", help="--mixed: the tile kernel's BM (comma-separated; 0: plan_for's)")
     ap.add_argument("--prefills", default="512,2048,8192", help="--mixed: prefill chunk sizes (comma-separated)")
     ap.add_argument("--fmts", default="bf16,int4", help="weight formats to time (comma-separated)")

@@ -12,6 +12,8 @@
               to last decode tile's end, and to the last tile's end): the work before the kernel
               (both aligns, the concatenations) counts as decode latency, the prefill tiles after
               the last decode tile do not. Also the decode-only tile launch (the exclusive time).
+              --tile-per-sm N,.. and --tile-bm BM,.. time (c) at each persistent grid size and
+              block height (default: the kernel's own); --prefills picks the chunk sizes.
 --profile-tiles. The tile kernel at one plan (BM 64) over a grid of (decode, prefill) token
 counts; x_moe from each call's routing (per class, as the kernel aligns them); a least-squares
 fit of moe/tiles.py's model t = alpha + beta x (s = 1) on two thirds of the shapes, its error on
@@ -59,7 +61,9 @@ class Bench:
         self.results["device"] = f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}"
         self.sms = 4 if self.smoke else (getattr(dev, "core_count", None) or 132)
         # (c) at each of these persistent grid sizes, in programs per SM (the first is the default)
-        self.per_sm = [int(v) for v in str(getattr(args, "tile_per_sm", "2")).split(",")]
+        from pallas_kernels.expert_tiles import PROGRAMS_PER_SM
+
+        self.per_sm = [int(v) for v in str(getattr(args, "tile_per_sm", None) or PROGRAMS_PER_SM).split(",")]
         self.programs = self.sms * self.per_sm[0]
         # ... and each of these BM (0: plan_for's), at the prefill sizes listed
         self.bms = [int(v) for v in str(getattr(args, "tile_bm", "0")).split(",")]

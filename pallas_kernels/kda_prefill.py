@@ -603,7 +603,7 @@ def _state_kernel(w_ref, qg_ref, kg_ref, u_ref, aqk_ref, gc_ref, s0_ref, gate_re
 
 
 def _state(inter, x: KdaInputs, w: KdaWeights, rec, *, chunk, eps, bv, precision, num_warps, num_stages,
-           interpret, hi_lo: bool = True):
+           interpret, hi_lo: bool):
     wy, u, qg, kg, aqk, gc = inter
     b, h, tp, kd = wy.shape
     t = x.q.shape[1]
