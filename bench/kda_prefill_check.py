@@ -201,7 +201,7 @@ def bench_ours(gate, ceiling, backend, args):
     inter = kp._intra(x, w, s, valid, chunk=chunk, gate=gate, lower_bound=-5.0, precision=prec(base.precision),
                       inv_precision=inv_prec, num_warps=base.intra_warps, interpret=interp)
 
-    def state(bv, warps, stages, precision, hi_lo=True):
+    def state(bv, warps, stages, precision, hi_lo):
         def step(a, c):
             inter, x, w = a
             return kp._state(inter, x, w, c[1], chunk=chunk, eps=1e-6, bv=bv, precision=prec(precision),
@@ -319,8 +319,9 @@ def run_gpu(args):
     log(f"copy ceiling {ceiling / 1e12:.2f} TB/s; bytes that must move {must_move_bytes(T) / 1e6:.0f} MB "
         f"(floor {must_move_bytes(T) / ceiling * 1e6:.1f} µs); design {design_bytes(T, 32) / 1e6:.0f} MB")
     for gate in args.gates:
-        rounded = dataclasses.replace(kp.default_plan(KD, jax.numpy.bfloat16), state_hi_lo=False)
-        for t, plan in ((T_CHECK, None), (T, None), (T, rounded)):
+        base = kp.default_plan(KD, jax.numpy.bfloat16)
+        other = dataclasses.replace(base, state_hi_lo=not base.state_hi_lo)  # the state kernel's other dot form
+        for t, plan in ((T_CHECK, None), (T, None), (T, other)):
             try:
                 check(gate, t, backend, plan)
             except Exception as e:  # noqa: BLE001

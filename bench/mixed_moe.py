@@ -9,9 +9,9 @@
   (c) tiles   expert_tiles.tile_moe: one persistent launch, decode tiles claimed first; total timed
               like the others; decode done = total - (kernel span - decode span), the spans read
               from the kernel's %globaltimer stamps in a separate traced run (first program start
-              to last decode tile's end, and to the last tile's end): the work before the kernel
-              (both aligns, the concatenations) counts as decode latency, the prefill tiles after
-              the last decode tile do not. Also the decode-only tile launch (the exclusive time).
+              to last decode tile's end, and to the last tile's end): the work before and after
+              the kernel (both aligns, the accumulator's zeroing, y's rounding) counts as decode
+              latency, the prefill tiles after the last decode tile do not. Also the decode-only tile launch (the exclusive time).
               --tile-per-sm N,.. and --tile-bm BM,.. time (c) at each persistent grid size and
               block height (default: the kernel's own); --prefills picks the chunk sizes.
 --profile-tiles. The tile kernel at one plan (BM 64) over a grid of (decode, prefill) token
