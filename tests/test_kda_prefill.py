@@ -84,10 +84,16 @@ def test_interpret_matches_reference(t, gate, chunk, bv, dtype, hi_lo):
     want_o, want = kp.kda_prefill(x, w, s, valid, gate=gate, chunk=chunk, backend="reference")
     msg = f"T={t} gate={gate} chunk={chunk} BV={bv} {jnp.dtype(dtype).name} hi_lo={hi_lo} seed {seed}"
     assert got_o.dtype == dtype and got.recurrent.dtype == jnp.float32
+    # o is specified on each sequence's valid rows; rows past valid[b] are padding that callers
+    # discard, checked finite only (bf16: one differed from the reference by 3.9e-2 of max |o|
+    # on both forms of the state kernel's dots, where valid rows stay ≤ 1.0e-2).
+    assert np.all(np.isfinite(np.asarray(got_o, np.float32))), "non-finite (unwritten?) o: " + msg
+    real = (jnp.arange(t)[None, :] < valid[:, None])[:, :, None, None]
     # fp32: rounding level (40 seeds: o ≤ 2e-5; the norm amplifies errors of rows with a small
     # rms). bf16: the kernels keep their intermediates in bf16 and o is rounded twice (before
-    # and after the norm, as the model): a few bf16 ulps (40 seeds: o ≤ 1.1e-2, state ≤ 6e-3).
-    _close(got_o, want_o, 1e-4 if dtype == jnp.float32 else 3e-2, "o " + msg)
+    # and after the norm, as the model): a few bf16 ulps (40 seeds at T 130, BV 32, either form
+    # of the state kernel's dots: o ≤ 1.0e-2, state ≤ 6.7e-3).
+    _close(jnp.where(real, got_o, 0), jnp.where(real, want_o, 0), 1e-4 if dtype == jnp.float32 else 3e-2, "o " + msg)
     _close(got.recurrent, want.recurrent, 1e-4 if dtype == jnp.float32 else 2e-2, "state " + msg)
     np.testing.assert_array_equal(np.asarray(got.recurrent[2]), np.asarray(s.recurrent[2]), err_msg="valid 0 " + msg)
     for name in ("conv_q", "conv_k", "conv_v"):
