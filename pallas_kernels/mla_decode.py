@@ -201,7 +201,8 @@ def _mla_pallas(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l
                       num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     ns, rows_pad, bm = acc.shape[1], acc.shape[3], block_rows
     # Tiles: BMc = 16 rows (the partials' minor dim: 32 contiguous bytes, one sector, per split
-    # and column), BR columns for about two programs an SM, splits in blocks of SB.
+    # and column), BR columns for at least two programs an SM (8k, T = 1: BR 2, 512 programs),
+    # splits in blocks of SB.
     bmc = min(bm, 16)
     tiles = b * (rows_pad // bmc)
     br = _pow2_floor(max(1, min(r, r * tiles // (2 * NUM_SMS))))
@@ -232,7 +233,7 @@ def mla_decode(q_lat, q_rope, c, k_rope, lengths, *, scale: float, block_rows: i
     positions in a loop, scores by two tensor-core dots with the cache block on the M side,
     online softmax), and writes partials: accᵀ / l [R, BM] in the activation dtype and the
     log-sum-exp m + ln l in fp32. (2) combine kernel, grid (B, T·H/BMc, R/BR) with BMc = 16 and
-    BR for about two programs an SM, looping over the splits in blocks (an XLA fusion for it was
+    BR for at least two programs an SM, looping over the splits in blocks (an XLA fusion for it was
     slower on the H200: 18.9 against 14.1 µs at 8k, T = 1).
     BL = 64 and 2 stages fit one program per SM (188 KB of shared memory). 4 warps (255
     registers, 620 B spilled: triton 3.6, sm_90a) beat 8 (252, no spills) on the H200: 8k, T = 1
