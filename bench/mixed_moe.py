@@ -67,7 +67,8 @@ class Bench:
         self.programs = self.sms * self.per_sm[0]
         # ... and each of these BM (0: plan_for's), at the prefill sizes listed
         self.bms = [int(v) for v in str(getattr(args, "tile_bm", "0")).split(",")]
-        self.prefills = [int(v) for v in str(getattr(args, "prefills", ",".join(map(str, PREFILLS)))).split(",")]
+        prefills = getattr(args, "prefills", None)
+        self.prefills = [int(v) for v in prefills.split(",")] if prefills else list(PREFILLS)
         self._w = None
 
     # ------------------------------------------------------------------ inputs

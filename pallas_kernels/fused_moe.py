@@ -242,27 +242,28 @@ def _align_kernel(ids_ref, sorted_ref, blk_ref, *, s: AlignSizes, n_experts: int
         blk_ref[...] = jnp.where(owned > 0, expert, -1)
 
 
-def _hist_kernel(ids_ref, hist_ref, *, p: int, pb: int, eb: int):
+def _hist_kernel(ids_ref, hist_ref, *, pb: int, eb: int):
     """Program b: hist[b, e] = pairs of block b (pairs [b*PB, (b+1)*PB)) routed to expert e, for
-    e in [0, E_pad); E_pad columns in chunks of EB ([PB, EB] comparisons in registers)."""
-    q = pl.program_id(0) * pb + jnp.arange(pb, dtype=jnp.int32)
-    ids = pltriton.load(ids_ref.at[pl.ds(pl.program_id(0) * pb, pb)], mask=q < p, other=-1)  # [PB]; pad: -1
+    e in [0, E_pad); E_pad columns in chunks of EB ([PB, EB] comparisons in registers). Padding
+    and skipped pairs (id >= E) land in columns >= E or in none."""
+    ids = ids_ref[pl.ds(pl.program_id(0) * pb, pb)]  # [PB]
     for e0 in range(0, hist_ref.shape[0], eb):
         e = e0 + jnp.arange(eb, dtype=jnp.int32)
         hist_ref[pl.ds(e0, eb)] = jnp.sum((ids[:, None] == e[None, :]).astype(jnp.int32), axis=0)
 
 
-def _place_kernel(ids_ref, base_ref, _, sorted_ref, *, p: int, pb: int, cb: int, n_experts: int):
+def _place_kernel(ids_ref, base_ref, _, sorted_ref, *, pb: int, cb: int, n_experts: int):
     """Program b: each valid pair of block b goes to slot base[b, e] + its rank among the earlier
-    pairs of block b with the same expert e ([PB, CB] comparisons a step)."""
+    pairs of block b with the same expert e ([PB, CB] comparisons a step). Padding pairs carry
+    id E, so they are invalid like skipped ones."""
     b = pl.program_id(0)
     q = b * pb + jnp.arange(pb, dtype=jnp.int32)  # [PB] pair indices
-    ids = pltriton.load(ids_ref.at[pl.ds(b * pb, pb)], mask=q < p, other=n_experts)
-    valid = (q < p) & (ids < n_experts)
+    ids = ids_ref[pl.ds(b * pb, pb)]
+    valid = ids < n_experts
     within = jnp.zeros((pb,), jnp.int32)
     for c0 in range(0, pb, cb):  # columns: the block's pairs c0 .. c0 + CB
         qc = b * pb + c0 + jnp.arange(cb, dtype=jnp.int32)
-        ic = pltriton.load(ids_ref.at[pl.ds(b * pb + c0, cb)], mask=qc < p, other=n_experts)
+        ic = ids_ref[pl.ds(b * pb + c0, cb)]
         hit = (ic[None, :] == ids[:, None]) & (qc[None, :] < q[:, None])
         within = within + jnp.sum(hit.astype(jnp.int32), axis=1)
     e = jnp.where(valid, ids, 0)
@@ -286,21 +287,22 @@ def _align_blocked(ids, s: AlignSizes, n_experts: int, interpret: bool):
     # sm_90a (triton 3.6): place at PB 256 and CB 32 takes 60 registers with 8 warps and no spills
     # (CB 64: 7 KB spilled at 4 warps)
     params = pltriton.CompilerParams(num_warps=8 if pb > 64 else 4, num_stages=1)
+    ids = jnp.pad(ids, (0, nbk * pb - p), constant_values=n_experts)  # [NBk*PB]; padding: id E, in no block
     hist = pl.pallas_call(
-        functools.partial(_hist_kernel, p=p, pb=pb, eb=eb),
+        functools.partial(_hist_kernel, pb=pb, eb=eb),
         grid=(nbk,),
         in_specs=[pl.BlockSpec((nbk * pb,), lambda b: (0,))],
         out_specs=pl.BlockSpec((None, e_pad), lambda b: (b, 0)),
         out_shape=jax.ShapeDtypeStruct((nbk, e_pad), jnp.int32),
         compiler_params=params, interpret=interpret, name="moe_align_hist",
-    )(jnp.pad(ids, (0, nbk * pb - p)))[:, :n_experts]  # [NBk, E]
+    )(ids)[:, :n_experts]  # [NBk, E]
     before = jnp.cumsum(hist, axis=0) - hist  # [NBk, E] pairs of e in earlier blocks
     counts = jnp.sum(hist, axis=0)  # [E]
     nblk = (counts + bm - 1) // bm
     bend = jnp.cumsum(nblk)  # [E] one past each expert's last block
     base = before + ((bend - nblk) * bm)[None, :]  # [NBk, E] slot of block b's first pair of e
     sorted_pairs = pl.pallas_call(
-        functools.partial(_place_kernel, p=p, pb=pb, cb=32, n_experts=n_experts),
+        functools.partial(_place_kernel, pb=pb, cb=32, n_experts=n_experts),
         grid=(nbk,),
         in_specs=[pl.BlockSpec((nbk * pb,), lambda b: (0,)), pl.BlockSpec((nbk, n_experts), lambda b: (0, 0)),
                   pl.BlockSpec((s.n_slots,), lambda b: (0,))],
@@ -308,7 +310,7 @@ def _align_blocked(ids, s: AlignSizes, n_experts: int, interpret: bool):
         out_shape=jax.ShapeDtypeStruct((s.n_slots,), jnp.int32),
         input_output_aliases={2: 0},  # slots no pair takes keep P (padding)
         compiler_params=params, interpret=interpret, name="moe_align_place",
-    )(jnp.pad(ids, (0, nbk * pb - p), constant_values=n_experts), base, jnp.full((s.n_slots,), p, jnp.int32))
+    )(ids, base, jnp.full((s.n_slots,), p, jnp.int32))
     j = jnp.arange(s.nbp, dtype=jnp.int32)
     expert = jnp.searchsorted(bend, j, side="right", method="compare_all").astype(jnp.int32)
     return sorted_pairs, jnp.where(j < bend[-1], expert, -1)
