@@ -7,13 +7,15 @@
   (b) split   fused_moe over the decode tokens, then grouped_moe over the prefill chunk, one jit;
               decode done = fused_moe alone (timed separately), total = both
   (c) tiles   expert_tiles.tile_moe: one persistent launch, decode tiles claimed first; total timed
-              like the others; decode done = total - (kernel span - decode span), the spans read
-              from the kernel's %globaltimer stamps in a separate traced run (first program start
-              to last decode tile's end, and to the last tile's end): the work before and after
-              the kernel (both aligns, the accumulator's zeroing, y's rounding) counts as decode
-              latency, the prefill tiles after the last decode tile do not. Also the decode-only tile launch (the exclusive time).
-              --tile-per-sm N,.. and --tile-bm BM,.. time (c) at each persistent grid size and
-              block height (default: the kernel's own); --prefills picks the chunk sizes.
+              like the others; decode done = total - post - (kernel span - decode span), the spans
+              read from the kernel's %globaltimer stamps in a separate traced run (first program
+              start to the last decode tile's end, which rounds the decode rows, and to the last
+              tile's end); post = the prefill rows' rounding after the launch, timed alone. The work
+              before the kernel (the align) counts as decode latency; the prefill tiles after the
+              last decode tile and the rounding of their rows do not. Also the decode-only tile
+              launch (the exclusive time). --tile-per-sm N,.., --tile-bm BM,.. and --tile-warps W,..
+              time (c) at each persistent grid size, block height and warp count (default: the
+              kernel's own); --prefills picks the chunk sizes.
 --profile-tiles. The tile kernel at one plan (BM 64) over a grid of (decode, prefill) token
 counts; x_moe from each call's routing (per class, as the kernel aligns them); a least-squares
 fit of moe/tiles.py's model t = alpha + beta x (s = 1) on two thirds of the shapes, its error on
@@ -67,6 +69,7 @@ class Bench:
         self.programs = self.sms * self.per_sm[0]
         # ... and each of these BM (0: plan_for's), at the prefill sizes listed
         self.bms = [int(v) for v in str(getattr(args, "tile_bm", "0")).split(",")]
+        self.warps = [int(v) for v in str(getattr(args, "tile_warps", None) or "0").split(",")]  # 0: the plan's
         prefills = getattr(args, "prefills", None)
         self.prefills = [int(v) for v in prefills.split(",")] if prefills else list(PREFILLS)
         self._w = None
@@ -154,12 +157,27 @@ class Bench:
 
         return dict(union=union, split=split, decode=decode, tiles=tiles, tiles_decode=tiles_decode, traced=traced)
 
-    def plan(self, mp, bm=None, programs=None):
+    def plan(self, mp, bm=None, programs=None, warps=None):
         from pallas_kernels import expert_tiles as et
 
         p = et.plan_for(mp * K, self.e, False)
         bm = bm or p.block_m
-        return et.Plan(bm, p.up, p.down, 8 if bm == 128 else 4, p.num_stages, programs or self.programs)
+        return et.Plan(bm, p.up, p.down, warps or p.num_warps, p.num_stages, programs or self.programs)
+
+    def post_us(self, md, mp):
+        """µs of the work after the tile launch: the prefill rows of y32 rounded to bf16 (in the
+        kernel's y in place; timed here as a fresh array: the same bytes)."""
+        import jax
+        import jax.numpy as jnp
+
+        from pallas_kernels.expert_tiles import ZERO_ROWS
+
+        if self.smoke or mp == 0:
+            return 0.0
+        y32 = jnp.zeros((-(-(md + mp + 1) // ZERO_ROWS) * ZERO_ROWS, self.d), jnp.float32)
+        f = jax.jit(lambda a: a[md:md + mp].astype(jnp.bfloat16))
+        jax.block_until_ready(f(y32))
+        return queued_us(f, y32, hi=8, lo=2)
 
     @staticmethod
     def spans(trace, stamps, programs):
@@ -205,9 +223,10 @@ class Bench:
                                               base, "split vs union")
                 row["decode_us"], _ = self.timed(k["decode"], x, ids, ws)
                 row["tiles"] = []
-                for n, bm in ((n, bm) for bm in self.bms for n in self.per_sm):  # (c) at each grid size and BM
-                    programs = self.sms * n
-                    tplan = self.plan(mp, bm or None, programs=programs)
+                post = self.post_us(md, mp)
+                for n, bm, nw in ((n, bm, nw) for bm in self.bms for nw in self.warps for n in self.per_sm):
+                    programs = self.sms * n  # (c) at each grid size, BM and warps
+                    tplan = self.plan(mp, bm or None, programs=programs, warps=nw or None)
                     k = self.kernels(md, tplan)
                     c = dict(per_sm=n, bm=tplan.block_m, warps=tplan.num_warps)
                     row["tiles"].append(c)
@@ -220,8 +239,8 @@ class Bench:
                         c["decode_ticket"], c["tiles_claimed"] = spans[0]
                     else:
                         dec, span = np.mean([s[0] for s in spans]), np.mean([s[1] for s in spans])
-                        c.update(traced_us=traced_us, decode_span_us=dec, kernel_span_us=span,
-                                 tiles_decode_done_us=traced_us - (span - dec))
+                        c.update(traced_us=traced_us, decode_span_us=dec, kernel_span_us=span, post_us=post,
+                                 tiles_decode_done_us=traced_us - post - (span - dec))
                     self.log(f"  tiles, {n} program(s) a SM: " + ", ".join(
                         f"{a}={b:.1f}" if isinstance(b, float) else f"{a}={b}" for a, b in c.items()))
                 row["x_moe"] = self.x_moe(ids, md, plan.block_m)
@@ -306,9 +325,10 @@ class Bench:
                         f"total / (a) {c['tiles_us'] / r['union_us']:.2f}")
                     lines.append(f"{r['decode']:3}+{r['prefill']:<6} {r['x_moe']:7.1f} {r['union_us']:12.1f} | "
                                  f"{r['decode_us']:10.1f} / {r['split_us']:8.1f} | {done} / {c['tiles_us']:8.1f} "
-                                 f"({c['tiles_decode_us']:.1f}), {c['per_sm']} a SM, BM {c['bm']}{ratios}")
-            lines.append("(a) decode done = total. (c) decode done = total - (kernel span - decode span), "
-                         "spans from %globaltimer stamps")
+                                 f"({c['tiles_decode_us']:.1f}), {c['per_sm']} a SM, BM {c['bm']}, "
+                                 f"{c['warps']} warps{ratios}")
+            lines.append("(a) decode done = total. (c) decode done = total - rounding after the launch - "
+                         "(kernel span - decode span), spans from %globaltimer stamps")
         if self.results["profile"]:
             lines.append("profile (tiles, BM %d): decode+prefill  x_moe  µs  predicted  err" %
                          self.results["profile"][0]["block_m"])

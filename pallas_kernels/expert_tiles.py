@@ -90,7 +90,11 @@ H200_SMS = 132
 # 4 warps): the mixed launch 2018 -> 1586 / 2228 -> 1751 µs from 1 to 2 a SM, 3 no better; at
 # BM 128 of 8 warps (8192 prefill tokens) 1, 2 and 3 tie (bench/RESULTS.md, 2026-12-01).
 PROGRAMS_PER_SM = 2
-KINDS = ("decode up", "decode down", "prefill up", "prefill down")
+KINDS = ("decode up", "decode down", "prefill up", "prefill down", "zero")
+ZERO_ROWS = 64  # y32 rows per zero tile (ZR)
+# sync [SYNC_ROUND + T_d + NB] int32: the next claim; finish tickets; zero tiles done (decode's,
+# prefill's); decode blocks whose down tile t has landed (T_d counters); up tiles done per block.
+SYNC_CLAIM, SYNC_TICKET, SYNC_ZERO_D, SYNC_ZERO_P, SYNC_ROUND = range(5)
 TRACE_FIELDS = ("kind", "block", "n_tile", "program", "ticket")
 
 
@@ -134,8 +138,12 @@ class _Static:
     k: int
     p: int  # pairs of the union
     m: int  # tokens of the union (y32's sink row)
+    md: int  # decode tokens (rows [0, md) of y are rounded in the kernel)
+    rb: int  # rows per step of that rounding: a power of two dividing md
     bm: int
-    nb_d: int  # decode blocks (the align bound): prefill block b is nb_d + j
+    zr: int  # y32 rows per zero tile
+    zd: int  # zero tiles before the decode class (chunks holding decode rows)
+    zp: int  # zero tiles before the prefill class (the other chunks)
     up: object  # fused_moe.WeightOperands of w13, without its arrays
     down: object
     limit: float | None
@@ -157,26 +165,57 @@ def _kernel(*refs, s: _Static):
     w2 = pop_weight_refs(refs, s.down.qm)
     del refs[:s.n_init]  # aliased initial outputs: only the output refs are used
     h_ref = refs.pop(0)  # [NB*BM, I] slot rows
-    y_ref = refs.pop(0)  # [M + 1, D] f32
-    sync_ref = refs.pop(0)  # [2 + NB] int32: next claim, finished tiles, up tiles done per block
+    y_ref = refs.pop(0)  # [M, D] activation dtype: the kernel writes the decode rows
+    y32_ref = refs.pop(0)  # [R, D] f32, R = ZR chunks covering M + 1 rows; uninitialised: zero tiles
+    sync_ref = refs.pop(0)  # [SYNC_UP + NB] int32, see SYNC_*
     trace_ref = refs.pop(0) if s.trace else None  # [C_max, 5] int32
     stamp_ref = refs.pop(0) if s.stamps else None  # [G + C_max] int32
 
-    bm, k, p = s.bm, s.k, s.p
+    bm, k, p, zr = s.bm, s.k, s.p, s.zr
     tu, td = s.up.n_tiles, s.down.n_tiles
     hb = s.up.bn // 2  # h columns per up tile
+    bn_d = s.down.bn
     prog = pl.program_id(0)
     # Traced, not literal: constants created inside a loop body become consts of the body's jaxpr,
     # which the interpreter's discharge of nested loops rejects.
     zero = prog * 0
     one = zero + 1
+    sync_up = SYNC_ROUND + td  # up tiles done, per block
     n_d, n_p = used_ref[0], used_ref[1]
-    seg_d = n_d * (tu + td)  # the decode class's tiles: claims [0, seg_d)
-    total = seg_d + n_p * (tu + td)
+    seg_d = n_d * (tu + td)  # the decode class's GEMM tiles
+    seg_p = n_p * (tu + td)
+    total = s.zd + seg_d + s.zp + seg_p
+
+    def barrier():  # the GPU's threads of one program; the interpreter runs a program as one
+        if not s.interpret:
+            pltriton.debug_barrier()
+
+    def spin(idx, target):
+        """Wait until sync[idx] >= target (an acquire: atomic reads), then let every thread on."""
+        idx = zero + idx
+        lax.while_loop(lambda done: done < target, lambda _: pltriton.atomic_add(sync_ref, idx, zero),
+                       pltriton.atomic_add(sync_ref, idx, zero))
+        barrier()
+
+    def release(idx):
+        """sync[idx] += 1 after every thread's stores (barrier, then one ordered atomic); returns
+        the old count."""
+        barrier()
+        idx = zero + idx
+        return pltriton.atomic_add(sync_ref, idx, one)
 
     def block_rows(b):
         pair = sorted_ref[pl.ds(b * bm, bm)]  # [BM], P = padding
         return pair, pair < p
+
+    def zero_tile(z):
+        """y32 rows [z*ZR, (z+1)*ZR) <- 0, in D / BN_d column blocks."""
+        def cols(ci, carry):
+            y32_ref[pl.ds(z * zr, zr), pl.ds(pl.multiple_of(ci * bn_d, bn_d), bn_d)] = jnp.zeros((zr, bn_d),
+                                                                                                  jnp.float32)
+            return carry
+
+        lax.fori_loop(0, td, cols, zero)
 
     def up_tile(b, t):
         e = blk_ref[b]
@@ -191,16 +230,29 @@ def _kernel(*refs, s: _Static):
         h = swiglu_columns(acc, s.limit).astype(h_ref.dtype)  # [BM, BN_u / 2]
         mask = jnp.broadcast_to(valid[:, None], h.shape)
         pltriton.store(h_ref.at[pl.ds(b * bm, bm), pl.ds(t * hb, hb)], h, mask=mask)
-        if not s.interpret:
-            pltriton.debug_barrier()  # every thread's h stores before the (one-thread) release
-        pltriton.atomic_add(sync_ref, 2 + b, one)
+        release(sync_up + b)
 
-    def down_tile(b, t):
-        # Acquire block b's h: its T_u up tiles were claimed before this tile and wait for nothing.
-        lax.while_loop(lambda done: done < tu, lambda _: pltriton.atomic_add(sync_ref, 2 + b, zero),
-                       pltriton.atomic_add(sync_ref, 2 + b, zero))
-        if not s.interpret:
-            pltriton.debug_barrier()  # the other threads read h only after the acquire
+    def round_decode(t):
+        """y[decode rows, tile t] <- y32 rounded: every decode block's down tile t has landed.
+        Chunks of RB rows, RB dividing M_d (no masks). Volatile loads, served by L2, where other
+        SMs' atomics made the sums (cache_modifier ".cg" does not lower in jax 0.10)."""
+
+        def chunk(i, carry):
+            rows = pl.ds(pl.multiple_of(i * s.rb, s.rb), s.rb)
+            cols = pl.ds(pl.multiple_of(t * bn_d, bn_d), bn_d)
+            v = pltriton.load(y32_ref.at[rows, cols], volatile=True)
+            y_ref[rows, cols] = v.astype(y_ref.dtype)
+            return carry
+
+        lax.fori_loop(0, s.md // s.rb, chunk, zero)
+
+    def down_tile(b, t, decode):
+        # Acquire block b's h (its T_u up tiles were claimed before this tile and wait for nothing)
+        # and y32's zeroed rows (the zero tiles were claimed before it too).
+        spin(sync_up + b, tu)
+        if s.zd:
+            spin(SYNC_ZERO_D, s.zd)
+        pl.when(jnp.logical_not(decode))(lambda: spin(SYNC_ZERO_P, s.zp))
         e = blk_ref[b]
         pair, valid = block_rows(b)
 
@@ -208,28 +260,43 @@ def _kernel(*refs, s: _Static):
             mask = jnp.broadcast_to(valid[:, None], (bm, size))
             return pltriton.load(h_ref.at[pl.ds(b * bm, bm), pl.ds(k0, size)], mask=mask, other=0.0)
 
-        acc = expert_tile(w2, s.down.qm, e, t, a_load, n_k=s.down.n_k, bk=s.down.bk, bn=s.down.bn, bm=bm,
-                          fma=False)
+        acc = expert_tile(w2, s.down.qm, e, t, a_load, n_k=s.down.n_k, bk=s.down.bk, bn=bn_d, bm=bm, fma=False)
         w = pltriton.load(tw_ref.at[jnp.where(valid, pair, 0)], mask=valid, other=0.0)  # [BM]
         val = acc * w[:, None]  # padding rows: 0
         tok = jnp.where(valid, lax.div(pair, k), s.m)[:, None]  # padding adds 0 to the sink row M
-        cols = (t * s.down.bn + jnp.arange(s.down.bn, dtype=jnp.int32))[None, :]
+        cols = (t * bn_d + jnp.arange(bn_d, dtype=jnp.int32))[None, :]
         # The interpreter has no masked atomics; unmasked, padding adds 0 to row M. Relaxed: a sum
         # needs no ordering (the finish ticket / the kernel's end orders it).
         mask = None if s.interpret else jnp.broadcast_to(valid[:, None], val.shape)
-        relaxed_atomic_add(y_ref, (tok, cols), val, mask=mask)
+        relaxed_atomic_add(y32_ref, (tok, cols), val, mask=mask)
+        if s.md:  # the last decode block to land its tile t rounds the decode rows' tile t
+            @pl.when(decode)
+            def _():
+                @pl.when(release(SYNC_ROUND + t) == n_d - 1)
+                def _():
+                    barrier()
+                    round_decode(t)
 
     def tile_of(c):
-        """Claim index -> (kind, up?, block b in the union, block in its class, N-block t)."""
+        """Claim index -> (kind, block b in the union or zero chunk, block in its class, N-block t)."""
         # Arithmetic on 0/1 flags, not jnp.where between two literals (no Triton lowering).
-        pre = (c >= seg_d).astype(jnp.int32)
+        zd, zp = s.zd, s.zp
+        c1 = c - zd
+        is_zd = (c < zd).astype(jnp.int32)
+        pre = (c1 >= seg_d).astype(jnp.int32)  # past the decode class's tiles
+        c2 = c1 - seg_d * pre
+        is_zp = pre * (c2 < zp).astype(jnp.int32)
+        is_zero = is_zd + is_zp
+        local = (c2 - zp * pre) * (1 - is_zero)  # within the class's GEMM tiles
         n_cls = n_d + (n_p - n_d) * pre
-        local = c - seg_d * pre
         up = (local < n_cls * tu).astype(jnp.int32)
         local = local - n_cls * tu * (1 - up)
         width = td + (tu - td) * up
         j, t = lax.div(local, width), lax.rem(local, width)  # non-negative: C division is floor
-        return 2 * pre + 1 - up, up == 1, j + s.nb_d * pre, j, t
+        kind = (2 * pre + 1 - up) * (1 - is_zero) + 4 * is_zero
+        z = c * is_zd + (zd + c2) * is_zp  # the zero chunk
+        blk = (j + n_d * pre) * (1 - is_zero) + z * is_zero
+        return kind, blk, j * (1 - is_zero) + z * is_zero, t * (1 - is_zero), pre
 
     def clock(dep):
         """[1] int32: %globaltimer's low word (ns). The asm is pure: dep, a value that exists only
@@ -241,21 +308,29 @@ def _kernel(*refs, s: _Static):
         return now
 
     def body(c):
-        kind, up, b, j, t = tile_of(c)
+        kind, b, j, t, pre = tile_of(c)
+        is_zero = kind == 4
+        up = (kind == 0) | (kind == 2)
+
+        @pl.when(is_zero)
+        def _():
+            zero_tile(b)
+            release(SYNC_ZERO_D + pre)
+
         pl.when(up)(lambda: up_tile(b, t))
-        pl.when(jnp.logical_not(up))(lambda: down_tile(b, t))
+        pl.when((kind == 1) | (kind == 3))(lambda: down_tile(b, t, kind == 1))
         if s.trace or s.stamps:
-            ticket = pltriton.atomic_add(sync_ref, one, one)
+            ticket = pltriton.atomic_add(sync_ref, zero + SYNC_TICKET, one)
         if s.trace:
             for field, v in enumerate((kind, j, t, prog, ticket)):
                 trace_ref[c, field] = v
         if s.stamps:
             stamp_ref[pl.ds(pl.num_programs(0) + c, 1)] = clock(ticket)
-        return pltriton.atomic_add(sync_ref, zero, one)
+        return pltriton.atomic_add(sync_ref, zero + SYNC_CLAIM, one)
 
     if s.stamps:
         stamp_ref[pl.ds(prog, 1)] = clock(prog)
-    lax.while_loop(lambda c: c < total, body, pltriton.atomic_add(sync_ref, zero, one))
+    lax.while_loop(lambda c: c < total, body, pltriton.atomic_add(sync_ref, zero + SYNC_CLAIM, one))
 
 
 # ---------------------------------------------------------------------------------- wrapper
@@ -271,13 +346,18 @@ class TileRun:
     stamps: jax.Array | None
 
 
-def _class_align(ids, e: int, bm: int, backend: str):
-    """(sorted_pairs [nb*BM], block_expert [nb], nb) for one class's flat ids [P_c]."""
-    if ids.shape[0] == 0:
-        return jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32), 0
-    nb = align_sizes(ids.shape[0], e, bm).nb
-    sorted_pairs, block_expert = moe_align(ids, e, bm, backend=backend)
-    return sorted_pairs[:nb * bm], block_expert[:nb], nb
+def _align(ids, n_decode_pairs: int, e: int, bm: int, backend: str):
+    """Both classes in one align: prefill pairs take expert ids e + E, so the decode class's blocks
+    (experts 0..E-1) come first, then the prefill class's, each expert's run padded to BM within
+    its class. Returns (sorted_pairs [S], block_expert [NB] in 0..E-1 (-1 unused), used [2]
+    int32 blocks per class, NB)."""
+    p = ids.shape[0]
+    cls = jnp.arange(p, dtype=jnp.int32) >= n_decode_pairs
+    sorted_pairs, block2 = moe_align(ids + e * cls, 2 * e, bm, backend=backend)
+    nb = align_sizes(p, 2 * e, bm).nb
+    block2 = block2[:nb]
+    used = jnp.stack([jnp.sum((block2 >= 0) & (block2 < e)), jnp.sum(block2 >= e)]).astype(jnp.int32)
+    return sorted_pairs, jnp.where(block2 >= e, block2 - e, block2), used, nb
 
 
 def _strip(ops):
@@ -313,26 +393,24 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
     if m == 0:  # no tokens: nothing to launch
         y = jnp.zeros((0, d), x.dtype)
         return TileRun(y, None, None, None, None, None)
-    p, p_d = m * k, n_decode * k
+    p = m * k
     ids = topk_ids.reshape(-1).astype(jnp.int32)
-    sd, bd, nb_d = _class_align(ids[:p_d], e, bm, backend)
-    sp, bp, nb_p = _class_align(ids[p_d:], e, bm, backend)
-    sorted_pairs = jnp.concatenate([jnp.where(sd == p_d, p, sd), jnp.where(sp == p - p_d, p, sp + p_d)])
-    block_expert = jnp.concatenate([bd, bp])
-    used = jnp.stack([jnp.sum(bd >= 0), jnp.sum(bp >= 0)]).astype(jnp.int32)
-    nb = nb_d + nb_p
+    sorted_pairs, block_expert, used, nb = _align(ids, n_decode * k, e, bm, backend)
 
     up = weight_operands(w13, plan.up.block_k, plan.up.block_n, dot=True, stage="up")
     down = weight_operands(w2, plan.down.block_k, plan.down.block_n, dot=True, stage="down")
     if up.bn % 2 or up.bn < 32:
         raise ValueError(f"the up tile needs an even block_n >= 32 (gate/up pairs), got {up.bn}")
     g = _programs(plan, interpret)
-    c_max = nb * (up.n_tiles + down.n_tiles)
 
+    zr = ZERO_ROWS
+    chunks = -(-(m + 1) // zr)  # y32 rows: whole zero tiles covering M + 1
+    zd = -(-n_decode // zr)
+    c_max = nb * (up.n_tiles + down.n_tiles) + chunks
     h_shape = jax.ShapeDtypeStruct((nb * bm, i), act)
-    inits = [jnp.zeros((m + 1, d), jnp.float32), jnp.zeros((2 + nb,), jnp.int32)]
-    out_shape = [h_shape, jax.ShapeDtypeStruct((m + 1, d), jnp.float32),
-                 jax.ShapeDtypeStruct((2 + nb,), jnp.int32)]
+    inits = [jnp.zeros((SYNC_ROUND + down.n_tiles + nb,), jnp.int32)]
+    out_shape = [h_shape, jax.ShapeDtypeStruct((m, d), x.dtype),
+                 jax.ShapeDtypeStruct((chunks * zr, d), jnp.float32), jax.ShapeDtypeStruct(inits[0].shape, jnp.int32)]
     if poison:  # h starts as NaN: a row read before it is written shows in y
         inits.insert(0, jnp.full(h_shape.shape, jnp.nan, act))
     if trace:
@@ -343,10 +421,12 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
         out_shape.append(jax.ShapeDtypeStruct(inits[-1].shape, jnp.int32))
     inputs = [x.astype(act), sorted_pairs, block_expert, used, topk_weights.reshape(-1).astype(jnp.float32)]
     inputs += up.inputs + down.inputs
-    first_out = 0 if poison else 1  # the aliased outputs: (h,) y32, sync, (trace), (stamps)
-    aliases = {len(inputs) + n: first_out + n for n in range(len(inits))}
-    s = _Static(k=k, p=p, m=m, bm=bm, nb_d=nb_d, up=_strip(up), down=_strip(down), limit=swiglu_limit,
-                trace=trace, stamps=stamps, interpret=interpret, n_init=len(inits))
+    # The aliased outputs: (h,) sync, (trace), (stamps); y and y32 are not (y32: the zero tiles)
+    alias_out = ([0] if poison else []) + [3] + list(range(4, 4 + trace + stamps))
+    aliases = {len(inputs) + n: o for n, o in enumerate(alias_out)}
+    rb = min(32, n_decode & -n_decode) if n_decode else 1  # a power of two dividing n_decode
+    s = _Static(k=k, p=p, m=m, md=n_decode, rb=rb, bm=bm, zr=zr, zd=zd, zp=chunks - zd, up=_strip(up), down=_strip(down), limit=swiglu_limit, trace=trace, stamps=stamps,
+                interpret=interpret, n_init=len(inits))
     name = "expert_tiles" + ("" if up.qm is None else f"_int{up.qm.bits}") + f"_m{bm}"
     outs = pl.pallas_call(
         functools.partial(_kernel, s=s),
@@ -357,11 +437,13 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
         compiler_params=pltriton.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages),
         name=name,
     )(*inputs, *inits)
-    h, y32, sync = outs[:3]
-    rest = list(outs[3:])
+    h, y, y32, sync = outs[:4]
+    rest = list(outs[4:])
     tr = rest.pop(0) if trace else None
     st = rest.pop(0) if stamps else None
-    return TileRun(y32[:m].astype(x.dtype), h, y32, sync, tr, st)
+    # The prefill rows, rounded after the launch (in place into the kernel's y: a dynamic update slice)
+    y = lax.dynamic_update_slice_in_dim(y, y32[n_decode:m].astype(x.dtype), n_decode, axis=0)
+    return TileRun(y, h, y32, sync, tr, st)
 
 
 def tile_moe(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit=None, backend="auto",

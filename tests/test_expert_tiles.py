@@ -58,13 +58,17 @@ def _run(md, mp, k, bits, kind, limit, plan, symmetric=True, seed=0):
     return run, (x, ids, w, w13, w2)
 
 
+def _class_blocks(ids, bm):
+    counts = np.bincount(np.asarray(ids).reshape(-1), minlength=E)
+    return int(np.sum(-(-counts // bm)))
+
+
 def _expected_tiles(ids, md, k, bm, tu, td):
-    """{(kind, block, n_tile)} the queue must hand out once each, from the routing."""
-    out = set()
+    """{(kind, block, n_tile)} the queue must hand out once each, from the routing: each class's
+    up and down tiles, and one zero tile (kind 4) per ZR rows of y32 (M + 1 rows)."""
+    out = {(4, z, 0) for z in range(-(-(len(ids) + 1) // et.ZERO_ROWS))}
     for cls, part in ((0, ids[:md]), (2, ids[md:])):
-        counts = np.bincount(np.asarray(part).reshape(-1), minlength=E)
-        blocks = int(np.sum(-(-counts // bm)))
-        for j in range(blocks):
+        for j in range(_class_blocks(part, bm)):
             out |= {(cls, j, t) for t in range(tu)} | {(cls + 1, j, t) for t in range(td)}
     return out
 
@@ -76,22 +80,32 @@ def _n_tiles(w, block_n):
 
 def _check_trace(run, ids, md, k, plan, w13, w2):
     tu, td = _n_tiles(w13, plan.up.block_n), _n_tiles(w2, plan.down.block_n)
+    zd = -(-md // et.ZERO_ROWS)  # zero tiles holding decode rows: before the decode class
+    chunks = -(-(len(ids) + 1) // et.ZERO_ROWS)
     trace = np.asarray(run.trace)
     claimed = trace[trace[:, 0] >= 0]
     n = len(claimed)
     assert np.all(trace[n:] == -1)  # claims are a prefix of the record
     kinds = claimed[:, 0]
-    assert np.all(np.diff(kinds) >= 0)  # decode up, decode down, prefill up, prefill down
+    assert np.all(kinds[:zd] == 4) and list(claimed[:zd, 1]) == list(range(zd))
+    # then decode up, decode down, the other zero tiles, prefill up, prefill down
+    phase = np.where(kinds == 4, 1.5, np.where(kinds < 2, kinds, kinds + 0.0))[zd:]
+    assert np.all(np.diff(phase) >= 0)
     decode = np.flatnonzero(kinds < 2)
-    prefill = np.flatnonzero(kinds >= 2)
+    prefill = np.flatnonzero((kinds >= 2) & (kinds < 4))
     if len(decode) and len(prefill):
         assert decode.max() < prefill.min()  # no prefill tile claimed before the last decode tile
     tiles = [tuple(r) for r in claimed[:, :3]]
     assert len(set(tiles)) == n and set(tiles) == _expected_tiles(ids, md, k, plan.block_m, tu, td)
     assert sorted(claimed[:, 4]) == list(range(n))  # each finished once
     sync = np.asarray(run.sync)
-    assert sync[0] == n + (plan.programs or 4) and sync[1] == n  # every program's last claim found nothing
-    assert np.all(sync[2:][sync[2:] != 0] == tu)  # each used block's up tiles all done
+    assert sync[et.SYNC_CLAIM] == n + (plan.programs or 4)  # every program's last claim found nothing
+    assert sync[et.SYNC_TICKET] == n
+    assert sync[et.SYNC_ZERO_D] == zd and sync[et.SYNC_ZERO_P] == chunks - zd
+    rounds = sync[et.SYNC_ROUND:et.SYNC_ROUND + td]  # decode blocks landed per down tile
+    assert np.all(rounds == (_class_blocks(ids[:md], plan.block_m) if md else 0))
+    ups = sync[et.SYNC_ROUND + td:]
+    assert np.all(ups[ups != 0] == tu)  # each used block's up tiles all done
     # Within a class, each block's down tiles come after its up tiles.
     for cls in (0, 2):
         up = {(b, t): i for i, (kk, b, t) in enumerate(tiles) if kk == cls}
@@ -152,8 +166,8 @@ def test_bad_arguments_are_named():
 
 @pytest.mark.parametrize("bits", [None, 4])
 def test_lowers_to_triton_ir(bits, monkeypatch):
-    """The GPU path lowers (to Triton IR, on CPU): ordered atomics for the claims and the up-tile
-    counters, a relaxed fp32 add for the combine, barriers around the h hand-off, and the clock."""
+    """The GPU path lowers (to Triton IR, on CPU): ordered atomics for the claims and the hand-off
+    counters, a relaxed fp32 add for the combine, barriers around each hand-off, and the clock."""
     from jax._src.pallas.triton import lowering as tlow
 
     modules, real = [], tlow.lower_jaxpr_to_triton_module
@@ -177,4 +191,7 @@ def test_lowers_to_triton_ir(bits, monkeypatch):
     [ir] = [m for m in modules if "expert_tiles" in m]
     assert ir.count("tt.atomic_rmw add, acq_rel, gpu") >= 5  # claim (x2), ticket, done, spin (x2)
     assert ir.count("tt.atomic_rmw fadd, relaxed, gpu") == 1
-    assert ir.count("gpu.barrier") == 2 and ir.count("%globaltimer_lo") == 2
+    # a barrier before each release (up tile, zero tile, decode arrival) and after each acquire
+    # (h, decode's and prefill's zero tiles, the decode rounding)
+    assert ir.count("gpu.barrier") == 7 and ir.count("%globaltimer_lo") == 2
+    assert "isVolatile = true" in ir  # the rounding reads y32 from L2
