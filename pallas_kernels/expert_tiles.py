@@ -204,6 +204,11 @@ def _kernel(*refs, s: _Static):
         idx = zero + idx
         return pltriton.atomic_add(sync_ref, idx, one)
 
+    def claim():
+        """The next claim index. Relaxed: a claim orders nothing (the hand-offs have their own
+        counters), and an ordered atomic fences first, waiting for the last tile's atomic adds."""
+        return relaxed_atomic_add(sync_ref, zero + SYNC_CLAIM, one)
+
     def block_rows(b):
         pair = sorted_ref[pl.ds(b * bm, bm)]  # [BM], P = padding
         return pair, pair < p
@@ -278,25 +283,28 @@ def _kernel(*refs, s: _Static):
                     round_decode(t)
 
     def tile_of(c):
-        """Claim index -> (kind, block b in the union or zero chunk, block in its class, N-block t)."""
+        """Claim index -> (kind, block b in the union or zero chunk, block in its class or zero chunk,
+        N-block t, prefill flag). Segments: [zero (decode rows) | decode up | decode down | prefill
+        up | zero (the other rows) | prefill down]."""
         # Arithmetic on 0/1 flags, not jnp.where between two literals (no Triton lowering).
         zd, zp = s.zd, s.zp
+        flag = lambda v: v.astype(jnp.int32)  # noqa: E731
+        is_zd = flag(c < zd)
         c1 = c - zd
-        is_zd = (c < zd).astype(jnp.int32)
-        pre = (c1 >= seg_d).astype(jnp.int32)  # past the decode class's tiles
+        pre = flag(c1 >= seg_d)  # past the decode class's tiles
         c2 = c1 - seg_d * pre
-        is_zp = pre * (c2 < zp).astype(jnp.int32)
-        is_zero = is_zd + is_zp
-        local = (c2 - zp * pre) * (1 - is_zero)  # within the class's GEMM tiles
         n_cls = n_d + (n_p - n_d) * pre
-        up = (local < n_cls * tu).astype(jnp.int32)
-        local = local - n_cls * tu * (1 - up)
+        ups = n_cls * tu  # the class's up tiles
+        is_zp = pre * flag(c2 >= ups) * flag(c2 < ups + zp)
+        is_zero = is_zd + is_zp
+        local = (c2 - zp * pre * flag(c2 >= ups + zp)) * (1 - is_zero)  # within the class's GEMM tiles
+        up = flag(local < ups)
+        local = local - ups * (1 - up)
         width = td + (tu - td) * up
         j, t = lax.div(local, width), lax.rem(local, width)  # non-negative: C division is floor
         kind = (2 * pre + 1 - up) * (1 - is_zero) + 4 * is_zero
-        z = c * is_zd + (zd + c2) * is_zp  # the zero chunk
-        blk = (j + n_d * pre) * (1 - is_zero) + z * is_zero
-        return kind, blk, j * (1 - is_zero) + z * is_zero, t * (1 - is_zero), pre
+        z = c * is_zd + (zd + c2 - ups) * is_zp  # the zero chunk
+        return kind, (j + n_d * pre) * (1 - is_zero) + z * is_zero, j * (1 - is_zero) + z * is_zero, t, pre
 
     def clock(dep):
         """[1] int32: %globaltimer's low word (ns). The asm is pure: dep, a value that exists only
@@ -320,17 +328,17 @@ def _kernel(*refs, s: _Static):
         pl.when(up)(lambda: up_tile(b, t))
         pl.when((kind == 1) | (kind == 3))(lambda: down_tile(b, t, kind == 1))
         if s.trace or s.stamps:
-            ticket = pltriton.atomic_add(sync_ref, zero + SYNC_TICKET, one)
+            ticket = relaxed_atomic_add(sync_ref, zero + SYNC_TICKET, one)
         if s.trace:
             for field, v in enumerate((kind, j, t, prog, ticket)):
                 trace_ref[c, field] = v
         if s.stamps:
             stamp_ref[pl.ds(pl.num_programs(0) + c, 1)] = clock(ticket)
-        return pltriton.atomic_add(sync_ref, zero + SYNC_CLAIM, one)
+        return claim()
 
     if s.stamps:
         stamp_ref[pl.ds(prog, 1)] = clock(prog)
-    lax.while_loop(lambda c: c < total, body, pltriton.atomic_add(sync_ref, zero + SYNC_CLAIM, one))
+    lax.while_loop(lambda c: c < total, body, claim())
 
 
 # ---------------------------------------------------------------------------------- wrapper

@@ -71,6 +71,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.backend import resolve
 from pallas_kernels.fused_moe import _dims, _QMeta, _swiglu, align_sizes, check_args, moe_align
 from pallas_kernels.quant import QuantizedWeight, dequantize
+from pallas_kernels.relaxed_atomic import relaxed_atomic_add
 
 COMBINES = ("sum", "atomic")
 
@@ -242,9 +243,10 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, inter
             else:
                 n_tok = out_ref.shape[0] - 1
                 rows = jnp.where(valid, pair // k, n_tok)[:, None]  # padding: row M (adds 0)
-                # The interpreter has no masked atomics; unmasked, padding adds 0 to row M.
+                # The interpreter has no masked atomics; unmasked, padding adds 0 to row M. Relaxed:
+                # a sum needs atomicity, not order (Pallas' own atomics fence before each one).
                 mask = None if interpret else jnp.broadcast_to(valid[:, None], val.shape)
-                pltriton.atomic_add(out_ref, (rows, cols), val, mask=mask)
+                relaxed_atomic_add(out_ref, (rows, cols), val, mask=mask)
 
 
 
