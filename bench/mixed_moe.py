@@ -11,7 +11,7 @@
               read from the kernel's %globaltimer stamps in a separate traced run (first program
               start to the last decode tile's end, which rounds the decode rows, and to the last
               tile's end); post = the prefill rows' rounding after the launch, timed alone. The work
-              before the kernel (the align) counts as decode latency; the prefill tiles after the
+              before the kernel (the decode align) counts as decode latency; the prefill tiles after the
               last decode tile and the rounding of their rows do not. Also the decode-only tile
               launch (the exclusive time). --tile-per-sm N,.., --tile-bm BM,.. and --tile-warps W,..
               time (c) at each persistent grid size, block height and warp count (default: the
@@ -181,16 +181,16 @@ class Bench:
         return queued_us(f, y32, hi=8, lo=2) / 8
 
     def pre_us(self, md, ids, bm):
-        """µs of the work before the tile launch: the align of both classes. Eight distinct aligns
-        in one jit (as post_us)."""
+        """µs of the work before the tile launch: the decode class's align (the prefill class's runs
+        in the launch). Eight distinct aligns in one jit (as post_us)."""
         import jax
 
-        from pallas_kernels import expert_tiles as et
+        from pallas_kernels.fused_moe import moe_align
 
-        if self.smoke:
+        if self.smoke or md == 0:
             return 0.0
-        many = [(i + s) % self.e for i in ids for s in range(8 // len(ids))]
-        f = jax.jit(lambda many: [et._align(i.reshape(-1), md * K, self.e, bm, "pallas")[:3] for i in many])
+        many = [(i[:md] + s) % self.e for i in ids for s in range(8 // len(ids))]
+        f = jax.jit(lambda many: [moe_align(i.reshape(-1), self.e, bm) for i in many])
         jax.block_until_ready(f(many))
         return queued_us(f, many, hi=8, lo=2) / len(many)
 

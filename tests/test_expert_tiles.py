@@ -63,10 +63,19 @@ def _class_blocks(ids, bm):
     return int(np.sum(-(-counts // bm)))
 
 
+def _align_tiles(ids, md):
+    """The prefill class's align tiles: ALIGN_PAIRS pairs each, counted then placed, and one
+    offsets tile between."""
+    nbk = -(-np.asarray(ids[md:]).size // et.ALIGN_PAIRS)
+    return 2 * nbk + 1 if nbk else 0
+
+
 def _expected_tiles(ids, md, k, bm, tu, td):
     """{(kind, block, n_tile)} the queue must hand out once each, from the routing: each class's
-    up and down tiles, and one zero tile (kind 4) per ZR rows of y32 (M + 1 rows)."""
+    up and down tiles, one zero tile (kind 4) per ZR rows of y32 (M + 1 rows), and the prefill
+    align's tiles (kind 5)."""
     out = {(4, z, 0) for z in range(-(-(len(ids) + 1) // et.ZERO_ROWS))}
+    out |= {(5, j, 0) for j in range(_align_tiles(ids, md))}
     for cls, part in ((0, ids[:md]), (2, ids[md:])):
         for j in range(_class_blocks(part, bm)):
             out |= {(cls, j, t) for t in range(tu)} | {(cls + 1, j, t) for t in range(td)}
@@ -88,8 +97,8 @@ def _check_trace(run, ids, md, k, plan, w13, w2):
     assert np.all(trace[n:] == -1)  # claims are a prefix of the record
     kinds = claimed[:, 0]
     assert np.all(kinds[:zd] == 4) and list(claimed[:zd, 1]) == list(range(zd))
-    # then decode up, decode down, prefill up, the other zero tiles, prefill down
-    phase = np.where(kinds == 4, 2.5, kinds)[zd:]
+    # then decode up, decode down, the prefill align, prefill up, the other zero tiles, prefill down
+    phase = np.array([0, 1, 3, 5, 4, 2])[kinds[zd:]]
     assert np.all(np.diff(phase) >= 0)
     decode = np.flatnonzero(kinds < 2)
     prefill = np.flatnonzero((kinds >= 2) & (kinds < 4))
@@ -104,7 +113,13 @@ def _check_trace(run, ids, md, k, plan, w13, w2):
     assert sync[et.SYNC_ZERO_D] == zd and sync[et.SYNC_ZERO_P] == chunks - zd
     rounds = sync[et.SYNC_ROUND:et.SYNC_ROUND + td]  # decode blocks landed per down tile
     assert np.all(rounds == (_class_blocks(ids[:md], plan.block_m) if md else 0))
-    ups = sync[et.SYNC_ROUND + td:]
+    nbk = (_align_tiles(ids, md) - 1) // 2
+    assert sync[et.SYNC_COUNTED] == sync[et.SYNC_PLACED] == max(nbk, 0) and sync[et.SYNC_OFFSETS] == (nbk > 0)
+    assert sync[et.SYNC_NP] == _class_blocks(ids[md:], plan.block_m)
+    e_pad = max(et.ALIGN_EXPERTS, 1 << (E - 1).bit_length())
+    counts = sync[et.SYNC_ROUND + td:et.SYNC_ROUND + td + e_pad]  # prefill pairs per expert
+    assert np.array_equal(counts, np.bincount(np.asarray(ids[md:]).reshape(-1), minlength=e_pad))
+    ups = sync[et.SYNC_ROUND + td + e_pad:]
     assert np.all(ups[ups != 0] == tu)  # each used block's up tiles all done
     # Within a class, each block's down tiles come after its up tiles.
     for cls in (0, 2):
@@ -122,6 +137,8 @@ CASES = [
     (6, 0, 4, 4, "random", 2.0, BM16),  # no prefill class
     (4, 40, 1, None, "one", None, BM16),  # one expert takes every token: 1 + 3 blocks
     (5, 30, 3, 8, "one", 0.5, BM32),  # every token on the same 3 experts, int8 with zero points
+    (2, 90, 3, None, "one", None, BM16),  # 270 prefill pairs: two align tiles reserve ranks in the same experts
+    (3, 70, 4, 4, "random", None, BM32),  # 280 prefill pairs, int4
 ]
 
 
@@ -189,10 +206,13 @@ def test_lowers_to_triton_ir(bits, monkeypatch):
     jax.jit(f).trace(sds((20, D), jnp.bfloat16), sds((20, 4), jnp.int32), sds((20, 4), jnp.float32),
                      w13, w2).lower(lowering_platforms=("cuda",))
     [ir] = [m for m in modules if "expert_tiles" in m]
-    assert ir.count("tt.atomic_rmw add, acq_rel, gpu") == 9  # 3 releases, 3 spins (2 reads each)
-    assert ir.count("tt.atomic_rmw add, relaxed, gpu") == 3  # claims (x2), ticket
-    assert ir.count("tt.atomic_rmw fadd, relaxed, gpu") == 1
-    # a barrier before each release (up tile, zero tile, decode arrival) and after each acquire
-    # (h, decode's and prefill's zero tiles, the decode rounding)
-    assert ir.count("gpu.barrier") == 7 and ir.count("%globaltimer_lo") == 2
+    # ordered: 6 releases (zero, count, offsets, place, up, decode arrival) and the acquires' reads:
+    # 5 spins (counts, offsets, up tiles, both zero classes) of 2 reads each, and the wait for the
+    # align at 2 call sites (a spin and the block count: 3 reads each)
+    assert ir.count("tt.atomic_rmw add, acq_rel, gpu") == 6 + 5 * 2 + 2 * 3
+    # relaxed: the claims (2 call sites), the ticket, the counts (one per 64 experts), the block count
+    assert ir.count("tt.atomic_rmw add, relaxed, gpu") == 5
+    assert ir.count("tt.atomic_rmw fadd, relaxed, gpu") == 1  # the combine
+    # a barrier before each release and after each spin, and before the decode rounding
+    assert ir.count("gpu.barrier") == 6 + 7 + 1 and ir.count("%globaltimer_lo") == 2
     assert "isVolatile = true" in ir  # the rounding reads y32 from L2
