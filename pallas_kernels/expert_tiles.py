@@ -318,6 +318,7 @@ def _kernel(*refs, s: _Static):
         spin(SYNC_OFFSETS, 1)
         q, ids = prefill_ids(b)
         valid = ids < s.e
+
         def rank(i, within):
             c0 = pl.multiple_of(i * ALIGN_RANK, ALIGN_RANK)
             qc = b * pb + c0 + jnp.arange(ALIGN_RANK, dtype=jnp.int32)
