@@ -1,0 +1,89 @@
+"""H200: the grouped GEMM's parts at one token count, each timed alone (issue 11's breakdown).
+
+    python3 bench/grouped_parts.py [--m 4096]       (GPU; prints a table last)
+
+Ling's MoE layer (E 512, top-8, D 2560, I 768), bf16, `grouped_gemm.plan_for`'s plan, one uniform
+random routing: the whole call with each combine ("sum", "atomic"), then the align, the gate/up
+GEMM, the down GEMM (each combine, then a few other down tiles) and the XLA sum over the k pair
+rows, each in its own jit, timed as bench/common.queued_us (a part shorter than the host's
+dispatch, ~40 µs, reads as the dispatch: the align alone does). TFLOP/s over the useful
+6*P*D*I FLOPs, TB/s over the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import copy_ceiling_tbs, queued_us, random_experts  # noqa: E402  (bench/common.py)
+
+E, K, D, I = 512, 8, 2560, 768
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--m", type=int, default=4096, help="tokens (default 4096)")
+    args = ap.parse_args()
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import grouped_gemm as gg
+    from pallas_kernels.fused_moe import align_sizes, moe_align
+
+    if jax.devices()[0].platform != "gpu":
+        sys.exit("bench/grouped_parts.py times GPU kernels: no GPU here")
+    m = args.m
+    key = jax.random.PRNGKey(0)
+    w13, w2 = random_experts("bf16", key, e=E, d=D, inter=I, group=128, block_n=64)
+    x = jax.random.normal(key, (m, D), jnp.bfloat16)
+    ids = jax.lax.top_k(jax.random.uniform(jax.random.fold_in(key, 1), (m, E)), K)[1].astype(jnp.int32)
+    tw = jax.random.uniform(jax.random.fold_in(key, 2), (m, K), jnp.float32) / K + 0.05
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; copy ceiling {copy_ceiling_tbs():.2f} TB/s")
+    rows = []
+
+    def t(label, f, *a):
+        jax.block_until_ready(f(*a))
+        us = queued_us(f, *a, hi=10, lo=3)
+        rows.append((label, us))
+        print(f"{label}: {us:.1f} µs", flush=True)
+        return us
+
+    plan = gg.plan_for(m * K, E, False)
+    flop, wbytes = 6 * m * K * D * I, 3 * E * D * I * 2
+    ref = None
+    for combine in ("sum", "atomic"):
+        p = dataclasses.replace(plan, combine=combine)
+        f = jax.jit(lambda x, i, s, a, b, p=p: gg.grouped_moe(x, i, s, a, b, plan=p))
+        y = f(x, ids, tw, w13, w2).astype(jnp.float32)
+        ref = y if ref is None else ref
+        print(f"{combine}: rel. err. vs sum {float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)):.1e}")
+        us = t(f"whole ({combine})", f, x, ids, tw, w13, w2)
+        print(f"   {flop / us / 1e6:.1f} TFLOP/s, {wbytes / us / 1e6:.2f} TB/s over the weights")
+    align = jax.jit(lambda i: moe_align(i.reshape(-1), E, plan.block_m))
+    t("align", align, ids)
+    sp, be = align(ids)
+    nb = align_sizes(m * K, E, plan.block_m).nb
+    up = jax.jit(lambda x, sp, be, w: gg.gate_up(x, sp, be, w, k=K, n_blocks=nb, plan=plan))
+    t("gate/up GEMM + SwiGLU", up, x, sp, be, w13)
+    h = up(x, sp, be, w13)
+    tiles = [(f"down ({c})", dataclasses.replace(plan, combine=c)) for c in ("sum", "atomic")]
+    tiles += [(f"down {bk}x{bn}, {nw} warps, {ns} stages", dataclasses.replace(plan, down=gg.Tile(bk, bn, nw, ns)))
+              for bk, bn, nw, ns in ((128, 128, 8, 3), (64, 128, 8, 4), (64, 256, 8, 3), (32, 128, 8, 6),
+                                     (64, 64, 4, 4), (128, 64, 4, 3))]
+    for label, p in tiles:
+        down = jax.jit(lambda h, sp, be, tw, w, p=p: gg.down(h, sp, be, tw, w, n_blocks=nb, plan=p))
+        t(label, down, h, sp, be, tw, w2)
+    out = jnp.zeros((m * K + 1, D), jnp.float32)
+    t("XLA sum over the k pair rows", jax.jit(lambda o: jnp.sum(o[:m * K].reshape(m, K, D), axis=1)
+                                              .astype(jnp.bfloat16)), out)
+    print(f"\ngrouped GEMM parts, M = {m}, plan {plan}")
+    for label, us in rows:
+        print(f"  {label:40s} {us:9.1f} µs")
+
+
+if __name__ == "__main__":
+    main()
