@@ -105,7 +105,8 @@ def plan_for(p: int, e: int, quantized: bool) -> Plan:
     """Launch heuristics: BM near the mean rows per expert P/E, so an expert takes ~one block
     (its weights read once) without mostly padding. Measured for bf16 at Ling's 4096 tokens (64
     rows an expert; H200, bench/RESULTS.md): BM 128 of 8 warps 1767 µs, BM 64 of 4 warps 1878 µs,
-    BN 256, 6 stages, atomic combine and BM 32 all slower; so BM 128 from 48 rows an expert."""
+    BN 256, 6 stages, the atomic combine (then fenced; relaxed since 2026-12-01, it ties "sum":
+    1717 vs 1714 µs) and BM 32 all slower; so BM 128 from 48 rows an expert."""
     r = p / e
     if quantized:
         if r <= 24:
