@@ -62,9 +62,9 @@ The down tile's dependency. Down tile (b, t) needs all T_u up tiles of block b. 
 stores its h tile, then (barrier, so every thread's stores precede it) atomically increments
 its block's counter; a down tile spins on atomic reads of it until it reads T_u, then reads h.
 It also waits for the zero tiles of its class's rows. A per-block counter (not per class) lets
-a block's down tiles start as soon as its own up tiles are done. Deadlock-free without assuming that every program is resident: a down tile
-waits only for up tiles, which were claimed earlier (queue order) by programs that are already
-running, and up tiles wait for nothing (nor do zero and count tiles; the offsets tile and the
+a block's down tiles start as soon as its own up tiles are done. Deadlock-free without assuming
+that every program is resident: a down tile waits only for up tiles, which were claimed earlier
+(queue order) by programs that are already running, and up tiles wait for nothing (nor do zero and count tiles; the offsets tile and the
 place tiles wait for tiles of the align claimed before them).
 
 Combine: atomic adds into y32 [R, D] fp32 (R >= M + 1 rows, whole zero tiles; row M: the padding
@@ -173,7 +173,8 @@ class _Static:
     rb: int  # rows per step of that rounding: a power of two dividing md
     bm: int
     nb_d: int  # decode blocks (the decode align's bound): prefill block j is h's block nb_d + j
-    nbk: int  # prefill align tiles (ALIGN_PAIRS pairs each)
+    nbk: int  # prefill count (and place) tiles, ALIGN_PAIRS pairs each
+    n_align: int  # the align's tiles: count tiles, the offsets tile, place tiles (0: no prefill pairs)
     e_pad: int  # experts padded to a power of two >= ALIGN_EXPERTS
     zr: int  # y32 rows per zero tile
     zd: int  # zero tiles before the decode class (chunks holding decode rows)
@@ -229,7 +230,7 @@ def _kernel(*refs, s: _Static):
     one = zero + 1
     n_d = jnp.sum((blk_d_ref[...] >= 0).astype(jnp.int32))  # decode blocks in use
     seg_d = n_d * (tu + td)  # the decode class's GEMM tiles
-    n_align = 2 * s.nbk + 1 if s.nbk else 0  # count tiles, the offsets tile, place tiles
+    n_align = s.n_align
     prefix = s.zd + seg_d + n_align  # claims before the prefill class's GEMM tiles
 
     def barrier():  # the GPU's threads of one program; the interpreter runs a program as one
@@ -559,7 +560,8 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
     zr = ZERO_ROWS
     chunks = -(-(m + 1) // zr)  # y32 rows: whole zero tiles covering M + 1
     zd = -(-n_decode // zr)
-    c_max = zd + (nb_d + nb_p) * (up.n_tiles + down.n_tiles) + (2 * nbk + 1 if nbk else 0) + chunks - zd
+    n_align = 2 * nbk + 1 if nbk else 0  # count tiles, the offsets tile, place tiles
+    c_max = (nb_d + nb_p) * (up.n_tiles + down.n_tiles) + n_align + chunks  # every claim's trace row
     i32 = jnp.int32
     inits = [jnp.zeros((SYNC_ROUND + down.n_tiles + e_pad + nb_d + nb_p,), i32)]  # sync
     out_shape = [jax.ShapeDtypeStruct(((nb_d + nb_p) * bm, i), act),  # h
@@ -586,8 +588,8 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
     alias_out = ([0] if poison else []) + list(range(n_out - 1, n_out + trace + stamps))
     aliases = {len(inputs) + n: o for n, o in enumerate(alias_out)}
     rb = min(32, n_decode & -n_decode) if n_decode else 1  # a power of two dividing n_decode
-    s = _Static(k=k, e=e, p=p, p_d=p_d, m=m, md=n_decode, rb=rb, bm=bm, nb_d=nb_d, nbk=nbk, e_pad=e_pad,
-                zr=zr, zd=zd, zp=chunks - zd, up=_strip(up), down=_strip(down), limit=swiglu_limit,
+    s = _Static(k=k, e=e, p=p, p_d=p_d, m=m, md=n_decode, rb=rb, bm=bm, nb_d=nb_d, nbk=nbk, n_align=n_align,
+                e_pad=e_pad, zr=zr, zd=zd, zp=chunks - zd, up=_strip(up), down=_strip(down), limit=swiglu_limit,
                 trace=trace, stamps=stamps, interpret=interpret, n_init=len(inits))
     name = "expert_tiles" + ("" if up.qm is None else f"_int{up.qm.bits}") + f"_m{bm}"
     outs = pl.pallas_call(
