@@ -6,18 +6,19 @@
               the decode rows are done when it is (its combine sums at the end)
   (b) split   fused_moe over the decode tokens, then grouped_moe over the prefill chunk, one jit;
               decode done = fused_moe alone (timed separately), total = both
-  (c) tiles   expert_tiles.tile_moe: one persistent launch, decode tiles claimed first; total timed
-              like the others; decode done = total - post - (kernel span - decode span), the spans
-              read from the kernel's %globaltimer stamps in a separate traced run (first program
-              start to the last decode tile's end, which rounds the decode rows, and to the last
-              tile's end); post = the prefill rows' rounding after the launch, timed alone. The work
-              before the kernel (the decode align) counts as decode latency; the prefill tiles after the
-              last decode tile and the rounding of their rows do not. Also the decode-only tile
-              launch (the exclusive time). --tile-per-sm N,.., --tile-bm BM,.. and --tile-warps W,..
+  (c) tiles   expert_tiles.tile_moe: one persistent launch over the union, the blocks holding decode
+              pairs (hot) claimed first; total timed like the others; decode done = total - post -
+              (kernel span - decode span), the spans read from the kernel's %globaltimer stamps in a
+              separate traced run (first program start to the last hot tile's end, which rounds the
+              decode rows, and to the last tile's end); post = the prefill rows' rounding after the
+              launch, timed alone. The cold tiles after the last hot tile and the rounding of their
+              rows do not count as decode latency. Also the decode-only tile launch (the exclusive
+              time), at the same plan and at the decode tokens' own (plan_for's), and the align's
+              span (to its last tile's end). --tile-per-sm N,.., --tile-bm BM,.. and --tile-warps W,..
               time (c) at each persistent grid size, block height and warp count (default: the
               kernel's own); --prefills picks the chunk sizes.
 --profile-tiles. The tile kernel at one plan (BM 64) over a grid of (decode, prefill) token
-counts; x_moe from each call's routing (per class, as the kernel aligns them); a least-squares
+counts; x_moe from each call's routing (hot and cold blocks, as the kernel aligns them); a least-squares
 fit of moe/tiles.py's model t = alpha + beta x (s = 1) on two thirds of the shapes, its error on
 the held-out third, the model written as JSON (--tile-model PATH, default $OUT/tile_model.json).
 
@@ -149,18 +150,21 @@ class Bench:
         tiles = lambda x, i, s, w: et.tile_moe(x, i, s, *w, n_decode=md, backend=b, plan=plan)  # noqa: E731
         tiles_decode = lambda x, i, s, w: et.tile_moe(x[:md], i[:md], s[:md], *w, n_decode=md, backend=b,  # noqa: E731
                                                       plan=plan)
+        tiles_decode_own = lambda x, i, s, w: et.tile_moe(x[:md], i[:md], s[:md], *w, n_decode=md,  # noqa: E731
+                                                          backend=b, plan=self.plan(0, programs=plan.programs))
 
         def traced(x, i, s, w):
             run = et._run(x, i, s, *w, n_decode=md, swiglu_limit=None, backend=b, plan=plan, trace=True,
                           stamps=not self.smoke)
             return run.y, run.trace, run.stamps
 
-        return dict(union=union, split=split, decode=decode, tiles=tiles, tiles_decode=tiles_decode, traced=traced)
+        return dict(union=union, split=split, decode=decode, tiles=tiles, tiles_decode=tiles_decode,
+                    tiles_decode_own=tiles_decode_own, traced=traced)
 
     def plan(self, mp, bm=None, programs=None, warps=None):
         from pallas_kernels import expert_tiles as et
 
-        p = et.plan_for(mp * K, self.e, False)
+        p = et.plan_for((DECODE + mp) * K, self.e, False)
         bm = bm or p.block_m
         return et.Plan(bm, p.up, p.down, warps or p.num_warps, p.num_stages, programs or self.programs)
 
@@ -180,35 +184,21 @@ class Bench:
         jax.block_until_ready(f(y32))
         return queued_us(f, y32, hi=8, lo=2) / 8
 
-    def pre_us(self, md, ids, bm):
-        """µs of the work before the tile launch: the decode class's align (the prefill class's runs
-        in the launch). Eight distinct aligns in one jit (as post_us)."""
-        import jax
-
-        from pallas_kernels.fused_moe import moe_align
-
-        if self.smoke or md == 0:
-            return 0.0
-        many = [(i[:md] + s) % self.e for i in ids for s in range(8 // len(ids))]
-        f = jax.jit(lambda many: [moe_align(i.reshape(-1), self.e, bm) for i in many])
-        jax.block_until_ready(f(many))
-        return queued_us(f, many, hi=8, lo=2) / len(many)
-
     @staticmethod
     def spans(trace, stamps, programs):
-        """(decode span, kernel span) in µs from one traced call, or tickets (smoke): the last decode
-        tile's finish ticket + 1 and the tile count."""
+        """(decode span, kernel span, align span) in µs from one traced call, or tickets (smoke): the
+        last hot tile's finish ticket + 1, the tile count and the last align tile's ticket + 1."""
         trace = np.asarray(trace)
         claimed = trace[trace[:, 0] >= 0]
-        decode = claimed[:, 0] < 2
+        decode, align = claimed[:, 0] < 2, claimed[:, 0] == 5
         if stamps is None:
             last = int(claimed[decode, 4].max()) + 1 if decode.any() else 0
-            return last, len(claimed)
+            return last, len(claimed), int(claimed[align, 4].max()) + 1
         st = np.asarray(stamps).view(np.uint32)
         start = st[:programs].min()
         ends = (st[programs:programs + len(trace)][trace[:, 0] >= 0] - start).astype(np.uint32)  # mod 2^32
         dec = float(ends[decode].max()) if decode.any() else 0.0
-        return dec / 1e3, float(ends.max()) / 1e3
+        return dec / 1e3, float(ends.max()) / 1e3, float(ends[align].max()) / 1e3
 
     # ------------------------------------------------------------------ --mixed
     def mixed(self):
@@ -248,15 +238,15 @@ class Bench:
                     c["tiles_us"], ys = self.timed(k["tiles"], x, ids, ws)
                     c["tiles_err"] = self.check(ys[0], base, f"tiles ({n} a SM) vs union")
                     c["tiles_decode_us"], _ = self.timed(k["tiles_decode"], x, ids, ws)
-                    c["pre_us"] = self.pre_us(md, ids, tplan.block_m)
+                    c["tiles_decode_own_us"], _ = self.timed(k["tiles_decode_own"], x, ids, ws)
                     traced_us, outs = self.timed(k["traced"], x, ids, ws)
                     spans = [self.spans(t, s, programs) for _, t, s in outs]
                     if self.smoke:
-                        c["decode_ticket"], c["tiles_claimed"] = spans[0]
+                        c["decode_ticket"], c["tiles_claimed"], c["align_ticket"] = spans[0]
                     else:
-                        dec, span = np.mean([s[0] for s in spans]), np.mean([s[1] for s in spans])
-                        c.update(traced_us=traced_us, decode_span_us=dec, kernel_span_us=span, post_us=post,
-                                 tiles_decode_done_us=traced_us - post - (span - dec))
+                        dec, span, align = (float(np.mean([s[i] for s in spans])) for i in range(3))
+                        c.update(traced_us=traced_us, decode_span_us=dec, kernel_span_us=span, align_span_us=align,
+                                 post_us=post, tiles_decode_done_us=traced_us - post - (span - dec))
                     self.log(f"  tiles, {n} program(s) a SM: " + ", ".join(
                         f"{a}={b:.1f}" if isinstance(b, float) else f"{a}={b}" for a, b in c.items()))
                 row["x_moe"] = self.x_moe(ids, md, plan.block_m)
@@ -267,11 +257,10 @@ class Bench:
                 self.results["errors"].append(f"mixed {md}+{mp}: " + traceback.format_exc(limit=6)[-2000:])
 
     def x_moe(self, ids, md, bm):
-        """Mean x_moe over the routings: decode and prefill classes aligned apart."""
-        from moe.tiles import x_moe_of_ids
+        """Mean x_moe over the routings: the tile kernel's hot and cold blocks."""
+        from moe.tiles import x_moe_tile_kernel
 
-        return float(np.mean([x_moe_of_ids(np.asarray(i[:md]), self.e, bm)
-                              + x_moe_of_ids(np.asarray(i[md:]), self.e, bm) for i in ids]))
+        return float(np.mean([x_moe_tile_kernel(np.asarray(i), md, self.e, bm) for i in ids]))
 
     # ------------------------------------------------------------------ --profile-tiles
     def profile(self):
@@ -337,14 +326,16 @@ class Bench:
                     else:
                         done = f"{c.get('tiles_decode_done_us', float('nan')):8.1f}"
                     ratios = "" if self.smoke else (
-                        f": decode done / decode-only {c['tiles_decode_done_us'] / c['tiles_decode_us']:.2f}, "
-                        f"total / (a) {c['tiles_us'] / r['union_us']:.2f}")
+                        f": decode done / decode-only {c['tiles_decode_done_us'] / c['tiles_decode_us']:.2f} "
+                        f"(own plan {c['tiles_decode_done_us'] / c['tiles_decode_own_us']:.2f}), "
+                        f"total / (a) {c['tiles_us'] / r['union_us']:.2f}, align {c['align_span_us']:.1f} µs")
                     lines.append(f"{r['decode']:3}+{r['prefill']:<6} {r['x_moe']:7.1f} {r['union_us']:12.1f} | "
                                  f"{r['decode_us']:10.1f} / {r['split_us']:8.1f} | {done} / {c['tiles_us']:8.1f} "
                                  f"({c['tiles_decode_us']:.1f}), {c['per_sm']} a SM, BM {c['bm']}, "
                                  f"{c['warps']} warps{ratios}")
             lines.append("(a) decode done = total. (c) decode done = total - rounding after the launch - "
-                         "(kernel span - decode span), spans from %globaltimer stamps")
+                         "(kernel span - decode span), spans from %globaltimer stamps; decode-only: the "
+                         "tile launch over the decode tokens alone at the same plan (own plan: plan_for's)")
         if self.results["profile"]:
             lines.append("profile (tiles, BM %d): decode+prefill  x_moe  µs  predicted  err" %
                          self.results["profile"][0]["block_m"])

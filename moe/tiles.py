@@ -14,8 +14,10 @@ At s = 1 the three slopes merge into one (beta + gamma + delta): a fit on MoE sa
 and beta and sets gamma = delta = 0, since they cannot be told apart there; samples with several
 values of s (an attention profile) determine all four.
 
-Decode and prefill are aligned separately (pallas_kernels/expert_tiles.py; and the server runs
-them as two programs), so a step's x_moe is the sum of the two classes' tiles.
+The server runs decode and prefill as two programs, so a step's x_moe is the sum of the two
+classes' tiles. The tile-scheduled kernel (pallas_kernels/expert_tiles.py) aligns their union
+instead, each expert's decode pairs in hot blocks filled up with its prefill pairs and the rest in
+cold blocks: `x_moe_tile_kernel` counts those.
 
 Routing is unknown when the scheduler plans a step (it happens on device, per layer), so the
 planner uses the expectation of x_moe under routing with per-expert probabilities p_e
@@ -93,6 +95,17 @@ def x_moe(counts, block_m: int) -> int:
 def x_moe_of_ids(topk_ids, n_experts: int, block_m: int) -> int:
     """Executed row tiles of one class's routing topk_ids [T, k] (exact)."""
     return x_moe(np.bincount(np.asarray(topk_ids).reshape(-1), minlength=n_experts), block_m)
+
+
+def x_moe_tile_kernel(topk_ids, n_decode: int, n_experts: int, block_m: int) -> int:
+    """Executed row tiles of the tile-scheduled kernel on topk_ids [T, k] whose first n_decode
+    tokens are decode tokens: per expert, ceil(d_e / BM) hot blocks (its d_e decode pairs, then its
+    prefill pairs up to their capacity) and ceil(rest / BM) cold blocks (exact)."""
+    ids = np.asarray(topk_ids)
+    d = np.bincount(ids[:n_decode].reshape(-1), minlength=n_experts).astype(np.int64)
+    n = np.bincount(ids.reshape(-1), minlength=n_experts).astype(np.int64)
+    hot = -(-d // block_m)
+    return int(hot.sum()) + x_moe(np.maximum(n - hot * block_m, 0), block_m)
 
 
 def _binomial_pmf(n: int, p: float) -> np.ndarray:

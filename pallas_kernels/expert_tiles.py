@@ -102,8 +102,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import resolve
-from pallas_kernels.fused_moe import (_dims, _pow2, align_sizes, check_args, expert_tile, moe_align,
-                                      pop_weight_refs, reference, swiglu_columns, weight_operands)
+from pallas_kernels.fused_moe import (_dims, _pow2, align_sizes, check_args, expert_tile, pop_weight_refs, reference,
+                                      swiglu_columns, weight_operands)
 from pallas_kernels.quant import QuantizedWeight
 from pallas_kernels.relaxed_atomic import relaxed_atomic_add
 
@@ -112,16 +112,16 @@ H200_SMS = 132
 # 4 warps): the mixed launch 2018 -> 1586 / 2228 -> 1751 µs from 1 to 2 a SM, 3 no better; at
 # BM 128 of 8 warps (8192 prefill tokens) 1, 2 and 3 tie (bench/RESULTS.md, 2026-12-01).
 PROGRAMS_PER_SM = 2
-KINDS = ("decode up", "decode down", "prefill up", "prefill down", "zero", "align")
+KINDS = ("hot up", "hot down", "cold up", "cold down", "zero", "align")  # hot: blocks holding decode pairs
 ZERO_ROWS = 64  # y32 rows per zero tile (ZR)
 ALIGN_PAIRS = 128  # prefill pairs per align tile (PB)
 ALIGN_EXPERTS = 32  # experts per step of an align tile's histogram ([PB, EB] comparisons)
 ALIGN_RANK = 32  # pairs per step of a place tile's ranking ([PB, CB] comparisons)
-# sync int32 counters (zeros before the launch): the next claim; finish tickets; zero tiles done
-# (decode's, prefill's); prefill align tiles done (count, offsets, place); the prefill class's
-# blocks; then T_d counters (decode blocks whose down tile t has landed), E_pad per-expert prefill
-# pair counts, and one counter per block (its up tiles done; decode blocks, then prefill).
-(SYNC_CLAIM, SYNC_TICKET, SYNC_ZERO_D, SYNC_ZERO_P, SYNC_COUNTED, SYNC_OFFSETS, SYNC_PLACED, SYNC_NP,
+# sync int32 counters (zeros before the launch): the next claim; finish tickets; zero tiles done;
+# align tiles done (count, offsets, place); the blocks (hot, all); then T_d counters (hot blocks
+# whose down tile t has landed), 2 x E_pad per-expert pair counts (decode's, then prefill's), and
+# one counter per block (its up tiles done).
+(SYNC_CLAIM, SYNC_TICKET, SYNC_ZERO, SYNC_COUNTED, SYNC_OFFSETS, SYNC_PLACED, SYNC_HOT, SYNC_NB,
  SYNC_ROUND) = range(9)
 TRACE_FIELDS = ("kind", "block", "n_tile", "program", "ticket")
 
@@ -138,7 +138,7 @@ class Tile:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    block_m: int = 64  # rows per block, both classes (a power of two >= 16: tensor-core dots)
+    block_m: int = 64  # rows per block (a power of two >= 16: tensor-core dots)
     up: Tile = Tile()
     down: Tile = Tile()
     num_warps: int = 4
@@ -172,13 +172,11 @@ class _Static:
     md: int  # decode tokens (rows [0, md) of y are rounded in the kernel)
     rb: int  # rows per step of that rounding: a power of two dividing md
     bm: int
-    nb_d: int  # decode blocks (the decode align's bound): prefill block j is h's block nb_d + j
-    nbk: int  # prefill count (and place) tiles, ALIGN_PAIRS pairs each
-    n_align: int  # the align's tiles: count tiles, the offsets tile, place tiles (0: no prefill pairs)
+    nbk_d: int  # count (and place) tiles of the decode pairs, ALIGN_PAIRS pairs each
+    nbk: int  # ... of all pairs (the decode pairs' first)
     e_pad: int  # experts padded to a power of two >= ALIGN_EXPERTS
     zr: int  # y32 rows per zero tile
-    zd: int  # zero tiles before the decode class (chunks holding decode rows)
-    zp: int  # zero tiles after the prefill up tiles (the other chunks)
+    chunks: int  # zero tiles
     up: object  # fused_moe.WeightOperands of w13, without its arrays
     down: object
     limit: float | None
@@ -188,32 +186,31 @@ class _Static:
     n_init: int
 
     @property
-    def sync_count(self) -> int:  # the per-expert prefill counts
+    def sync_count(self) -> int:  # the per-expert pair counts, decode's then prefill's
         return SYNC_ROUND + self.down.n_tiles
 
     @property
     def sync_up(self) -> int:  # the per-block up-tile counters
-        return self.sync_count + self.e_pad
+        return self.sync_count + 2 * self.e_pad
 
 
 # ---------------------------------------------------------------------------------- kernel
 def _kernel(*refs, s: _Static):
     refs = list(refs)
     x_ref = refs.pop(0)  # [M, D] activation dtype
-    ids_ref = refs.pop(0)  # [P] int32 expert of each pair (the prefill class's are aligned here)
-    sorted_d_ref = refs.pop(0)  # [S_d] int32: the decode align's pairs (padding: p_d)
-    blk_d_ref = refs.pop(0)  # [NBP_d] int32: the decode align's block experts (-1: unused)
+    ids_ref = refs.pop(0)  # [P] int32 expert of each pair (aligned here, by the align tiles)
     tw_ref = refs.pop(0)  # [P] f32 routed weight per pair
     w13 = pop_weight_refs(refs, s.up.qm)
     w2 = pop_weight_refs(refs, s.down.qm)
     del refs[:s.n_init]  # aliased initial outputs: only the output refs are used
-    h_ref = refs.pop(0)  # [(NB_d + NB_p)*BM, I] slot rows, decode blocks first
+    h_ref = refs.pop(0)  # [NB*BM, I] slot rows, hot blocks first
     y_ref = refs.pop(0)  # [M, D]: the kernel writes the decode rows
     y32_ref = refs.pop(0)  # [R, D] f32, R = ZR chunks covering M + 1 rows; uninitialised: zero tiles
-    sorted_p_ref = refs.pop(0)  # [S_p] int32: the prefill class's pairs by slot (padding: P)
-    blk_p_ref = refs.pop(0)  # [NB_p + 1] int32: expert of each prefill block (+ a sink)
-    base_ref = refs.pop(0)  # [NBk, E_pad] int32: each align tile's first rank within each expert
-    offs_ref = refs.pop(0)  # [E_pad] int32: each expert's first prefill slot
+    sorted_ref = refs.pop(0)  # [NB*BM + 1] int32: the pair at each slot (+ a sink slot); padding unwritten
+    blk_ref = refs.pop(0)  # [NB + 1] int32: expert of each block (+ a sink)
+    rows_ref = refs.pop(0)  # [NB + 1] int32: pairs in each block (its first rows; + a sink)
+    base_ref = refs.pop(0)  # [NBk, E_pad] int32: each count tile's first rank within each expert
+    offs_ref = refs.pop(0)  # [3, E_pad] int32: each expert's first hot slot, first cold slot, decode pairs
     sync_ref = refs.pop(0)  # int32 counters, see SYNC_*
     trace_ref = refs.pop(0) if s.trace else None  # [C_max, 5] int32
     stamp_ref = refs.pop(0) if s.stamps else None  # [G + C_max] int32
@@ -228,10 +225,7 @@ def _kernel(*refs, s: _Static):
     # which the interpreter's discharge of nested loops rejects.
     zero = prog * 0
     one = zero + 1
-    n_d = jnp.sum((blk_d_ref[...] >= 0).astype(jnp.int32))  # decode blocks in use
-    seg_d = n_d * (tu + td)  # the decode class's GEMM tiles
-    n_align = s.n_align
-    prefix = s.zd + seg_d + n_align  # claims before the prefill class's GEMM tiles
+    prefix = 2 * s.nbk + 1 + s.chunks  # claims before the GEMM tiles: the align and the zero tiles
 
     def barrier():  # the GPU's threads of one program; the interpreter runs a program as one
         if not s.interpret:
@@ -257,82 +251,96 @@ def _kernel(*refs, s: _Static):
         counters), and an ordered atomic fences first, waiting for the last tile's atomic adds."""
         return relaxed_atomic_add(sync_ref, zero + SYNC_CLAIM, one)
 
-    # ------------------------------------------------------------ the prefill class's align
-    # Unlike fused_moe's align (stable in p, for every caller), pairs of one expert land in the
-    # order their align tiles reserved their ranks: any order serves the tiles (rows are
-    # independent, and the combine sums by atomics anyway).
-    def prefill_ids(b):
-        q = b * pb + jnp.arange(pb, dtype=jnp.int32)  # [PB] prefill pair index
-        # padding: id E_pad, which no histogram column counts (expert ids E..E_pad-1 are not real either)
-        ids = pltriton.load(ids_ref.at[pl.ds(p_d + b * pb, pb)], mask=q < p - p_d, other=e_pad)
-        return q, ids
+    # ------------------------------------------------------------ the align
+    def align_pairs(b):
+        """Align tile b's pairs: (decode tile?, its first pair, its end (the class's), pair indices
+        q [PB], their experts [PB]: E_pad past the end, which no histogram column counts). Tiles
+        [0, NBk_d) cover the decode pairs, the others the prefill pairs: a tile never mixes them."""
+        dec = b < s.nbk_d
+        start = jnp.where(dec, b * pb, p_d + (b - s.nbk_d) * pb)
+        end = jnp.where(dec, zero + p_d, zero + p)  # traced operands: a select of literals mis-lowers
+        q = start + jnp.arange(pb, dtype=jnp.int32)
+        ids = pltriton.load(ids_ref.at[pl.ds(start, pb)], mask=q < end, other=e_pad)
+        return dec, start, end, q, ids
 
     def count_tile(b):
-        """Align tile b's pairs per expert, added to the expert counts; the old counts are b's
+        """Tile b's pairs per expert, added to its class's expert counts; the old counts are b's
         first ranks (stored)."""
-        _, ids = prefill_ids(b)
+        dec, _, _, _, ids = align_pairs(b)
+        counts = jnp.where(dec, zero, zero + e_pad) + s.sync_count
 
         def experts(i, carry):  # loops, not unrolled: the kernel's code size
             e0 = pl.multiple_of(i * ALIGN_EXPERTS, ALIGN_EXPERTS)
             ex = e0 + jnp.arange(ALIGN_EXPERTS, dtype=jnp.int32)
             hist = jnp.sum((ids[:, None] == ex[None, :]).astype(jnp.int32), axis=0)  # [EB]
-            base_ref[b, pl.ds(e0, ALIGN_EXPERTS)] = relaxed_atomic_add(sync_ref, s.sync_count + ex, hist)
+            base_ref[b, pl.ds(e0, ALIGN_EXPERTS)] = relaxed_atomic_add(sync_ref, counts + ex, hist)
             return carry
 
         lax.fori_loop(0, e_pad // ALIGN_EXPERTS, experts, zero)
         release(SYNC_COUNTED)
 
     def offsets_tile():
-        """Once every count is in: each expert's first slot (its run padded to BM), the prefill
-        blocks' experts and their number, and P in each run's padding slots."""
+        """Once every count is in: each expert's hot and cold runs, the blocks' experts and rows,
+        the hot and total block counts."""
         spin(SYNC_COUNTED, s.nbk)
-        counts = pltriton.load(sync_ref.at[pl.ds(s.sync_count, e_pad)], volatile=True)  # [E_pad]
-        nblk = (counts + bm - 1) // bm
-        bstart = jnp.cumsum(nblk) - nblk
-        offs_ref[...] = bstart * bm
         ex = jnp.arange(e_pad, dtype=jnp.int32)
-        sink = blk_p_ref.shape[0] - 1
+        real = ex < s.e  # ids in [E, E_pad) are skipped pairs, in no block
+        nd = jnp.where(real, pltriton.load(sync_ref.at[pl.ds(s.sync_count, e_pad)], volatile=True), 0)
+        n = nd + jnp.where(real, pltriton.load(sync_ref.at[pl.ds(s.sync_count + e_pad, e_pad)], volatile=True), 0)
+        hot = (nd + bm - 1) // bm  # [E_pad] blocks holding the expert's decode pairs
+        rest = jnp.maximum(n - hot * bm, 0)  # its pairs past them
+        cold = (rest + bm - 1) // bm
+        n_hot = jnp.sum(hot)
+        hot0 = jnp.cumsum(hot) - hot  # first block of each expert's hot run
+        cold0 = n_hot + jnp.cumsum(cold) - cold  # ... and of its cold run
+        offs_ref[0, :] = hot0 * bm
+        offs_ref[1, :] = cold0 * bm
+        offs_ref[2, :] = nd
+        sink = blk_ref.shape[0] - 1
 
         def fill_blocks(i, carry):  # the i-th block of every expert with more than i blocks
-            has = i < nblk
-            pltriton.store(blk_p_ref.at[jnp.where(has, bstart + i, sink)], ex, mask=has)
+            is_hot = i < hot
+            ic = i - hot
+            used = is_hot | (ic < cold)
+            b = jnp.where(is_hot, hot0 + i, jnp.where(used, cold0 + ic, sink))
+            rows = jnp.minimum(jnp.where(is_hot, n - i * bm, rest - ic * bm), bm)
+            pltriton.store(blk_ref.at[b], ex, mask=used)
+            pltriton.store(rows_ref.at[b], rows, mask=used)
             return carry
 
-        lax.fori_loop(0, jnp.max(nblk), fill_blocks, zero)
-        pad_end = bstart * bm + nblk * bm
-        slot_sink = sorted_p_ref.shape[0] - 1
-
-        def fill_padding(i, carry):  # each run's slots past its pairs <- P (padding)
-            slot = bstart * bm + counts + i
-            pad = slot < pad_end
-            pltriton.store(sorted_p_ref.at[jnp.where(pad, slot, slot_sink)], jnp.full((e_pad,), p, jnp.int32),
-                           mask=pad)
-            return carry
-
-        lax.fori_loop(0, bm - 1, fill_padding, zero)
-        relaxed_atomic_add(sync_ref, zero + SYNC_NP, jnp.sum(nblk))
+        lax.fori_loop(0, jnp.max(hot + cold), fill_blocks, zero)
+        relaxed_atomic_add(sync_ref, zero + SYNC_HOT, n_hot)
+        relaxed_atomic_add(sync_ref, zero + SYNC_NB, n_hot + jnp.sum(cold))
         release(SYNC_OFFSETS)
 
     def place_tile(b):
-        """Align tile b's pairs to their slots: the expert's first slot + b's first rank + the rank
-        among b's earlier pairs of the expert ([PB, CB] comparisons a step)."""
+        """Tile b's pairs to their slots. A pair's rank in its expert's run: b's first rank + its rank
+        among b's earlier pairs of the expert ([PB, CB] comparisons a step), after the expert's decode
+        pairs if it is a prefill pair. Ranks below the hot run's capacity go to the hot run."""
         spin(SYNC_OFFSETS, 1)
-        q, ids = prefill_ids(b)
+        dec, start, end, q, ids = align_pairs(b)
         valid = ids < s.e
 
         def rank(i, within):
             c0 = pl.multiple_of(i * ALIGN_RANK, ALIGN_RANK)
-            qc = b * pb + c0 + jnp.arange(ALIGN_RANK, dtype=jnp.int32)
-            ic = pltriton.load(ids_ref.at[pl.ds(p_d + b * pb + c0, ALIGN_RANK)], mask=qc < p - p_d, other=e_pad)
+            qc = start + c0 + jnp.arange(ALIGN_RANK, dtype=jnp.int32)
+            ic = pltriton.load(ids_ref.at[pl.ds(start + c0, ALIGN_RANK)], mask=qc < end, other=e_pad)
             hit = (ic[None, :] == ids[:, None]) & (qc[None, :] < q[:, None])
             return within + jnp.sum(hit.astype(jnp.int32), axis=1)
 
         within = lax.fori_loop(0, pb // ALIGN_RANK, rank, jnp.zeros((pb,), jnp.int32))
         e = jnp.where(valid, ids, 0)
-        first = pltriton.load(offs_ref.at[e], volatile=True) + pltriton.load(base_ref.at[b, e], volatile=True)
+
+        def offs(row):
+            return pltriton.load(offs_ref.at[row, e], volatile=True)
+
+        nd = offs(2)
+        r = pltriton.load(base_ref.at[b, e], volatile=True) + within + jnp.where(dec, zero, nd)
+        cap = (nd + bm - 1) // bm * bm
+        first = jnp.where(r < cap, offs(0), offs(1) - cap)
         # Masked-off lanes point at the last slot, never a pair's (interpret mode may write them back)
-        slot = jnp.where(valid, first + within, sorted_p_ref.shape[0] - 1)
-        pltriton.store(sorted_p_ref.at[slot], p_d + q, mask=valid)
+        slot = jnp.where(valid, first + r, sorted_ref.shape[0] - 1)
+        pltriton.store(sorted_ref.at[slot], q, mask=valid)
         release(SYNC_PLACED)
 
     def align_tile(j):
@@ -341,22 +349,13 @@ def _kernel(*refs, s: _Static):
         pl.when(j > s.nbk)(lambda: place_tile(j - s.nbk - 1))
 
     # ------------------------------------------------------------ the GEMM tiles
-    def block(j, pre):
-        """Block j of its class (pre: 0 decode, 1 prefill) -> (expert, pairs [BM], valid [BM],
-        the block's index among h's blocks and the up counters). One code path for both classes:
-        each class's arrays are loaded under a mask, the other's lanes are off and read nothing.
-        The prefill arrays were written in this launch by other SMs: a masked-off load never
-        brings their lines into this SM's L1 before the align's acquire, so plain loads see the
-        written values (volatile ones cost ~40% of the decode launch at BM 64: H200, 2026-12-01)."""
-        dec = jnp.full((bm,), pre == 0)
-        pair_d = pltriton.load(sorted_d_ref.at[pl.ds(j * bm, bm)], mask=dec, other=0)
-        pair_p = pltriton.load(sorted_p_ref.at[pl.ds(j * bm, bm)], mask=jnp.logical_not(dec), other=0)
-        pair = pair_d + pair_p
-        valid = pair < p_d + (p - p_d) * pre  # padding: p_d (the decode align's) or P
-        one_d = jnp.full((1,), pre == 0)
-        e_d = pltriton.load(blk_d_ref.at[pl.ds(j, 1)], mask=one_d, other=0)
-        e_p = pltriton.load(blk_p_ref.at[pl.ds(j, 1)], mask=jnp.logical_not(one_d), other=0)
-        return jnp.sum(e_d + e_p), pair, valid, j + s.nb_d * pre
+    def block(j):
+        """Block j -> (expert, pairs [BM], valid [BM]). Its arrays were written in this launch by
+        other SMs; plain loads see them, as no SM reads their lines before the align's acquire
+        (volatile loads here cost ~40% of a decode launch at BM 64: H200, 2026-12-01)."""
+        valid = jnp.arange(bm, dtype=jnp.int32) < rows_ref[j]
+        pair = pltriton.load(sorted_ref.at[pl.ds(j * bm, bm)], mask=valid, other=0)
+        return blk_ref[j], pair, valid
 
     def zero_tile(z):
         """y32 rows [z*ZR, (z+1)*ZR) <- 0, in D / BN_d column blocks."""
@@ -366,10 +365,10 @@ def _kernel(*refs, s: _Static):
             return carry
 
         lax.fori_loop(0, td, cols, zero)
-        release(SYNC_ZERO_D + (z >= s.zd).astype(jnp.int32))
+        release(SYNC_ZERO)
 
-    def up_tile(j, t, pre):
-        e, pair, valid, b = block(j, pre)
+    def up_tile(j, t):
+        e, pair, valid = block(j)
         tok = jnp.where(valid, lax.div(pair, k), 0)[:, None]  # [BM, 1]
 
         def a_load(k0, size):  # x rows gathered by token; padding rows read nothing (0)
@@ -379,11 +378,11 @@ def _kernel(*refs, s: _Static):
         acc = expert_tile(w13, s.up.qm, e, t, a_load, n_k=s.up.n_k, bk=s.up.bk, bn=s.up.bn, bm=bm, fma=False)
         h = swiglu_columns(acc, s.limit).astype(h_ref.dtype)  # [BM, BN_u / 2]
         mask = jnp.broadcast_to(valid[:, None], h.shape)
-        pltriton.store(h_ref.at[pl.ds(b * bm, bm), pl.ds(t * hb, hb)], h, mask=mask)
-        release(s.sync_up + b)
+        pltriton.store(h_ref.at[pl.ds(j * bm, bm), pl.ds(t * hb, hb)], h, mask=mask)
+        release(s.sync_up + j)
 
     def round_decode(t):
-        """y[decode rows, tile t] <- y32 rounded: every decode block's down tile t has landed.
+        """y[decode rows, tile t] <- y32 rounded: every hot block's down tile t has landed.
         Chunks of RB rows, RB dividing M_d (no masks). Volatile loads, served by L2, where other
         SMs' atomics made the sums (cache_modifier ".cg" does not lower in jax 0.10)."""
 
@@ -396,18 +395,16 @@ def _kernel(*refs, s: _Static):
 
         lax.fori_loop(0, s.md // s.rb, chunk, zero)
 
-    def down_tile(j, t, pre):
-        e, pair, valid, b = block(j, pre)
-        # Acquire block b's h (its T_u up tiles were claimed before this tile and wait for nothing)
+    def down_tile(j, t, n_hot):
+        e, pair, valid = block(j)
+        # Acquire block j's h (its T_u up tiles were claimed before this tile and wait for nothing)
         # and y32's zeroed rows (the zero tiles were claimed before it too).
-        spin(s.sync_up + b, tu)
-        if s.zd:
-            spin(SYNC_ZERO_D, s.zd)
-        pl.when(pre == 1)(lambda: spin(SYNC_ZERO_P, s.zp))
+        spin(s.sync_up + j, tu)
+        spin(SYNC_ZERO, s.chunks)
 
         def a_load(k0, size):  # the block's own h rows; padding rows were never written
             mask = jnp.broadcast_to(valid[:, None], (bm, size))
-            return pltriton.load(h_ref.at[pl.ds(b * bm, bm), pl.ds(k0, size)], mask=mask, other=0.0)
+            return pltriton.load(h_ref.at[pl.ds(j * bm, bm), pl.ds(k0, size)], mask=mask, other=0.0)
 
         acc = expert_tile(w2, s.down.qm, e, t, a_load, n_k=s.down.n_k, bk=s.down.bk, bn=bn_d, bm=bm, fma=False)
         w = pltriton.load(tw_ref.at[jnp.where(valid, pair, 0)], mask=valid, other=0.0)  # [BM]
@@ -418,23 +415,24 @@ def _kernel(*refs, s: _Static):
         # needs no ordering (the finish ticket / the kernel's end orders it).
         mask = None if s.interpret else jnp.broadcast_to(valid[:, None], val.shape)
         relaxed_atomic_add(y32_ref, (tok, cols), val, mask=mask)
-        if s.md:  # the last decode block to land its tile t rounds the decode rows' tile t
-            @pl.when(pre == 0)
+        if s.md:  # the last hot block to land its tile t rounds the decode rows' tile t
+            @pl.when(j < n_hot)
             def _():
-                @pl.when(release(SYNC_ROUND + t) == n_d - 1)
+                @pl.when(release(SYNC_ROUND + t) == n_hot - 1)
                 def _():
                     barrier()
                     round_decode(t)
 
     # ------------------------------------------------------------ the queue
-    def tile_of(c, n_p):
+    def tile_of(c, n_hot, n_blocks):
         """Claim index -> (kind, index j in its segment, N-block t) over the segments
-        [zero (decode rows) | decode up | decode down | align | prefill up | zero (the rest) |
-        prefill down]; j of a zero tile is its chunk. n_p: the prefill blocks (read once the
-        align is done, -1 before: claims before the align's end do not depend on it)."""
-        n_p = jnp.maximum(n_p, 0)  # -1 would shift the later segments back over the earlier ones
-        segments = ((4, s.zd, 1, 0), (0, n_d * tu, tu, 0), (1, n_d * td, td, 0), (5, n_align, 1, 0),
-                    (2, n_p * tu, tu, 0), (4, s.zp, 1, s.zd), (3, n_p * td, td, 0))
+        [count | zero | offsets, place | hot up | hot down | cold up | cold down]; j of a zero tile
+        is its chunk, of an align tile its index in the align, of a GEMM tile its block (cold blocks
+        follow the hot ones). n_hot, n_blocks: -1 until read after the align (claims before the
+        GEMM tiles do not depend on them)."""
+        n_hot, n_cold = jnp.maximum(n_hot, 0), jnp.maximum(n_blocks - n_hot, 0)
+        segments = ((5, s.nbk, 1, 0), (4, s.chunks, 1, 0), (5, s.nbk + 1, 1, s.nbk), (0, n_hot * tu, tu, 0),
+                    (1, n_hot * td, td, 0), (2, n_cold * tu, tu, n_hot), (3, n_cold * td, td, n_hot))
         kind = j = t = zero
         start = zero
         for kd, length, width, j0 in segments:
@@ -444,17 +442,15 @@ def _kernel(*refs, s: _Static):
             start = start + length
         return kind, j, t
 
-    def prefill_blocks(c, n_p):
-        """n_p, read (once) when a claim passes the align: wait for every place tile, all claimed
-        earlier (so the wait ends even without every program resident)."""
-        if not s.nbk:
-            return n_p
+    def blocks(c, counts):
+        """(n_hot, n_blocks), read (once) when a claim passes the align: wait for every place tile,
+        all claimed earlier (so the wait ends even without every program resident)."""
 
         def wait():
             spin(SYNC_PLACED, s.nbk)
-            return read(SYNC_NP)
+            return read(SYNC_HOT), read(SYNC_NB)
 
-        return lax.cond((c >= prefix) & (n_p < 0), wait, lambda: n_p)
+        return lax.cond((c >= prefix) & (counts[1] < 0), wait, lambda: counts)
 
     def clock(dep):
         """[1] int32: %globaltimer's low word (ns). The asm is pure: dep, a value that exists only
@@ -466,12 +462,13 @@ def _kernel(*refs, s: _Static):
         return now
 
     def body(carry):
-        c, n_p = carry
-        kind, j, t = tile_of(c, n_p)
+        c, counts = carry
+        n_hot = counts[0]
+        kind, j, t = tile_of(c, *counts)
         pl.when(kind == 4)(lambda: zero_tile(j))
         pl.when(kind == 5)(lambda: align_tile(j))
-        pl.when((kind == 0) | (kind == 2))(lambda: up_tile(j, t, kind // 2))
-        pl.when((kind == 1) | (kind == 3))(lambda: down_tile(j, t, kind // 2))
+        pl.when((kind == 0) | (kind == 2))(lambda: up_tile(j, t))
+        pl.when((kind == 1) | (kind == 3))(lambda: down_tile(j, t, n_hot))
         if s.trace or s.stamps:
             ticket = relaxed_atomic_add(sync_ref, zero + SYNC_TICKET, one)
         if s.trace:
@@ -480,16 +477,16 @@ def _kernel(*refs, s: _Static):
         if s.stamps:
             stamp_ref[pl.ds(pl.num_programs(0) + c, 1)] = clock(ticket)
         c = claim()
-        return c, prefill_blocks(c, n_p)
+        return c, blocks(c, counts)
 
     def more(carry):
-        c, n_p = carry
-        return c < prefix + s.zp + jnp.maximum(n_p, 0) * (tu + td)
+        c, (_, n_blocks) = carry
+        return c < prefix + jnp.maximum(n_blocks, 0) * (tu + td)
 
     if s.stamps:
         stamp_ref[pl.ds(prog, 1)] = clock(prog)
     c = claim()
-    lax.while_loop(more, body, (c, prefill_blocks(c, zero - 1 if s.nbk else zero)))
+    lax.while_loop(more, body, (c, blocks(c, (zero - 1, zero - 1))))
 
 
 # ---------------------------------------------------------------------------------- wrapper
@@ -528,7 +525,7 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
     e, d, i = _dims(w13, w2)
     quant = isinstance(w13, QuantizedWeight)
     act = jnp.bfloat16 if quant else w13.dtype
-    plan = plan or plan_for((m - n_decode) * k, e, quant)
+    plan = plan or plan_for(m * k, e, quant)
     bm = plan.block_m
     if bm < 16 or bm & (bm - 1):
         raise ValueError(f"plan.block_m must be a power of two >= 16 (tensor-core dots), got {bm}")
@@ -540,37 +537,32 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
         return TileRun(y, None, None, None, None, None)
     p, p_d = m * k, n_decode * k
     ids = topk_ids.reshape(-1).astype(jnp.int32)
-    # The decode class is aligned before the launch (fused_moe's align: one small launch at decode
-    # sizes); the prefill class inside it, after the decode tiles (see the module docstring).
-    if p_d:
-        sorted_d, blk_d = moe_align(ids[:p_d], e, bm, backend=backend)
-        nb_d = align_sizes(p_d, e, bm).nb
-    else:
-        sorted_d, blk_d, nb_d = jnp.full((bm,), 0, jnp.int32), jnp.full((1,), -1, jnp.int32), 0
-
     up = weight_operands(w13, plan.up.block_k, plan.up.block_n, dot=True, stage="up")
     down = weight_operands(w2, plan.down.block_k, plan.down.block_n, dot=True, stage="down")
     if up.bn % 2 or up.bn < 32:
         raise ValueError(f"the up tile needs an even block_n >= 32 (gate/up pairs), got {up.bn}")
     g = _programs(plan, interpret)
 
-    nbk = -(-(p - p_d) // ALIGN_PAIRS)  # prefill align tiles
-    nb_p = align_sizes(p - p_d, e, bm).nb if nbk else 0
+    pb = ALIGN_PAIRS
+    nbk_d = -(-p_d // pb)
+    nbk = nbk_d + -(-(p - p_d) // pb)  # count tiles (and place tiles): decode pairs', prefill pairs'
+    # Blocks: an expert's hot run holds its decode pairs, its cold run the pairs past the hot run's
+    # last block, so its blocks are at most each class's alone: sum_e ceil(d_e/BM) + ceil(p_e/BM).
+    nb = (align_sizes(p_d, e, bm).nb if p_d else 0) + (align_sizes(p - p_d, e, bm).nb if p > p_d else 0)
     e_pad = max(ALIGN_EXPERTS, _pow2(e))
     zr = ZERO_ROWS
     chunks = -(-(m + 1) // zr)  # y32 rows: whole zero tiles covering M + 1
-    zd = -(-n_decode // zr)
-    n_align = 2 * nbk + 1 if nbk else 0  # count tiles, the offsets tile, place tiles
-    c_max = (nb_d + nb_p) * (up.n_tiles + down.n_tiles) + n_align + chunks  # every claim's trace row
+    c_max = nb * (up.n_tiles + down.n_tiles) + 2 * nbk + 1 + chunks  # every claim's trace row
     i32 = jnp.int32
-    inits = [jnp.zeros((SYNC_ROUND + down.n_tiles + e_pad + nb_d + nb_p,), i32)]  # sync
-    out_shape = [jax.ShapeDtypeStruct(((nb_d + nb_p) * bm, i), act),  # h
+    inits = [jnp.zeros((SYNC_ROUND + down.n_tiles + 2 * e_pad + nb,), i32)]  # sync
+    out_shape = [jax.ShapeDtypeStruct((nb * bm, i), act),  # h
                  jax.ShapeDtypeStruct((m, d), x.dtype),  # y
                  jax.ShapeDtypeStruct((chunks * zr, d), jnp.float32),  # y32
-                 jax.ShapeDtypeStruct((max(nb_p * bm + 1, bm),), i32),  # sorted_p (+ a sink slot)
-                 jax.ShapeDtypeStruct((nb_p + 1,), i32),  # blk_p
-                 jax.ShapeDtypeStruct((max(nbk, 1), e_pad), i32),  # base
-                 jax.ShapeDtypeStruct((e_pad,), i32),  # offsets
+                 jax.ShapeDtypeStruct((nb * bm + 1,), i32),  # sorted (+ a sink slot)
+                 jax.ShapeDtypeStruct((nb + 1,), i32),  # blk (+ a sink)
+                 jax.ShapeDtypeStruct((nb + 1,), i32),  # rows (+ a sink)
+                 jax.ShapeDtypeStruct((nbk, e_pad), i32),  # base
+                 jax.ShapeDtypeStruct((3, e_pad), i32),  # offs
                  jax.ShapeDtypeStruct(inits[0].shape, i32)]  # sync
     n_out = len(out_shape)
     if poison:  # h starts as NaN: a row read before it is written shows in y
@@ -581,16 +573,16 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
     if stamps:
         inits.append(jnp.zeros((g + c_max,), i32))
         out_shape.append(jax.ShapeDtypeStruct(inits[-1].shape, i32))
-    inputs = [x.astype(act), ids, sorted_d, blk_d, topk_weights.reshape(-1).astype(jnp.float32)]
+    inputs = [x.astype(act), ids, topk_weights.reshape(-1).astype(jnp.float32)]
     inputs += up.inputs + down.inputs
     # The aliased outputs: (h,) sync, (trace), (stamps); the rest start uninitialised (y32: the
     # zero tiles; the align's arrays: the align tiles)
     alias_out = ([0] if poison else []) + list(range(n_out - 1, n_out + trace + stamps))
     aliases = {len(inputs) + n: o for n, o in enumerate(alias_out)}
     rb = min(32, n_decode & -n_decode) if n_decode else 1  # a power of two dividing n_decode
-    s = _Static(k=k, e=e, p=p, p_d=p_d, m=m, md=n_decode, rb=rb, bm=bm, nb_d=nb_d, nbk=nbk, n_align=n_align,
-                e_pad=e_pad, zr=zr, zd=zd, zp=chunks - zd, up=_strip(up), down=_strip(down), limit=swiglu_limit,
-                trace=trace, stamps=stamps, interpret=interpret, n_init=len(inits))
+    s = _Static(k=k, e=e, p=p, p_d=p_d, m=m, md=n_decode, rb=rb, bm=bm, nbk_d=nbk_d, nbk=nbk, e_pad=e_pad, zr=zr,
+                chunks=chunks, up=_strip(up), down=_strip(down), limit=swiglu_limit, trace=trace, stamps=stamps,
+                interpret=interpret, n_init=len(inits))
     name = "expert_tiles" + ("" if up.qm is None else f"_int{up.qm.bits}") + f"_m{bm}"
     outs = pl.pallas_call(
         functools.partial(_kernel, s=s),

@@ -58,27 +58,31 @@ def _run(md, mp, k, bits, kind, limit, plan, symmetric=True, seed=0):
     return run, (x, ids, w, w13, w2)
 
 
-def _class_blocks(ids, bm):
-    counts = np.bincount(np.asarray(ids).reshape(-1), minlength=E)
-    return int(np.sum(-(-counts // bm)))
+def _runs(ids, md, bm):
+    """Each expert's hot blocks (holding its decode pairs, filled up with its prefill pairs) and
+    cold blocks (its pairs past them), from the routing."""
+    dec = np.bincount(np.asarray(ids[:md]).reshape(-1), minlength=E)
+    n = np.bincount(np.asarray(ids).reshape(-1), minlength=E)
+    hot = -(-dec // bm)
+    return hot, -(-np.maximum(n - hot * bm, 0) // bm)
 
 
 def _align_tiles(ids, md):
-    """The prefill class's align tiles: ALIGN_PAIRS pairs each, counted then placed, and one
-    offsets tile between."""
-    nbk = -(-np.asarray(ids[md:]).size // et.ALIGN_PAIRS)
-    return 2 * nbk + 1 if nbk else 0
+    """Count tiles (and as many place tiles): ALIGN_PAIRS pairs each, never mixing the classes."""
+    pairs = np.asarray(ids).shape[1]
+    return -(-md * pairs // et.ALIGN_PAIRS) + -(-(len(ids) - md) * pairs // et.ALIGN_PAIRS)
 
 
-def _expected_tiles(ids, md, k, bm, tu, td):
-    """{(kind, block, n_tile)} the queue must hand out once each, from the routing: each class's
-    up and down tiles, one zero tile (kind 4) per ZR rows of y32 (M + 1 rows), and the prefill
-    align's tiles (kind 5)."""
-    out = {(4, z, 0) for z in range(-(-(len(ids) + 1) // et.ZERO_ROWS))}
-    out |= {(5, j, 0) for j in range(_align_tiles(ids, md))}
-    for cls, part in ((0, ids[:md]), (2, ids[md:])):
-        for j in range(_class_blocks(part, bm)):
-            out |= {(cls, j, t) for t in range(tu)} | {(cls + 1, j, t) for t in range(td)}
+def _expected_tiles(ids, md, bm, tu, td):
+    """{(kind, j, n_tile)} the queue must hand out once each, from the routing: the align's tiles
+    (kind 5: counts, the offsets tile, places), one zero tile (kind 4) per ZR rows of y32 (M + 1
+    rows), and each block's up and down tiles (hot blocks first: kinds 0, 1; then cold: 2, 3)."""
+    out = {(5, j, 0) for j in range(2 * _align_tiles(ids, md) + 1)}
+    out |= {(4, z, 0) for z in range(-(-(len(ids) + 1) // et.ZERO_ROWS))}
+    hot, cold = (int(v.sum()) for v in _runs(ids, md, bm))
+    for kind, blocks in ((0, range(hot)), (2, range(hot, hot + cold))):
+        for j in blocks:
+            out |= {(kind, j, t) for t in range(tu)} | {(kind + 1, j, t) for t in range(td)}
     return out
 
 
@@ -87,46 +91,48 @@ def _n_tiles(w, block_n):
     return w.words.shape[1] if isinstance(w, QuantizedWeight) else w.shape[2] // block_n
 
 
-def _check_trace(run, ids, md, k, plan, w13, w2):
+def _check_trace(run, ids, md, plan, w13, w2):
     tu, td = _n_tiles(w13, plan.up.block_n), _n_tiles(w2, plan.down.block_n)
-    zd = -(-md // et.ZERO_ROWS)  # zero tiles holding decode rows: before the decode class
+    nbk = _align_tiles(ids, md)
     chunks = -(-(len(ids) + 1) // et.ZERO_ROWS)
     trace = np.asarray(run.trace)
     claimed = trace[trace[:, 0] >= 0]
     n = len(claimed)
     assert np.all(trace[n:] == -1)  # claims are a prefix of the record
     kinds = claimed[:, 0]
-    assert np.all(kinds[:zd] == 4) and list(claimed[:zd, 1]) == list(range(zd))
-    # then decode up, decode down, the prefill align, prefill up, the other zero tiles, prefill down
-    phase = np.array([0, 1, 3, 5, 4, 2])[kinds[zd:]]
-    assert np.all(np.diff(phase) >= 0)
-    decode = np.flatnonzero(kinds < 2)
-    prefill = np.flatnonzero((kinds >= 2) & (kinds < 4))
-    if len(decode) and len(prefill):
-        assert decode.max() < prefill.min()  # no prefill tile claimed before the last decode tile
+    # the count tiles, the zero tiles, the offsets and place tiles, then hot up, hot down, cold up, cold down
+    assert np.all(kinds[:nbk] == 5) and np.all(kinds[nbk:nbk + chunks] == 4)
+    assert np.all(kinds[nbk + chunks:2 * nbk + 1 + chunks] == 5)
+    assert list(claimed[:nbk + chunks, 1]) == list(range(nbk)) + list(range(chunks))
+    assert np.all(np.diff(kinds[2 * nbk + 1 + chunks:]) >= 0)
+    hot = np.flatnonzero(kinds < 2)
+    cold = np.flatnonzero((kinds >= 2) & (kinds < 4))
+    if len(hot) and len(cold):
+        assert hot.max() < cold.min()  # no cold tile claimed before the last hot tile
     tiles = [tuple(r) for r in claimed[:, :3]]
-    assert len(set(tiles)) == n and set(tiles) == _expected_tiles(ids, md, k, plan.block_m, tu, td)
+    assert len(set(tiles)) == n and set(tiles) == _expected_tiles(ids, md, plan.block_m, tu, td)
     assert sorted(claimed[:, 4]) == list(range(n))  # each finished once
     sync = np.asarray(run.sync)
     assert sync[et.SYNC_CLAIM] == n + (plan.programs or 4)  # every program's last claim found nothing
     assert sync[et.SYNC_TICKET] == n
-    assert sync[et.SYNC_ZERO_D] == zd and sync[et.SYNC_ZERO_P] == chunks - zd
-    rounds = sync[et.SYNC_ROUND:et.SYNC_ROUND + td]  # decode blocks landed per down tile
-    assert np.all(rounds == (_class_blocks(ids[:md], plan.block_m) if md else 0))
-    nbk = (_align_tiles(ids, md) - 1) // 2
-    assert sync[et.SYNC_COUNTED] == sync[et.SYNC_PLACED] == max(nbk, 0) and sync[et.SYNC_OFFSETS] == (nbk > 0)
-    assert sync[et.SYNC_NP] == _class_blocks(ids[md:], plan.block_m)
+    assert sync[et.SYNC_ZERO] == chunks
+    assert sync[et.SYNC_COUNTED] == sync[et.SYNC_PLACED] == nbk and sync[et.SYNC_OFFSETS] == 1
+    n_hot, n_cold = (int(v.sum()) for v in _runs(ids, md, plan.block_m))
+    assert (sync[et.SYNC_HOT], sync[et.SYNC_NB]) == (n_hot, n_hot + n_cold)
+    rounds = sync[et.SYNC_ROUND:et.SYNC_ROUND + td]  # hot blocks landed per down tile
+    assert np.all(rounds == (n_hot if md else 0))
     e_pad = max(et.ALIGN_EXPERTS, 1 << (E - 1).bit_length())
-    counts = sync[et.SYNC_ROUND + td:et.SYNC_ROUND + td + e_pad]  # prefill pairs per expert
-    assert np.array_equal(counts, np.bincount(np.asarray(ids[md:]).reshape(-1), minlength=e_pad))
-    ups = sync[et.SYNC_ROUND + td + e_pad:]
-    assert np.all(ups[ups != 0] == tu)  # each used block's up tiles all done
-    # Within a class, each block's down tiles come after its up tiles.
-    for cls in (0, 2):
-        up = {(b, t): i for i, (kk, b, t) in enumerate(tiles) if kk == cls}
-        down = [i for i, (kk, b, t) in enumerate(tiles) if kk == cls + 1]
+    counts = sync[et.SYNC_ROUND + td:et.SYNC_ROUND + td + 2 * e_pad]  # pairs per expert: decode's, prefill's
+    assert np.array_equal(counts[:e_pad], np.bincount(np.asarray(ids[:md]).reshape(-1), minlength=e_pad))
+    assert np.array_equal(counts[e_pad:], np.bincount(np.asarray(ids[md:]).reshape(-1), minlength=e_pad))
+    ups = sync[et.SYNC_ROUND + td + 2 * e_pad:]
+    assert np.all(ups[:n_hot + n_cold] == tu) and np.all(ups[n_hot + n_cold:] == 0)  # each block's up tiles done
+    # Each block's down tiles come after its up tiles (hot blocks' before every cold tile, above).
+    for kind in (0, 2):
+        up = [i for i, (kk, b, t) in enumerate(tiles) if kk == kind]
+        down = [i for i, (kk, b, t) in enumerate(tiles) if kk == kind + 1]
         if down:
-            assert max(up.values()) < min(down)
+            assert max(up) < min(down)
 
 
 # (decode tokens, prefill tokens, k, bits, routing, limit, plan)
@@ -135,7 +141,9 @@ CASES = [
     (2, 13, 4, 4, "random", None, BM16),  # int4
     (0, 11, 3, None, "random", None, BM16),  # no decode class
     (6, 0, 4, 4, "random", 2.0, BM16),  # no prefill class
-    (4, 40, 1, None, "one", None, BM16),  # one expert takes every token: 1 + 3 blocks
+    (4, 40, 1, None, "one", None, BM16),  # one expert takes every token: a hot block (4 decode rows, 12 prefill), 2 cold
+    (20, 30, 1, None, "one", None, BM16),  # 20 decode pairs on one expert: 2 hot blocks, 2 cold
+    (40, 10, 4, None, "random", None, BM16),  # 160 decode pairs: two count tiles of decode pairs
     (5, 30, 3, 8, "one", 0.5, BM32),  # every token on the same 3 experts, int8 with zero points
     (2, 90, 3, None, "one", None, BM16),  # 270 prefill pairs: two align tiles reserve ranks in the same experts
     (3, 70, 4, 4, "random", None, BM32),  # 280 prefill pairs, int4
@@ -146,7 +154,7 @@ CASES = [
 def test_tiles_match_reference_and_claim_decode_first(md, mp, k, bits, kind, limit, plan):
     run, (_, ids, _, w13, w2) = _run(md, mp, k, bits, kind, limit, plan, symmetric=bits != 8)
     assert run.y.dtype == jnp.bfloat16
-    _check_trace(run, ids, md, k, plan, w13, w2)
+    _check_trace(run, ids, md, plan, w13, w2)
 
 
 def test_equals_fused_moe_on_the_union():
@@ -206,13 +214,13 @@ def test_lowers_to_triton_ir(bits, monkeypatch):
     jax.jit(f).trace(sds((20, D), jnp.bfloat16), sds((20, 4), jnp.int32), sds((20, 4), jnp.float32),
                      w13, w2).lower(lowering_platforms=("cuda",))
     [ir] = [m for m in modules if "expert_tiles" in m]
-    # ordered: 6 releases (zero, count, offsets, place, up, decode arrival) and the acquires' reads:
-    # 5 spins (counts, offsets, up tiles, both zero classes) of 2 reads each, and the wait for the
-    # align at 2 call sites (a spin and the block count: 3 reads each)
-    assert ir.count("tt.atomic_rmw add, acq_rel, gpu") == 6 + 5 * 2 + 2 * 3
-    # relaxed: the claims (2 call sites), the ticket, the counts (one per 64 experts), the block count
-    assert ir.count("tt.atomic_rmw add, relaxed, gpu") == 5
+    # ordered: 6 releases (zero, count, offsets, place, up, hot arrival) and the acquires' reads:
+    # 4 spins (counts, offsets, up tiles, zero tiles) of 2 reads each, and the wait for the align at
+    # 2 call sites (a spin and the two block counts: 4 reads each)
+    assert ir.count("tt.atomic_rmw add, acq_rel, gpu") == 6 + 4 * 2 + 2 * 4
+    # relaxed: the claims (2 call sites), the ticket, the counts, the two block counts
+    assert ir.count("tt.atomic_rmw add, relaxed, gpu") == 6
     assert ir.count("tt.atomic_rmw fadd, relaxed, gpu") == 1  # the combine
     # a barrier before each release and after each spin, and before the decode rounding
-    assert ir.count("gpu.barrier") == 6 + 7 + 1 and ir.count("%globaltimer_lo") == 2
+    assert ir.count("gpu.barrier") == 6 + 6 + 1 and ir.count("%globaltimer_lo") == 2
     assert "isVolatile = true" in ir  # the rounding reads y32 from L2

@@ -49,6 +49,15 @@ def test_x_moe_counts_tiles_and_its_expectation_matches_sampling():
     assert grid[0] == 0 and grid[1] == pytest.approx(8) and np.all(np.diff(grid) > 0)
 
 
+def test_x_moe_of_the_tile_kernel_counts_hot_and_cold_blocks():
+    ids = np.array([[0, 2], [0, 4], [0, 4], [0, 1], [0, 4], [0, 4], [0, 4], [0, 4]])  # 3 decode tokens, BM 4:
+    # expert 0: 3 decode + 5 prefill pairs -> a hot block (3 + 1) and a cold one (4); expert 1: 1 prefill
+    # pair -> cold; expert 2: 1 decode pair -> hot; expert 4: 2 decode + 4 prefill -> hot (2 + 2), cold (2)
+    assert tiles.x_moe_tile_kernel(ids, 3, 5, 4) == 2 + 1 + 1 + 2
+    assert tiles.x_moe_tile_kernel(ids, 0, 5, 4) == tiles.x_moe_of_ids(ids, 5, 4)  # no decode: one class
+    assert tiles.x_moe_tile_kernel(ids, 8, 5, 4) == tiles.x_moe_of_ids(ids, 5, 4)  # no prefill: one class
+
+
 def _model(**kw):
     return tiles.TileModel(tiles.LatencyFit(20.0, 1.5), block_m=64, n_experts=512, top_k=8, **kw)
 
