@@ -16,7 +16,8 @@
               time), at the same plan and at the decode tokens' own (plan_for's), and the align's
               span (to its last tile's end). --tile-per-sm N,.., --tile-bm BM,.. and --tile-warps W,..
               time (c) at each persistent grid size, block height and warp count (default: the
-              kernel's own); --prefills picks the chunk sizes.
+              kernel's own); --prefills picks the chunk sizes. Each traced run's claim record and
+              stamps go to $OUT/traces.npz.
 --profile-tiles. The tile kernel at one plan (BM 64) over a grid of (decode, prefill) token
 counts; x_moe from each call's routing (hot and cold blocks, as the kernel aligns them); a least-squares
 fit of moe/tiles.py's model t = alpha + beta x (s = 1) on two thirds of the shapes, its error on
@@ -71,6 +72,7 @@ class Bench:
         # ... and each of these BM (0: plan_for's), at the prefill sizes listed
         self.bms = [int(v) for v in str(getattr(args, "tile_bm", "0")).split(",")]
         self.warps = [int(v) for v in str(getattr(args, "tile_warps", None) or "0").split(",")]  # 0: the plan's
+        self.raw = {}  # traced runs' records, for $OUT/traces.npz
         prefills = getattr(args, "prefills", None)
         self.prefills = [int(v) for v in prefills.split(",")] if prefills else list(PREFILLS)
         self._w = None
@@ -153,20 +155,25 @@ class Bench:
         tiles_decode_own = lambda x, i, s, w: et.tile_moe(x[:md], i[:md], s[:md], *w, n_decode=md,  # noqa: E731
                                                           backend=b, plan=self.plan(0, programs=plan.programs))
 
-        def traced(x, i, s, w):
-            run = et._run(x, i, s, *w, n_decode=md, swiglu_limit=None, backend=b, plan=plan, trace=True,
-                          stamps=not self.smoke)
+        def traced(x, i, s, w, n=None):
+            n = x.shape[0] if n is None else n  # tokens: the union, or the decode tokens alone
+            run = et._run(x[:n], i[:n], s[:n], *w, n_decode=md, swiglu_limit=None, backend=b, plan=plan,
+                          trace=True, stamps=not self.smoke)
             return run.y, run.trace, run.stamps
 
+        traced_decode = lambda x, i, s, w: traced(x, i, s, w, md)  # noqa: E731
+
         return dict(union=union, split=split, decode=decode, tiles=tiles, tiles_decode=tiles_decode,
-                    tiles_decode_own=tiles_decode_own, traced=traced)
+                    tiles_decode_own=tiles_decode_own, traced=traced, traced_decode=traced_decode)
 
     def plan(self, mp, bm=None, programs=None, warps=None):
+        import dataclasses
+
         from pallas_kernels import expert_tiles as et
 
         p = et.plan_for((DECODE + mp) * K, self.e, False)
-        bm = bm or p.block_m
-        return et.Plan(bm, p.up, p.down, warps or p.num_warps, p.num_stages, programs or self.programs)
+        return dataclasses.replace(p, block_m=bm or p.block_m, num_warps=warps or p.num_warps,
+                                   programs=programs or self.programs)
 
     def post_us(self, md, mp):
         """µs of the work after the tile launch: the prefill rows of y32 rounded to bf16 (in the
@@ -241,12 +248,18 @@ class Bench:
                     c["tiles_decode_own_us"], _ = self.timed(k["tiles_decode_own"], x, ids, ws)
                     traced_us, outs = self.timed(k["traced"], x, ids, ws)
                     spans = [self.spans(t, s, programs) for _, t, s in outs]
+                    tag = f"{md}+{mp}_bm{tplan.block_m}_w{tplan.num_warps}_g{programs}"
+                    self.raw[tag + "_trace"] = np.asarray(outs[0][1])
+                    if outs[0][2] is not None:
+                        self.raw[tag + "_stamps"] = np.asarray(outs[0][2])
                     if self.smoke:
                         c["decode_ticket"], c["tiles_claimed"], c["align_ticket"] = spans[0]
                     else:
                         dec, span, align = (float(np.mean([s[i] for s in spans])) for i in range(3))
                         c.update(traced_us=traced_us, decode_span_us=dec, kernel_span_us=span, align_span_us=align,
                                  post_us=post, tiles_decode_done_us=traced_us - post - (span - dec))
+                        _, outs = self.timed(k["traced_decode"], x, ids, ws)  # the decode-only launch's span
+                        c["decode_only_span_us"] = float(np.mean([self.spans(t, s, programs)[1] for _, t, s in outs]))
                     self.log(f"  tiles, {n} program(s) a SM: " + ", ".join(
                         f"{a}={b:.1f}" if isinstance(b, float) else f"{a}={b}" for a, b in c.items()))
                 row["x_moe"] = self.x_moe(ids, md, plan.block_m)
@@ -327,7 +340,9 @@ class Bench:
                         done = f"{c.get('tiles_decode_done_us', float('nan')):8.1f}"
                     ratios = "" if self.smoke else (
                         f": decode done / decode-only {c['tiles_decode_done_us'] / c['tiles_decode_us']:.2f} "
-                        f"(own plan {c['tiles_decode_done_us'] / c['tiles_decode_own_us']:.2f}), "
+                        f"(own plan {c['tiles_decode_done_us'] / c['tiles_decode_own_us']:.2f}; spans "
+                        f"{c['decode_span_us']:.1f} / {c['decode_only_span_us']:.1f} = "
+                        f"{c['decode_span_us'] / c['decode_only_span_us']:.2f}), "
                         f"total / (a) {c['tiles_us'] / r['union_us']:.2f}, align {c['align_span_us']:.1f} µs")
                     lines.append(f"{r['decode']:3}+{r['prefill']:<6} {r['x_moe']:7.1f} {r['union_us']:12.1f} | "
                                  f"{r['decode_us']:10.1f} / {r['split_us']:8.1f} | {done} / {c['tiles_us']:8.1f} "
@@ -335,7 +350,9 @@ class Bench:
                                  f"{c['warps']} warps{ratios}")
             lines.append("(a) decode done = total. (c) decode done = total - rounding after the launch - "
                          "(kernel span - decode span), spans from %globaltimer stamps; decode-only: the "
-                         "tile launch over the decode tokens alone at the same plan (own plan: plan_for's)")
+                         "tile launch over the decode tokens alone at the same plan (own plan: plan_for's); "
+                         "spans: the decode span over the decode-only launch's kernel span (one clock, no "
+                         "host timing)")
         if self.results["profile"]:
             lines.append("profile (tiles, BM %d): decode+prefill  x_moe  µs  predicted  err" %
                          self.results["profile"][0]["block_m"])
@@ -365,4 +382,6 @@ def main(args, dims, out_dir, log):
                 b.results["errors"].append(f"{flag}: " + traceback.format_exc(limit=6)[-2000:])
     with open(os.path.join(out_dir, "tiles.json"), "w") as f:
         json.dump(b.results, f, indent=1, default=str)
+    if b.raw:
+        np.savez_compressed(os.path.join(out_dir, "traces.npz"), **b.raw)
     b.table()

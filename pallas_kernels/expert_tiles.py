@@ -114,9 +114,6 @@ H200_SMS = 132
 PROGRAMS_PER_SM = 2
 KINDS = ("hot up", "hot down", "cold up", "cold down", "zero", "align")  # hot: blocks holding decode pairs
 ZERO_ROWS = 64  # y32 rows per zero tile (ZR)
-ALIGN_PAIRS = 128  # prefill pairs per align tile (PB)
-ALIGN_EXPERTS = 32  # experts per step of an align tile's histogram ([PB, EB] comparisons)
-ALIGN_RANK = 32  # pairs per step of a place tile's ranking ([PB, CB] comparisons)
 # sync int32 counters (zeros before the launch): the next claim; finish tickets; zero tiles done;
 # align tiles done (count, offsets, place); the blocks (hot, all); then T_d counters (hot blocks
 # whose down tile t has landed), 2 x E_pad per-expert pair counts (decode's, then prefill's), and
@@ -144,6 +141,7 @@ class Plan:
     num_warps: int = 4
     num_stages: int = 3
     programs: int | None = None  # persistent programs; None: PROGRAMS_PER_SM a SM (4 in interpret mode)
+    align_pairs: int = 512  # pairs per align tile (PB; a power of two)
 
 
 def plan_for(p_prefill: int, e: int, quantized: bool) -> Plan:
@@ -172,9 +170,10 @@ class _Static:
     md: int  # decode tokens (rows [0, md) of y are rounded in the kernel)
     rb: int  # rows per step of that rounding: a power of two dividing md
     bm: int
-    nbk_d: int  # count (and place) tiles of the decode pairs, ALIGN_PAIRS pairs each
+    pb: int  # pairs per align tile
+    nbk_d: int  # count (and place) tiles of the decode pairs, PB pairs each
     nbk: int  # ... of all pairs (the decode pairs' first)
-    e_pad: int  # experts padded to a power of two >= ALIGN_EXPERTS
+    e_pad: int  # experts padded to a power of two (>= 32)
     zr: int  # y32 rows per zero tile
     chunks: int  # zero tiles
     up: object  # fused_moe.WeightOperands of w13, without its arrays
@@ -209,7 +208,7 @@ def _kernel(*refs, s: _Static):
     sorted_ref = refs.pop(0)  # [NB*BM + 1] int32: the pair at each slot (+ a sink slot); padding unwritten
     blk_ref = refs.pop(0)  # [NB + 1] int32: expert of each block (+ a sink)
     rows_ref = refs.pop(0)  # [NB + 1] int32: pairs in each block (its first rows; + a sink)
-    base_ref = refs.pop(0)  # [NBk, E_pad] int32: each count tile's first rank within each expert
+    rank_ref = refs.pop(0)  # [P] int32: each pair's rank among its class's pairs of its expert
     offs_ref = refs.pop(0)  # [3, E_pad] int32: each expert's first hot slot, first cold slot, decode pairs
     sync_ref = refs.pop(0)  # int32 counters, see SYNC_*
     trace_ref = refs.pop(0) if s.trace else None  # [C_max, 5] int32
@@ -219,7 +218,7 @@ def _kernel(*refs, s: _Static):
     tu, td = s.up.n_tiles, s.down.n_tiles
     hb = s.up.bn // 2  # h columns per up tile
     bn_d = s.down.bn
-    pb = ALIGN_PAIRS
+    pb = s.pb
     prog = pl.program_id(0)
     # Traced, not literal: constants created inside a loop body become consts of the body's jaxpr,
     # which the interpreter's discharge of nested loops rejects.
@@ -264,19 +263,29 @@ def _kernel(*refs, s: _Static):
         return dec, start, end, q, ids
 
     def count_tile(b):
-        """Tile b's pairs per expert, added to its class's expert counts; the old counts are b's
-        first ranks (stored)."""
-        dec, _, _, _, ids = align_pairs(b)
+        """Tile b's pairs counted into their class's expert counters, one atomic increment a pair: its
+        old count is the pair's rank (stored). The interpreter's atomics gather, add and scatter, so
+        repeated indices in one op would collide: there one pair at a time."""
+        dec, start, end, q, ids = align_pairs(b)
         counts = jnp.where(dec, zero, zero + e_pad) + s.sync_count
+        if s.interpret:
+            def one_pair(i, carry):
+                pair = start + i
+                e = ids_ref[jnp.minimum(pair, p - 1)]
+                real = (pair < end) & (e < s.e)
+                rank = relaxed_atomic_add(sync_ref, jnp.where(real, counts + e, counts), real.astype(jnp.int32))
 
-        def experts(i, carry):  # loops, not unrolled: the kernel's code size
-            e0 = pl.multiple_of(i * ALIGN_EXPERTS, ALIGN_EXPERTS)
-            ex = e0 + jnp.arange(ALIGN_EXPERTS, dtype=jnp.int32)
-            hist = jnp.sum((ids[:, None] == ex[None, :]).astype(jnp.int32), axis=0)  # [EB]
-            base_ref[b, pl.ds(e0, ALIGN_EXPERTS)] = relaxed_atomic_add(sync_ref, counts + ex, hist)
-            return carry
+                @pl.when(real)
+                def _():
+                    rank_ref[pair] = rank
 
-        lax.fori_loop(0, e_pad // ALIGN_EXPERTS, experts, zero)
+                return carry
+
+            lax.fori_loop(0, pb, one_pair, zero)
+        else:
+            real = ids < s.e  # and q < end (past it, ids are E_pad)
+            rank = relaxed_atomic_add(sync_ref, counts + jnp.where(real, ids, 0), real.astype(jnp.int32), mask=real)
+            pltriton.store(rank_ref.at[pl.ds(start, pb)], rank, mask=real)
         release(SYNC_COUNTED)
 
     def offsets_tile():
@@ -314,28 +323,20 @@ def _kernel(*refs, s: _Static):
         release(SYNC_OFFSETS)
 
     def place_tile(b):
-        """Tile b's pairs to their slots. A pair's rank in its expert's run: b's first rank + its rank
-        among b's earlier pairs of the expert ([PB, CB] comparisons a step), after the expert's decode
-        pairs if it is a prefill pair. Ranks below the hot run's capacity go to the hot run."""
+        """Tile b's pairs to their slots. A pair's rank in its expert's run: its rank in its class,
+        after the expert's decode pairs if it is a prefill pair. Ranks below the hot run's capacity go
+        to the hot run, the others to the cold run."""
         spin(SYNC_OFFSETS, 1)
         dec, start, end, q, ids = align_pairs(b)
         valid = ids < s.e
-
-        def rank(i, within):
-            c0 = pl.multiple_of(i * ALIGN_RANK, ALIGN_RANK)
-            qc = start + c0 + jnp.arange(ALIGN_RANK, dtype=jnp.int32)
-            ic = pltriton.load(ids_ref.at[pl.ds(start + c0, ALIGN_RANK)], mask=qc < end, other=e_pad)
-            hit = (ic[None, :] == ids[:, None]) & (qc[None, :] < q[:, None])
-            return within + jnp.sum(hit.astype(jnp.int32), axis=1)
-
-        within = lax.fori_loop(0, pb // ALIGN_RANK, rank, jnp.zeros((pb,), jnp.int32))
         e = jnp.where(valid, ids, 0)
 
         def offs(row):
             return pltriton.load(offs_ref.at[row, e], volatile=True)
 
         nd = offs(2)
-        r = pltriton.load(base_ref.at[b, e], volatile=True) + within + jnp.where(dec, zero, nd)
+        r = pltriton.load(rank_ref.at[pl.ds(start, pb)], mask=valid, other=0, volatile=True)
+        r = r + jnp.where(dec, zero, nd)
         cap = (nd + bm - 1) // bm * bm
         first = jnp.where(r < cap, offs(0), offs(1) - cap)
         # Masked-off lanes point at the last slot, never a pair's (interpret mode may write them back)
@@ -426,12 +427,12 @@ def _kernel(*refs, s: _Static):
     # ------------------------------------------------------------ the queue
     def tile_of(c, n_hot, n_blocks):
         """Claim index -> (kind, index j in its segment, N-block t) over the segments
-        [count | zero | offsets, place | hot up | hot down | cold up | cold down]; j of a zero tile
+        [count, offsets, place | zero | hot up | hot down | cold up | cold down]; j of a zero tile
         is its chunk, of an align tile its index in the align, of a GEMM tile its block (cold blocks
         follow the hot ones). n_hot, n_blocks: -1 until read after the align (claims before the
         GEMM tiles do not depend on them)."""
         n_hot, n_cold = jnp.maximum(n_hot, 0), jnp.maximum(n_blocks - n_hot, 0)
-        segments = ((5, s.nbk, 1, 0), (4, s.chunks, 1, 0), (5, s.nbk + 1, 1, s.nbk), (0, n_hot * tu, tu, 0),
+        segments = ((5, 2 * s.nbk + 1, 1, 0), (4, s.chunks, 1, 0), (0, n_hot * tu, tu, 0),
                     (1, n_hot * td, td, 0), (2, n_cold * tu, tu, n_hot), (3, n_cold * td, td, n_hot))
         kind = j = t = zero
         start = zero
@@ -543,13 +544,15 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
         raise ValueError(f"the up tile needs an even block_n >= 32 (gate/up pairs), got {up.bn}")
     g = _programs(plan, interpret)
 
-    pb = ALIGN_PAIRS
+    pb = plan.align_pairs
+    if pb < 16 or pb & (pb - 1):
+        raise ValueError(f"plan.align_pairs must be a power of two >= 16, got {pb}")
     nbk_d = -(-p_d // pb)
     nbk = nbk_d + -(-(p - p_d) // pb)  # count tiles (and place tiles): decode pairs', prefill pairs'
     # Blocks: an expert's hot run holds its decode pairs, its cold run the pairs past the hot run's
     # last block, so its blocks are at most each class's alone: sum_e ceil(d_e/BM) + ceil(p_e/BM).
     nb = (align_sizes(p_d, e, bm).nb if p_d else 0) + (align_sizes(p - p_d, e, bm).nb if p > p_d else 0)
-    e_pad = max(ALIGN_EXPERTS, _pow2(e))
+    e_pad = max(32, _pow2(e))
     zr = ZERO_ROWS
     chunks = -(-(m + 1) // zr)  # y32 rows: whole zero tiles covering M + 1
     c_max = nb * (up.n_tiles + down.n_tiles) + 2 * nbk + 1 + chunks  # every claim's trace row
@@ -561,7 +564,7 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
                  jax.ShapeDtypeStruct((nb * bm + 1,), i32),  # sorted (+ a sink slot)
                  jax.ShapeDtypeStruct((nb + 1,), i32),  # blk (+ a sink)
                  jax.ShapeDtypeStruct((nb + 1,), i32),  # rows (+ a sink)
-                 jax.ShapeDtypeStruct((nbk, e_pad), i32),  # base
+                 jax.ShapeDtypeStruct((p,), i32),  # rank
                  jax.ShapeDtypeStruct((3, e_pad), i32),  # offs
                  jax.ShapeDtypeStruct(inits[0].shape, i32)]  # sync
     n_out = len(out_shape)
@@ -580,9 +583,9 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
     alias_out = ([0] if poison else []) + list(range(n_out - 1, n_out + trace + stamps))
     aliases = {len(inputs) + n: o for n, o in enumerate(alias_out)}
     rb = min(32, n_decode & -n_decode) if n_decode else 1  # a power of two dividing n_decode
-    s = _Static(k=k, e=e, p=p, p_d=p_d, m=m, md=n_decode, rb=rb, bm=bm, nbk_d=nbk_d, nbk=nbk, e_pad=e_pad, zr=zr,
-                chunks=chunks, up=_strip(up), down=_strip(down), limit=swiglu_limit, trace=trace, stamps=stamps,
-                interpret=interpret, n_init=len(inits))
+    s = _Static(k=k, e=e, p=p, p_d=p_d, m=m, md=n_decode, rb=rb, bm=bm, pb=pb, nbk_d=nbk_d, nbk=nbk, e_pad=e_pad, zr=zr,
+                chunks=chunks, up=_strip(up), down=_strip(down), limit=swiglu_limit,
+                trace=trace, stamps=stamps, interpret=interpret, n_init=len(inits))
     name = "expert_tiles" + ("" if up.qm is None else f"_int{up.qm.bits}") + f"_m{bm}"
     outs = pl.pallas_call(
         functools.partial(_kernel, s=s),

@@ -21,8 +21,9 @@ from moe_inputs import (D, E, dense64 as _dense64,
                         swiglu64,
                         )
 
-BM16 = et.Plan(16, et.Tile(64, 64), et.Tile(64, 128), programs=3)  # 4 up and 2 down tiles a block
-BM32 = et.Plan(32, et.Tile(128, 128), et.Tile(32, 64), programs=2)
+# 4 up and 2 down tiles a block; align tiles of 16 pairs (several a class)
+BM16 = et.Plan(16, et.Tile(64, 64), et.Tile(64, 128), programs=3, align_pairs=16)
+BM32 = et.Plan(32, et.Tile(128, 128), et.Tile(32, 64), programs=2, align_pairs=64)
 
 
 def _magnitude(x, ids, w, w13, w2, limit):
@@ -67,17 +68,17 @@ def _runs(ids, md, bm):
     return hot, -(-np.maximum(n - hot * bm, 0) // bm)
 
 
-def _align_tiles(ids, md):
-    """Count tiles (and as many place tiles): ALIGN_PAIRS pairs each, never mixing the classes."""
+def _align_tiles(ids, md, pb):
+    """Count tiles (and as many place tiles): pb pairs each, never mixing the classes."""
     pairs = np.asarray(ids).shape[1]
-    return -(-md * pairs // et.ALIGN_PAIRS) + -(-(len(ids) - md) * pairs // et.ALIGN_PAIRS)
+    return -(-md * pairs // pb) + -(-(len(ids) - md) * pairs // pb)
 
 
-def _expected_tiles(ids, md, bm, tu, td):
+def _expected_tiles(ids, md, bm, pb, tu, td):
     """{(kind, j, n_tile)} the queue must hand out once each, from the routing: the align's tiles
     (kind 5: counts, the offsets tile, places), one zero tile (kind 4) per ZR rows of y32 (M + 1
     rows), and each block's up and down tiles (hot blocks first: kinds 0, 1; then cold: 2, 3)."""
-    out = {(5, j, 0) for j in range(2 * _align_tiles(ids, md) + 1)}
+    out = {(5, j, 0) for j in range(2 * _align_tiles(ids, md, pb) + 1)}
     out |= {(4, z, 0) for z in range(-(-(len(ids) + 1) // et.ZERO_ROWS))}
     hot, cold = (int(v.sum()) for v in _runs(ids, md, bm))
     for kind, blocks in ((0, range(hot)), (2, range(hot, hot + cold))):
@@ -93,24 +94,24 @@ def _n_tiles(w, block_n):
 
 def _check_trace(run, ids, md, plan, w13, w2):
     tu, td = _n_tiles(w13, plan.up.block_n), _n_tiles(w2, plan.down.block_n)
-    nbk = _align_tiles(ids, md)
+    nbk = _align_tiles(ids, md, plan.align_pairs)
     chunks = -(-(len(ids) + 1) // et.ZERO_ROWS)
     trace = np.asarray(run.trace)
     claimed = trace[trace[:, 0] >= 0]
     n = len(claimed)
     assert np.all(trace[n:] == -1)  # claims are a prefix of the record
     kinds = claimed[:, 0]
-    # the count tiles, the zero tiles, the offsets and place tiles, then hot up, hot down, cold up, cold down
-    assert np.all(kinds[:nbk] == 5) and np.all(kinds[nbk:nbk + chunks] == 4)
-    assert np.all(kinds[nbk + chunks:2 * nbk + 1 + chunks] == 5)
-    assert list(claimed[:nbk + chunks, 1]) == list(range(nbk)) + list(range(chunks))
-    assert np.all(np.diff(kinds[2 * nbk + 1 + chunks:]) >= 0)
+    # the count, offsets and place tiles, the zero tiles, then hot up, hot down, cold up, cold down
+    na = 2 * nbk + 1
+    assert np.all(kinds[:na] == 5) and np.all(kinds[na:na + chunks] == 4)
+    assert list(claimed[:na + chunks, 1]) == list(range(na)) + list(range(chunks))
+    assert np.all(np.diff(kinds[na + chunks:]) >= 0)
     hot = np.flatnonzero(kinds < 2)
     cold = np.flatnonzero((kinds >= 2) & (kinds < 4))
     if len(hot) and len(cold):
         assert hot.max() < cold.min()  # no cold tile claimed before the last hot tile
     tiles = [tuple(r) for r in claimed[:, :3]]
-    assert len(set(tiles)) == n and set(tiles) == _expected_tiles(ids, md, plan.block_m, tu, td)
+    assert len(set(tiles)) == n and set(tiles) == _expected_tiles(ids, md, plan.block_m, plan.align_pairs, tu, td)
     assert sorted(claimed[:, 4]) == list(range(n))  # each finished once
     sync = np.asarray(run.sync)
     assert sync[et.SYNC_CLAIM] == n + (plan.programs or 4)  # every program's last claim found nothing
@@ -121,7 +122,7 @@ def _check_trace(run, ids, md, plan, w13, w2):
     assert (sync[et.SYNC_HOT], sync[et.SYNC_NB]) == (n_hot, n_hot + n_cold)
     rounds = sync[et.SYNC_ROUND:et.SYNC_ROUND + td]  # hot blocks landed per down tile
     assert np.all(rounds == (n_hot if md else 0))
-    e_pad = max(et.ALIGN_EXPERTS, 1 << (E - 1).bit_length())
+    e_pad = max(32, 1 << (E - 1).bit_length())
     counts = sync[et.SYNC_ROUND + td:et.SYNC_ROUND + td + 2 * e_pad]  # pairs per expert: decode's, prefill's
     assert np.array_equal(counts[:e_pad], np.bincount(np.asarray(ids[:md]).reshape(-1), minlength=e_pad))
     assert np.array_equal(counts[e_pad:], np.bincount(np.asarray(ids[md:]).reshape(-1), minlength=e_pad))
@@ -145,7 +146,7 @@ CASES = [
     (20, 30, 1, None, "one", None, BM16),  # 20 decode pairs on one expert: 2 hot blocks, 2 cold
     (40, 10, 4, None, "random", None, BM16),  # 160 decode pairs: two count tiles of decode pairs
     (5, 30, 3, 8, "one", 0.5, BM32),  # every token on the same 3 experts, int8 with zero points
-    (2, 90, 3, None, "one", None, BM16),  # 270 prefill pairs: two align tiles reserve ranks in the same experts
+    (2, 90, 3, None, "one", None, BM16),  # 270 prefill pairs: 17 align tiles count into the same experts
     (3, 70, 4, 4, "random", None, BM32),  # 280 prefill pairs, int4
 ]
 
@@ -208,7 +209,7 @@ def test_lowers_to_triton_ir(bits, monkeypatch):
 
     def f(x, ids, w, w13, w2):
         run = et._run(x, ids, w, w13, w2, n_decode=3, swiglu_limit=None, backend="pallas",
-                      plan=et.plan_for(17 * 4, E, bits is not None), trace=True, stamps=True)
+                      plan=et.plan_for(20 * 4, E, bits is not None), trace=True, stamps=True)
         return run.y, run.trace, run.stamps
 
     jax.jit(f).trace(sds((20, D), jnp.bfloat16), sds((20, 4), jnp.int32), sds((20, 4), jnp.float32),
