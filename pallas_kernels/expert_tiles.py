@@ -3,91 +3,92 @@
     y [M, D] = sum_k topk_weights[m, k] * expert_{topk_ids[m, k]}(x[m])   (fused_moe's maths)
     tokens [0, M_d) are the decode class, [M_d, M) the prefill class (M_d = n_decode).
 
-Why. Two launches (decode, then prefill) make decode wait for nothing but leave the GPU half idle
-at the seam; one grouped launch over the union makes decode outputs wait for the whole prefill.
-Here one launch runs both, and decode work never queues behind prefill work: every decode tile
-is claimed before any prefill tile (seed 002, ExpertPlex's adaptive persistent kernel, §4.2).
+Why. Two launches (decode, then prefill) make decode wait for nothing but read every expert that
+both classes use twice; one grouped launch over the union reads each expert once but makes the
+decode outputs wait for the whole prefill. Here one launch aligns the union, and the blocks that
+hold decode pairs run first: every one of their tiles is claimed before any other GEMM tile
+(seed 002, ExpertPlex's adaptive persistent kernel, §4.2).
 
-Layout. Each class is aligned alone: pairs grouped by expert, each expert's run padded to BM
-rows, one expert per block. The decode class before the launch (`fused_moe.moe_align`: one small
-launch at decode sizes): sorted_d [S_d] (the pair p = m*k + slot at each slot, P_d = padding),
-blk_d [NBP_d] (expert of each block, -1 unused; n_d blocks in use). The prefill class inside the
-launch, by its align tiles (below): sorted_p (pairs numbered in the union, P = padding), blk_p,
-n_p blocks. h holds both classes' block rows, decode blocks first (NB_d = the decode align's
-bound).
+Layout. The union's pairs (p = m*k + slot) grouped by expert, one expert per block of BM rows. An
+expert's run is split in two: its hot run, ceil(d_e / BM) blocks holding its d_e decode pairs
+first and then as many of its prefill pairs as fit, and its cold run, the blocks of its remaining
+prefill pairs. Hot blocks come first: blocks [0, n_hot) are hot, [n_hot, n_blocks) cold. So a
+decode expert's weights are read once (with its prefill rows, when they fit in the hot run), and
+every decode pair is in a hot block. All of it is built inside the launch, by the align tiles
+(below): sorted (the pair at each slot), blk (each block's expert), rows (each block's pairs, its
+first rows; the rest are padding, masked, never written). h holds the blocks' rows.
 Weights: fused_moe's formats, w13 [E, D, 2I] (gate/up interleaved by column) and w2 [E, I, D] in
 bf16, or both fields of `fused_moe.quantize_experts` (grouped low-bit, dequantised in registers
 on the tensor-core "dot" path of fused_moe; its helpers `weight_operands`, `expert_tile`,
 `swiglu_columns` are shared, not copied).
 
-Tiles and the queue. A tile is one block's BM rows times one N-block of one GEMM:
+Tiles and the queue. A GEMM tile is one block's BM rows times one N-block of one GEMM:
   up   (b, t): rows x[pair // k] @ W13_e[:, t*BN_u : (t+1)*BN_u] -> SwiGLU -> h[b rows, t cols]
   down (b, t): rows h[b rows] @ W2_e[:, t*BN_d : (t+1)*BN_d] * topk weight -> y32[token, cols]
-with T_u = 2I/BN_u and T_d = D/BN_d tiles per block. Besides the GEMM tiles, zero tiles (ZR rows
-of the fp32 accumulator y32 <- 0: it starts uninitialised, so no memset sits before the launch)
-and the prefill class's align tiles. The queue is the claim index c = 0, 1, ... read against
-seven segments, in this order:
-  [zero: the chunks holding decode rows | decode up: n_d*T_u | decode down: n_d*T_d |
-   align: count x NBk, offsets, place x NBk | prefill up: n_p*T_u | zero: the other chunks |
-   prefill down: n_p*T_d]
+with T_u = 2I/BN_u and T_d = D/BN_d tiles per block. Besides them, the align tiles and zero tiles
+(ZR rows of the fp32 accumulator y32 <- 0: it starts uninitialised, so no memset sits before the
+launch). The queue is the claim index c = 0, 1, ... read against these segments, in order:
+  [align: count x NBk, offsets, place x NBk | zero x R/ZR | hot up: n_hot*T_u |
+   hot down: n_hot*T_d | cold up: n_cold*T_u | cold down: n_cold*T_d]
 (block-major, N-block fastest: consecutive claims share a block's rows in L2, sibling blocks of
-one expert its weights). The prefill class's zeroing comes after its up tiles, off the decode
-class's tail. No tile list is materialised: a program maps c to its tile from the block counts,
-so the queue costs no memory and no launch.
+one expert its weights). No tile list is materialised: a program maps c to its tile from the
+block counts, so the queue costs no memory and no launch.
 
-The prefill align (NBk = ceil(P_p / PB) tiles of PB = ALIGN_PAIRS pairs). A count tile takes its
-pairs' histogram over the experts and adds it to the expert counts with atomics, keeping the old
-counts: its first rank within each expert. The offsets tile (after every count) gives each
-expert its first slot (the padded runs' prefix sum), blk_p and n_p, and writes P to each run's
-padding slots. A place tile (after the
-offsets) writes each pair to its expert's first slot + its tile's first rank + its rank among
-the tile's earlier pairs of that expert. Pairs of an expert so land in the order their tiles
-counted, not in p order (fused_moe's align is stable): any order serves, rows being independent
-and the combine a sum. A claim past the align waits, once per program, for the last place tile,
-then reads n_p and so the queue's length.
+The align (NBk tiles of PB = `Plan.align_pairs` pairs; a tile holds decode pairs or prefill
+pairs, never both). A count tile adds 1 to its class's counter of each pair's expert, one atomic
+a pair; the old count is the pair's rank among its class's pairs of that expert. The offsets
+tile (after every count) lays out the runs: each expert's first hot and first cold slot, blk,
+rows, n_hot and n_blocks. A place tile (after the offsets) writes each pair to its slot: rank r
+in the expert's run (a prefill pair's rank after the expert's d_e decode pairs), in the hot run
+if r < ceil(d_e / BM)*BM, else in the cold run. Pairs of an expert land in the order their
+atomics ran, not in p order (fused_moe's align is stable): any order serves, rows being
+independent and the combine a sum. A claim past the align waits, once per program, for the last
+place tile, then reads n_hot and n_blocks and so the queue's length.
+
 Grid and claims. A persistent grid of G programs (`Plan.programs`, default PROGRAMS_PER_SM = 2 a
 SM: 264 on the H200; where two do not fit an SM the second waits and finds the queue empty).
 Each program loops: c = atomic_add(sync[0], 1); stop once c >= the tile count; run tile c.
-Claims are handed out in queue order, so no prefill tile is claimed before the last decode tile
-(the debug trace makes that testable), and a decode tile waits behind no prefill tile at all
-(the bound of one tile per program would apply to decode work arriving mid-launch; within one
-launch the decode tiles simply come first). What decode does wait for is the work before the
-launch: the decode class's align (one launch), the counters' zeroing; the decode rows are rounded
-in the launch (below), the prefill rows after it.
+Claims are handed out in queue order, so no cold tile is claimed before the last hot tile (the
+debug trace makes that testable), and a hot tile waits behind no cold tile at all (the bound of
+one tile per program would apply to decode work arriving mid-launch; within one launch the hot
+tiles simply come first). What decode does wait for is the align (13-34 µs on the H200 at 8
+decode + 512..8192 prefill tokens) and its own experts' prefill rows in the hot blocks; the
+decode rows are rounded in the launch (below), the prefill rows after it.
 Claims are relaxed atomics (they order nothing; an ordered one would first wait for the last
 tile's atomic adds); each hand-off below is a release (barrier, ordered atomic increment) and an
 acquire (ordered atomic reads, barrier).
 
-The down tile's dependency. Down tile (b, t) needs all T_u up tiles of block b. An up tile
-stores its h tile, then (barrier, so every thread's stores precede it) atomically increments
-its block's counter; a down tile spins on atomic reads of it until it reads T_u, then reads h.
-It also waits for the zero tiles of its class's rows. A per-block counter (not per class) lets
-a block's down tiles start as soon as its own up tiles are done. Deadlock-free without assuming
-that every program is resident: a down tile waits only for up tiles, which were claimed earlier
-(queue order) by programs that are already running, and up tiles wait for nothing (nor do zero and count tiles; the offsets tile and the
-place tiles wait for tiles of the align claimed before them).
+Dependencies. Down tile (b, t) needs all T_u up tiles of block b. An up tile stores its h tile,
+then (barrier, so every thread's stores precede it) atomically increments its block's counter; a
+down tile spins on atomic reads of it until it reads T_u, then reads h. It also waits for every
+zero tile (a hot block holds prefill rows too). Deadlock-free without assuming that every program
+is resident: every wait targets tiles claimed earlier (queue order) by programs already running:
+the offsets tile waits for the count tiles, place tiles for the offsets tile, GEMM claims for the
+place tiles, down tiles for zero tiles and their block's up tiles; count, zero and up tiles wait
+for nothing.
 
 Combine: atomic adds into y32 [R, D] fp32 (R >= M + 1 rows, whole zero tiles; row M: the padding
 rows' sink in interpret mode, adding 0), relaxed (pallas_kernels/relaxed_atomic.py: Pallas' own
 atomics fence before each one). Chosen over a per-pair output and a sum because a decode row is
 then final inside the launch the moment its last down tile lands: a counter per down N-block
-counts the decode blocks landed, and the last one rounds that N-block of the decode rows into y
+counts the hot blocks landed, and the last one rounds that N-block of the decode rows into y
 (volatile loads, from L2 where the atomics summed). The prefill rows are rounded after the
 launch, in place. The price is that the fp32 sum order (and so, rarely, the last bit after the
 rounding) varies run to run. y is rounded once to x's dtype.
 
-Debug outputs (off by default): trace [C_max, 5] int32 per claim index c: (kind, block in its
-class (zero tiles: the chunk; align tiles: the index in the align), N-block, program, finish
-ticket); kinds as KINDS (0 decode up, 1 decode down, 2 prefill up, 3 prefill down, 4 zero,
-5 align); the ticket is the order in which tiles finished (a second atomic counter).
-Rows past the last claim stay -1. stamps (GPU only: the inline PTX has no CPU rule): int32
-[G + C_max], the low word of the %globaltimer nanosecond clock when each program starts (first
-G) and when each claimed tile has finished; the benchmark reads decode completion from them.
+Debug outputs (off by default): trace [C_max, 5] int32 per claim index c: (kind, j, N-block,
+program, finish ticket), j being a GEMM tile's block (cold blocks after the hot ones), a zero
+tile's chunk or an align tile's index in the align; kinds as KINDS (0 hot up, 1 hot down, 2 cold
+up, 3 cold down, 4 zero, 5 align); the ticket is the order in which tiles finished (a second
+atomic counter). Rows past the last claim stay -1. stamps (GPU only: the inline PTX has no CPU
+rule): int32 [G + C_max], the low word of the %globaltimer nanosecond clock when each program
+starts (first G) and when each claimed tile has finished; the benchmark reads decode completion
+from them.
 
 Rounding: h is rounded to the activation dtype between the GEMMs (as fused_moe); y once.
-Bytes: each block reads its expert's weights once (a block re-reads them when its expert has more
-than BM rows in its class; an expert used by both classes is read once per class), plus x and y,
-h written and read once (padding rows are masked, never moved), and P*D*4 of fp32 atomics.
+Bytes: each block reads its expert's weights once (an expert re-reads them once per block past
+its first), plus x and y, h written and read once (padding rows are masked, never moved), and
+P*D*4 of fp32 atomics.
 """
 
 from __future__ import annotations
@@ -144,13 +145,13 @@ class Plan:
     align_pairs: int = 512  # pairs per align tile (PB; a power of two)
 
 
-def plan_for(p_prefill: int, e: int, quantized: bool) -> Plan:
-    """Launch heuristics, by the prefill rows an expert: BM 16 up to 24, 64 up to 96, else 128, all
+def plan_for(pairs: int, e: int, quantized: bool) -> Plan:
+    """Launch heuristics, by the union's rows an expert: BM 16 up to 24, 64 up to 96, else 128, all
     of 4 warps (two programs an SM; BM 128 spills ~0.4 KB in its epilogue). H200, 8 decode + 8192
-    prefill tokens (128 rows an expert): BM 128 2797 µs total, decode done 218 µs; BM 64 3245 and
-    190; BM 128 of 8 warps (one program an SM) was 3385 before the relaxed claims
-    (bench/RESULTS.md, 2026-12-01)."""
-    r = p_prefill / e
+    prefill tokens (128 rows an expert): BM 128 2480-2564 µs total, decode span 295-305 µs; BM 64
+    2986 and 275; BM 128 of 8 warps (one program an SM) 3179 and 372 (bench/RESULTS.md,
+    2026-12-01, fourth session)."""
+    r = pairs / e
     bm = 16 if r <= 24 else 64 if r <= 96 else 128
     warps = 4
     if quantized:
