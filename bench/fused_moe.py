@@ -102,6 +102,8 @@ def main():
     ap.add_argument("--tile-bm", default="0", help="--mixed: the tile kernel's BM (comma-separated; 0: plan_for's)")
     ap.add_argument("--tile-warps", default="0",
                     help="--mixed: the tile kernel's warps (comma-separated; 0: plan_for's)")
+    ap.add_argument("--tile-bm-hot", default="0",
+                    help="--mixed: the tile kernel's hot-block BM (comma-separated; 0: plan_for's)")
     ap.add_argument("--prefills", help="--mixed: prefill chunk sizes (comma-separated; default 512,2048,8192)")
     ap.add_argument("--fmts", default="bf16,int4", help="weight formats to time (comma-separated)")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M (comma-separated)")

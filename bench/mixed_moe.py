@@ -14,9 +14,9 @@
               launch, timed alone. The cold tiles after the last hot tile and the rounding of their
               rows do not count as decode latency. Also the decode-only tile launch (the exclusive
               time), at the same plan and at the decode tokens' own (plan_for's), and the align's
-              span (to its last tile's end). --tile-per-sm N,.., --tile-bm BM,.. and --tile-warps W,..
-              time (c) at each persistent grid size, block height and warp count (default: the
-              kernel's own); --prefills picks the chunk sizes. Each traced run's claim record and
+              span (to its last tile's end). --tile-per-sm N,.., --tile-bm BM,.., --tile-bm-hot BM,..
+              and --tile-warps W,.. time (c) at each persistent grid size, block height, hot block
+              height and warp count (default: the kernel's own); --prefills picks the chunk sizes. Each traced run's claim record and
               stamps go to $OUT/traces.npz.
 --profile-tiles. The tile kernel at one plan (BM 64) over a grid of (decode, prefill) token
 counts; x_moe from each call's routing (hot and cold blocks, as the kernel aligns them); a least-squares
@@ -72,6 +72,7 @@ class Bench:
         # ... and each of these BM (0: plan_for's), at the prefill sizes listed
         self.bms = [int(v) for v in str(getattr(args, "tile_bm", "0")).split(",")]
         self.warps = [int(v) for v in str(getattr(args, "tile_warps", None) or "0").split(",")]  # 0: the plan's
+        self.bm_hots = [int(v) for v in str(getattr(args, "tile_bm_hot", None) or "0").split(",")]  # 0: the plan's
         self.raw = {}  # traced runs' records, for $OUT/traces.npz
         prefills = getattr(args, "prefills", None)
         self.prefills = [int(v) for v in prefills.split(",")] if prefills else list(PREFILLS)
@@ -166,14 +167,16 @@ class Bench:
         return dict(union=union, split=split, decode=decode, tiles=tiles, tiles_decode=tiles_decode,
                     tiles_decode_own=tiles_decode_own, traced=traced, traced_decode=traced_decode)
 
-    def plan(self, mp, bm=None, programs=None, warps=None):
+    def plan(self, mp, bm=None, programs=None, warps=None, bm_hot=None):
         import dataclasses
 
         from pallas_kernels import expert_tiles as et
 
         p = et.plan_for((DECODE + mp) * K, self.e, False)
-        return dataclasses.replace(p, block_m=bm or p.block_m, num_warps=warps or p.num_warps,
-                                   programs=programs or self.programs)
+        bm = bm or p.block_m
+        hot = bm_hot or p.block_m_hot
+        return dataclasses.replace(p, block_m=bm, num_warps=warps or p.num_warps, programs=programs or self.programs,
+                                   block_m_hot=min(hot, bm) if hot else None)
 
     def post_us(self, md, mp):
         """µs of the work after the tile launch: the prefill rows of y32 rounded to bf16 (in the
@@ -236,11 +239,14 @@ class Bench:
                 row["decode_us"], _ = self.timed(k["decode"], x, ids, ws)
                 row["tiles"] = []
                 post = self.post_us(md, mp)
-                for n, bm, nw in ((n, bm, nw) for bm in self.bms for nw in self.warps for n in self.per_sm):
-                    programs = self.sms * n  # (c) at each grid size, BM and warps
-                    tplan = self.plan(mp, bm or None, programs=programs, warps=nw or None)
+                variants = ((n, bm, bh, nw) for bm in self.bms for bh in self.bm_hots for nw in self.warps
+                            for n in self.per_sm)
+                for n, bm, bh, nw in variants:
+                    programs = self.sms * n  # (c) at each grid size, BM, hot BM and warps
+                    tplan = self.plan(mp, bm or None, programs=programs, warps=nw or None, bm_hot=bh or None)
                     k = self.kernels(md, tplan)
-                    c = dict(per_sm=n, bm=tplan.block_m, warps=tplan.num_warps)
+                    c = dict(per_sm=n, bm=tplan.block_m, bm_hot=tplan.block_m_hot or tplan.block_m,
+                             warps=tplan.num_warps)
                     row["tiles"].append(c)
                     c["tiles_us"], ys = self.timed(k["tiles"], x, ids, ws)
                     c["tiles_err"] = self.check(ys[0], base, f"tiles ({n} a SM) vs union")
@@ -248,7 +254,7 @@ class Bench:
                     c["tiles_decode_own_us"], _ = self.timed(k["tiles_decode_own"], x, ids, ws)
                     traced_us, outs = self.timed(k["traced"], x, ids, ws)
                     spans = [self.spans(t, s, programs) for _, t, s in outs]
-                    tag = f"{md}+{mp}_bm{tplan.block_m}_w{tplan.num_warps}_g{programs}"
+                    tag = f"{md}+{mp}_bm{tplan.block_m}_h{c['bm_hot']}_w{tplan.num_warps}_g{programs}"
                     self.raw[tag + "_trace"] = np.asarray(outs[0][1])
                     if outs[0][2] is not None:
                         self.raw[tag + "_stamps"] = np.asarray(outs[0][2])
@@ -262,18 +268,19 @@ class Bench:
                         c["decode_only_span_us"] = float(np.mean([self.spans(t, s, programs)[1] for _, t, s in outs]))
                     self.log(f"  tiles, {n} program(s) a SM: " + ", ".join(
                         f"{a}={b:.1f}" if isinstance(b, float) else f"{a}={b}" for a, b in c.items()))
-                row["x_moe"] = self.x_moe(ids, md, plan.block_m)
+                row["x_moe"] = self.x_moe(ids, md, plan)
                 self.log(f"mixed {md}+{mp}: " + ", ".join(f"{a}={b:.1f}" if isinstance(b, float) else f"{a}={b}"
                                                           for a, b in row.items() if a not in ("plan", "tiles")))
             except Exception as e:
                 self.log(f"FAILED mixed {md}+{mp}: {e!r}")
                 self.results["errors"].append(f"mixed {md}+{mp}: " + traceback.format_exc(limit=6)[-2000:])
 
-    def x_moe(self, ids, md, bm):
+    def x_moe(self, ids, md, plan):
         """Mean x_moe over the routings: the tile kernel's hot and cold blocks."""
         from moe.tiles import x_moe_tile_kernel
 
-        return float(np.mean([x_moe_tile_kernel(np.asarray(i), md, self.e, bm) for i in ids]))
+        return float(np.mean([x_moe_tile_kernel(np.asarray(i), md, self.e, plan.block_m, plan.block_m_hot)
+                              for i in ids]))
 
     # ------------------------------------------------------------------ --profile-tiles
     def profile(self):
@@ -286,12 +293,13 @@ class Bench:
                 break
             try:
                 x, ids, ws = self.routings(md, mp, 2 if mp > 1024 else 3, salt=7)
-                plan = self.plan(mp, PROFILE_BM if not self.smoke else 16)
+                bm = PROFILE_BM if not self.smoke else 16
+                plan = self.plan(mp, bm, bm_hot=bm)
                 k = self.kernels(md, plan)
                 us, ys = self.timed(k["tiles"], x, ids, ws)
                 if n == 0 or mp >= 2048:  # spot checks against the union launch
                     self.check(ys[0], self.once(k["union"], x, ids[0], ws[0]), f"tiles {md}+{mp} vs union")
-                row = dict(decode=md, prefill=mp, x_moe=self.x_moe(ids, md, plan.block_m), us=us,
+                row = dict(decode=md, prefill=mp, x_moe=self.x_moe(ids, md, plan), us=us,
                            held_out=n % 3 == 2, block_m=plan.block_m)
                 self.results["profile"].append(row)
                 self.log(f"profile {md}+{mp}: x_moe {row['x_moe']:.1f}, {us:.1f} µs")
@@ -346,7 +354,7 @@ class Bench:
                         f"total / (a) {c['tiles_us'] / r['union_us']:.2f}, align {c['align_span_us']:.1f} µs")
                     lines.append(f"{r['decode']:3}+{r['prefill']:<6} {r['x_moe']:7.1f} {r['union_us']:12.1f} | "
                                  f"{r['decode_us']:10.1f} / {r['split_us']:8.1f} | {done} / {c['tiles_us']:8.1f} "
-                                 f"({c['tiles_decode_us']:.1f}), {c['per_sm']} a SM, BM {c['bm']}, "
+                                 f"({c['tiles_decode_us']:.1f}), {c['per_sm']} a SM, BM {c['bm']} (hot {c['bm_hot']}), "
                                  f"{c['warps']} warps{ratios}")
             lines.append("(a) decode done = total. (c) decode done = total - rounding after the launch - "
                          "(kernel span - decode span), spans from %globaltimer stamps; decode-only: the "

@@ -97,15 +97,17 @@ def x_moe_of_ids(topk_ids, n_experts: int, block_m: int) -> int:
     return x_moe(np.bincount(np.asarray(topk_ids).reshape(-1), minlength=n_experts), block_m)
 
 
-def x_moe_tile_kernel(topk_ids, n_decode: int, n_experts: int, block_m: int) -> int:
+def x_moe_tile_kernel(topk_ids, n_decode: int, n_experts: int, block_m: int, block_m_hot: int | None = None) -> int:
     """Executed row tiles of the tile-scheduled kernel on topk_ids [T, k] whose first n_decode
-    tokens are decode tokens: per expert, ceil(d_e / BM) hot blocks (its d_e decode pairs, then its
-    prefill pairs up to their capacity) and ceil(rest / BM) cold blocks (exact)."""
+    tokens are decode tokens: per expert, ceil(d_e / BM_h) hot blocks (its d_e decode pairs, then
+    its prefill pairs up to their capacity) and ceil(rest / BM) cold blocks (exact). BM_h:
+    block_m_hot, default block_m."""
+    bmh = block_m_hot or block_m
     ids = np.asarray(topk_ids)
     d = np.bincount(ids[:n_decode].reshape(-1), minlength=n_experts).astype(np.int64)
     n = np.bincount(ids.reshape(-1), minlength=n_experts).astype(np.int64)
-    hot = -(-d // block_m)
-    return int(hot.sum()) + x_moe(np.maximum(n - hot * block_m, 0), block_m)
+    hot = -(-d // bmh)
+    return int(hot.sum()) + x_moe(np.maximum(n - hot * bmh, 0), block_m)
 
 
 def _binomial_pmf(n: int, p: float) -> np.ndarray:

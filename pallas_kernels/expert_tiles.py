@@ -143,20 +143,23 @@ class Plan:
     num_stages: int = 3
     programs: int | None = None  # persistent programs; None: PROGRAMS_PER_SM a SM (4 in interpret mode)
     align_pairs: int = 512  # pairs per align tile (PB; a power of two)
+    block_m_hot: int | None = None  # rows per hot block (BM_h, at most block_m); None: block_m
 
 
 def plan_for(pairs: int, e: int, quantized: bool) -> Plan:
-    """Launch heuristics, by the union's rows an expert: BM 16 up to 24, 64 up to 96, else 128, all
-    of 4 warps (two programs an SM; BM 128 spills ~0.4 KB in its epilogue). H200, 8 decode + 8192
-    prefill tokens (128 rows an expert): BM 128 2480-2564 µs total, decode span 295-305 µs; BM 64
-    2986 and 275; BM 128 of 8 warps (one program an SM) 3179 and 372 (bench/RESULTS.md,
-    2026-12-01, fourth session)."""
+    """Launch heuristics, by the union's rows an expert: BM 16 up to 24, 64 up to 96, else 128 with
+    hot blocks of 16, all of 4 warps (two programs an SM; BM 128 spills ~0.4 KB in its epilogue).
+    H200, 8 decode + 8192 prefill tokens (128 rows an expert), BM 128: hot blocks of 128 (the
+    decode experts' prefill rows ride along, read once) 2480-2564 µs total, decode span
+    295-305 µs; BM 64 2986 and 275; BM 128 of 8 warps (one program an SM) 3179 and 372
+    (bench/RESULTS.md, 2026-12-01, fourth session)."""
     r = pairs / e
     bm = 16 if r <= 24 else 64 if r <= 96 else 128
+    hot = 16 if bm == 128 else None
     warps = 4
     if quantized:
-        return Plan(bm, Tile(0, 0), Tile(0, 0), warps, 3)
-    return Plan(bm, Tile(64, 128), Tile(64, 128), warps, 3)
+        return Plan(bm, Tile(0, 0), Tile(0, 0), warps, 3, block_m_hot=hot)
+    return Plan(bm, Tile(64, 128), Tile(64, 128), warps, 3, block_m_hot=hot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +173,9 @@ class _Static:
     m: int  # tokens of the union (y32's sink row)
     md: int  # decode tokens (rows [0, md) of y are rounded in the kernel)
     rb: int  # rows per step of that rounding: a power of two dividing md
-    bm: int
+    bm: int  # rows per cold block
+    bmh: int  # rows per hot block
+    h0: int  # the hot region's rows (of h and of the slots): its bound of hot blocks times BM_h
     pb: int  # pairs per align tile
     nbk_d: int  # count (and place) tiles of the decode pairs, PB pairs each
     nbk: int  # ... of all pairs (the decode pairs' first)
@@ -215,7 +220,7 @@ def _kernel(*refs, s: _Static):
     trace_ref = refs.pop(0) if s.trace else None  # [C_max, 5] int32
     stamp_ref = refs.pop(0) if s.stamps else None  # [G + C_max] int32
 
-    bm, k, p, p_d, zr, e_pad = s.bm, s.k, s.p, s.p_d, s.zr, s.e_pad
+    bm, bmh, k, p, p_d, zr, e_pad = s.bm, s.bmh, s.k, s.p, s.p_d, s.zr, s.e_pad
     tu, td = s.up.n_tiles, s.down.n_tiles
     hb = s.up.bn // 2  # h columns per up tile
     bn_d = s.down.bn
@@ -297,14 +302,14 @@ def _kernel(*refs, s: _Static):
         real = ex < s.e  # ids in [E, E_pad) are skipped pairs, in no block
         nd = jnp.where(real, pltriton.load(sync_ref.at[pl.ds(s.sync_count, e_pad)], volatile=True), 0)
         n = nd + jnp.where(real, pltriton.load(sync_ref.at[pl.ds(s.sync_count + e_pad, e_pad)], volatile=True), 0)
-        hot = (nd + bm - 1) // bm  # [E_pad] blocks holding the expert's decode pairs
-        rest = jnp.maximum(n - hot * bm, 0)  # its pairs past them
+        hot = (nd + bmh - 1) // bmh  # [E_pad] blocks holding the expert's decode pairs
+        rest = jnp.maximum(n - hot * bmh, 0)  # its pairs past them
         cold = (rest + bm - 1) // bm
         n_hot = jnp.sum(hot)
         hot0 = jnp.cumsum(hot) - hot  # first block of each expert's hot run
         cold0 = n_hot + jnp.cumsum(cold) - cold  # ... and of its cold run
-        offs_ref[0, :] = hot0 * bm
-        offs_ref[1, :] = cold0 * bm
+        offs_ref[0, :] = hot0 * bmh
+        offs_ref[1, :] = s.h0 + (cold0 - n_hot) * bm
         offs_ref[2, :] = nd
         sink = blk_ref.shape[0] - 1
 
@@ -313,7 +318,7 @@ def _kernel(*refs, s: _Static):
             ic = i - hot
             used = is_hot | (ic < cold)
             b = jnp.where(is_hot, hot0 + i, jnp.where(used, cold0 + ic, sink))
-            rows = jnp.minimum(jnp.where(is_hot, n - i * bm, rest - ic * bm), bm)
+            rows = jnp.where(is_hot, jnp.minimum(n - i * bmh, bmh), jnp.minimum(rest - ic * bm, bm))
             pltriton.store(blk_ref.at[b], ex, mask=used)
             pltriton.store(rows_ref.at[b], rows, mask=used)
             return carry
@@ -338,7 +343,7 @@ def _kernel(*refs, s: _Static):
         nd = offs(2)
         r = pltriton.load(rank_ref.at[pl.ds(start, pb)], mask=valid, other=0, volatile=True)
         r = r + jnp.where(dec, zero, nd)
-        cap = (nd + bm - 1) // bm * bm
+        cap = (nd + bmh - 1) // bmh * bmh
         first = jnp.where(r < cap, offs(0), offs(1) - cap)
         # Masked-off lanes point at the last slot, never a pair's (interpret mode may write them back)
         slot = jnp.where(valid, first + r, sorted_ref.shape[0] - 1)
@@ -351,13 +356,15 @@ def _kernel(*refs, s: _Static):
         pl.when(j > s.nbk)(lambda: place_tile(j - s.nbk - 1))
 
     # ------------------------------------------------------------ the GEMM tiles
-    def block(j):
-        """Block j -> (expert, pairs [BM], valid [BM]). Its arrays were written in this launch by
-        other SMs; plain loads see them, as no SM reads their lines before the align's acquire
-        (volatile loads here cost ~40% of a decode launch at BM 64: H200, 2026-12-01)."""
-        valid = jnp.arange(bm, dtype=jnp.int32) < rows_ref[j]
-        pair = pltriton.load(sorted_ref.at[pl.ds(j * bm, bm)], mask=valid, other=0)
-        return blk_ref[j], pair, valid
+    def block(j, n_hot, rows):
+        """Block j of `rows` rows (BM_h hot, BM cold) -> (expert, pairs [rows], valid [rows], its
+        first row in h and the slots). Its arrays were written in this launch by other SMs; plain
+        loads see them, as no SM reads their lines before the align's acquire (volatile loads here
+        cost ~40% of a decode launch at BM 64: H200, 2026-12-01)."""
+        row0 = jnp.where(j < n_hot, j * bmh, s.h0 + (j - n_hot) * bm)
+        valid = jnp.arange(rows, dtype=jnp.int32) < rows_ref[j]
+        pair = pltriton.load(sorted_ref.at[pl.ds(row0, rows)], mask=valid, other=0)
+        return blk_ref[j], pair, valid, row0
 
     def zero_tile(z):
         """y32 rows [z*ZR, (z+1)*ZR) <- 0, in D / BN_d column blocks."""
@@ -369,18 +376,18 @@ def _kernel(*refs, s: _Static):
         lax.fori_loop(0, td, cols, zero)
         release(SYNC_ZERO)
 
-    def up_tile(j, t):
-        e, pair, valid = block(j)
+    def up_tile(j, t, n_hot, rows):
+        e, pair, valid, row0 = block(j, n_hot, rows)
         tok = jnp.where(valid, lax.div(pair, k), 0)[:, None]  # [BM, 1]
 
         def a_load(k0, size):  # x rows gathered by token; padding rows read nothing (0)
             cols = (k0 + jnp.arange(size, dtype=jnp.int32))[None, :]
             return pltriton.load(x_ref.at[tok, cols], mask=valid[:, None], other=0.0)
 
-        acc = expert_tile(w13, s.up.qm, e, t, a_load, n_k=s.up.n_k, bk=s.up.bk, bn=s.up.bn, bm=bm, fma=False)
+        acc = expert_tile(w13, s.up.qm, e, t, a_load, n_k=s.up.n_k, bk=s.up.bk, bn=s.up.bn, bm=rows, fma=False)
         h = swiglu_columns(acc, s.limit).astype(h_ref.dtype)  # [BM, BN_u / 2]
         mask = jnp.broadcast_to(valid[:, None], h.shape)
-        pltriton.store(h_ref.at[pl.ds(j * bm, bm), pl.ds(t * hb, hb)], h, mask=mask)
+        pltriton.store(h_ref.at[pl.ds(row0, rows), pl.ds(t * hb, hb)], h, mask=mask)
         release(s.sync_up + j)
 
     def round_decode(t):
@@ -397,18 +404,18 @@ def _kernel(*refs, s: _Static):
 
         lax.fori_loop(0, s.md // s.rb, chunk, zero)
 
-    def down_tile(j, t, n_hot):
-        e, pair, valid = block(j)
+    def down_tile(j, t, n_hot, rows):
+        e, pair, valid, row0 = block(j, n_hot, rows)
         # Acquire block j's h (its T_u up tiles were claimed before this tile and wait for nothing)
         # and y32's zeroed rows (the zero tiles were claimed before it too).
         spin(s.sync_up + j, tu)
         spin(SYNC_ZERO, s.chunks)
 
         def a_load(k0, size):  # the block's own h rows; padding rows were never written
-            mask = jnp.broadcast_to(valid[:, None], (bm, size))
-            return pltriton.load(h_ref.at[pl.ds(j * bm, bm), pl.ds(k0, size)], mask=mask, other=0.0)
+            mask = jnp.broadcast_to(valid[:, None], (rows, size))
+            return pltriton.load(h_ref.at[pl.ds(row0, rows), pl.ds(k0, size)], mask=mask, other=0.0)
 
-        acc = expert_tile(w2, s.down.qm, e, t, a_load, n_k=s.down.n_k, bk=s.down.bk, bn=bn_d, bm=bm, fma=False)
+        acc = expert_tile(w2, s.down.qm, e, t, a_load, n_k=s.down.n_k, bk=s.down.bk, bn=bn_d, bm=rows, fma=False)
         w = pltriton.load(tw_ref.at[jnp.where(valid, pair, 0)], mask=valid, other=0.0)  # [BM]
         val = acc * w[:, None]  # padding rows: 0
         tok = jnp.where(valid, lax.div(pair, k), s.m)[:, None]  # padding adds 0 to the sink row M
@@ -469,8 +476,14 @@ def _kernel(*refs, s: _Static):
         kind, j, t = tile_of(c, *counts)
         pl.when(kind == 4)(lambda: zero_tile(j))
         pl.when(kind == 5)(lambda: align_tile(j))
-        pl.when((kind == 0) | (kind == 2))(lambda: up_tile(j, t))
-        pl.when((kind == 1) | (kind == 3))(lambda: down_tile(j, t, n_hot))
+        if bmh == bm:  # one code path for both
+            pl.when((kind == 0) | (kind == 2))(lambda: up_tile(j, t, n_hot, bm))
+            pl.when((kind == 1) | (kind == 3))(lambda: down_tile(j, t, n_hot, bm))
+        else:
+            pl.when(kind == 0)(lambda: up_tile(j, t, n_hot, bmh))
+            pl.when(kind == 1)(lambda: down_tile(j, t, n_hot, bmh))
+            pl.when(kind == 2)(lambda: up_tile(j, t, n_hot, bm))
+            pl.when(kind == 3)(lambda: down_tile(j, t, n_hot, bm))
         if s.trace or s.stamps:
             ticket = relaxed_atomic_add(sync_ref, zero + SYNC_TICKET, one)
         if s.trace:
@@ -531,6 +544,9 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
     bm = plan.block_m
     if bm < 16 or bm & (bm - 1):
         raise ValueError(f"plan.block_m must be a power of two >= 16 (tensor-core dots), got {bm}")
+    bmh = plan.block_m_hot or bm
+    if bmh < 16 or bmh & (bmh - 1) or bmh > bm:
+        raise ValueError(f"plan.block_m_hot must be a power of two in [16, block_m={bm}], got {bmh}")
     interpret = backend == "interpret"
     if stamps and interpret:
         raise ValueError("stamps read the GPU's %globaltimer: not available in interpret mode")
@@ -551,18 +567,20 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
     nbk_d = -(-p_d // pb)
     nbk = nbk_d + -(-(p - p_d) // pb)  # count tiles (and place tiles): decode pairs', prefill pairs'
     # Blocks: an expert's hot run holds its decode pairs, its cold run the pairs past the hot run's
-    # last block, so its blocks are at most each class's alone: sum_e ceil(d_e/BM) + ceil(p_e/BM).
-    nb = (align_sizes(p_d, e, bm).nb if p_d else 0) + (align_sizes(p - p_d, e, bm).nb if p > p_d else 0)
+    # last block, so its blocks are at most each class's alone: sum_e ceil(d_e/BM_h) + ceil(p_e/BM).
+    nbh = align_sizes(p_d, e, bmh).nb if p_d else 0
+    nbc = align_sizes(p - p_d, e, bm).nb if p > p_d else 0
+    nb, rows = nbh + nbc, nbh * bmh + nbc * bm  # blocks and h's rows (hot region first)
     e_pad = max(32, _pow2(e))
     zr = ZERO_ROWS
     chunks = -(-(m + 1) // zr)  # y32 rows: whole zero tiles covering M + 1
     c_max = nb * (up.n_tiles + down.n_tiles) + 2 * nbk + 1 + chunks  # every claim's trace row
     i32 = jnp.int32
     inits = [jnp.zeros((SYNC_ROUND + down.n_tiles + 2 * e_pad + nb,), i32)]  # sync
-    out_shape = [jax.ShapeDtypeStruct((nb * bm, i), act),  # h
+    out_shape = [jax.ShapeDtypeStruct((rows, i), act),  # h
                  jax.ShapeDtypeStruct((m, d), x.dtype),  # y
                  jax.ShapeDtypeStruct((chunks * zr, d), jnp.float32),  # y32
-                 jax.ShapeDtypeStruct((nb * bm + 1,), i32),  # sorted (+ a sink slot)
+                 jax.ShapeDtypeStruct((rows + 1,), i32),  # sorted (+ a sink slot)
                  jax.ShapeDtypeStruct((nb + 1,), i32),  # blk (+ a sink)
                  jax.ShapeDtypeStruct((nb + 1,), i32),  # rows (+ a sink)
                  jax.ShapeDtypeStruct((p,), i32),  # rank
@@ -584,10 +602,11 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
     alias_out = ([0] if poison else []) + list(range(n_out - 1, n_out + trace + stamps))
     aliases = {len(inputs) + n: o for n, o in enumerate(alias_out)}
     rb = min(32, n_decode & -n_decode) if n_decode else 1  # a power of two dividing n_decode
-    s = _Static(k=k, e=e, p=p, p_d=p_d, m=m, md=n_decode, rb=rb, bm=bm, pb=pb, nbk_d=nbk_d, nbk=nbk, e_pad=e_pad, zr=zr,
+    s = _Static(k=k, e=e, p=p, p_d=p_d, m=m, md=n_decode, rb=rb, bm=bm, bmh=bmh, h0=nbh * bmh, pb=pb, nbk_d=nbk_d, nbk=nbk, e_pad=e_pad, zr=zr,
                 chunks=chunks, up=_strip(up), down=_strip(down), limit=swiglu_limit,
                 trace=trace, stamps=stamps, interpret=interpret, n_init=len(inits))
-    name = "expert_tiles" + ("" if up.qm is None else f"_int{up.qm.bits}") + f"_m{bm}"
+    name = "expert_tiles" + ("" if up.qm is None else f"_int{up.qm.bits}") + f"_m{bm}" + (
+        f"_h{bmh}" if bmh != bm else "")
     outs = pl.pallas_call(
         functools.partial(_kernel, s=s),
         out_shape=out_shape,

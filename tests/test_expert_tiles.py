@@ -6,6 +6,8 @@ it is written shows. Interpret mode runs the persistent programs one after anoth
 claims every tile: the trace checks the queue's order, and the spin-waits run (already satisfied).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +26,7 @@ from moe_inputs import (D, E, dense64 as _dense64,
 # 4 up and 2 down tiles a block; align tiles of 16 pairs (several a class)
 BM16 = et.Plan(16, et.Tile(64, 64), et.Tile(64, 128), programs=3, align_pairs=16)
 BM32 = et.Plan(32, et.Tile(128, 128), et.Tile(32, 64), programs=2, align_pairs=64)
+BM32_HOT16 = et.Plan(32, et.Tile(64, 64), et.Tile(64, 128), programs=3, align_pairs=16, block_m_hot=16)
 
 
 def _magnitude(x, ids, w, w13, w2, limit):
@@ -59,13 +62,13 @@ def _run(md, mp, k, bits, kind, limit, plan, symmetric=True, seed=0):
     return run, (x, ids, w, w13, w2)
 
 
-def _runs(ids, md, bm):
+def _runs(ids, md, bm, bmh):
     """Each expert's hot blocks (holding its decode pairs, filled up with its prefill pairs) and
     cold blocks (its pairs past them), from the routing."""
     dec = np.bincount(np.asarray(ids[:md]).reshape(-1), minlength=E)
     n = np.bincount(np.asarray(ids).reshape(-1), minlength=E)
-    hot = -(-dec // bm)
-    return hot, -(-np.maximum(n - hot * bm, 0) // bm)
+    hot = -(-dec // bmh)
+    return hot, -(-np.maximum(n - hot * bmh, 0) // bm)
 
 
 def _align_tiles(ids, md, pb):
@@ -74,13 +77,13 @@ def _align_tiles(ids, md, pb):
     return -(-md * pairs // pb) + -(-(len(ids) - md) * pairs // pb)
 
 
-def _expected_tiles(ids, md, bm, pb, tu, td):
+def _expected_tiles(ids, md, bm, bmh, pb, tu, td):
     """{(kind, j, n_tile)} the queue must hand out once each, from the routing: the align's tiles
     (kind 5: counts, the offsets tile, places), one zero tile (kind 4) per ZR rows of y32 (M + 1
     rows), and each block's up and down tiles (hot blocks first: kinds 0, 1; then cold: 2, 3)."""
     out = {(5, j, 0) for j in range(2 * _align_tiles(ids, md, pb) + 1)}
     out |= {(4, z, 0) for z in range(-(-(len(ids) + 1) // et.ZERO_ROWS))}
-    hot, cold = (int(v.sum()) for v in _runs(ids, md, bm))
+    hot, cold = (int(v.sum()) for v in _runs(ids, md, bm, bmh))
     for kind, blocks in ((0, range(hot)), (2, range(hot, hot + cold))):
         for j in blocks:
             out |= {(kind, j, t) for t in range(tu)} | {(kind + 1, j, t) for t in range(td)}
@@ -111,14 +114,14 @@ def _check_trace(run, ids, md, plan, w13, w2):
     if len(hot) and len(cold):
         assert hot.max() < cold.min()  # no cold tile claimed before the last hot tile
     tiles = [tuple(r) for r in claimed[:, :3]]
-    assert len(set(tiles)) == n and set(tiles) == _expected_tiles(ids, md, plan.block_m, plan.align_pairs, tu, td)
+    assert len(set(tiles)) == n and set(tiles) == _expected_tiles(ids, md, plan.block_m, plan.block_m_hot or plan.block_m, plan.align_pairs, tu, td)
     assert sorted(claimed[:, 4]) == list(range(n))  # each finished once
     sync = np.asarray(run.sync)
     assert sync[et.SYNC_CLAIM] == n + (plan.programs or 4)  # every program's last claim found nothing
     assert sync[et.SYNC_TICKET] == n
     assert sync[et.SYNC_ZERO] == chunks
     assert sync[et.SYNC_COUNTED] == sync[et.SYNC_PLACED] == nbk and sync[et.SYNC_OFFSETS] == 1
-    n_hot, n_cold = (int(v.sum()) for v in _runs(ids, md, plan.block_m))
+    n_hot, n_cold = (int(v.sum()) for v in _runs(ids, md, plan.block_m, plan.block_m_hot or plan.block_m))
     assert (sync[et.SYNC_HOT], sync[et.SYNC_NB]) == (n_hot, n_hot + n_cold)
     rounds = sync[et.SYNC_ROUND:et.SYNC_ROUND + td]  # hot blocks landed per down tile
     assert np.all(rounds == (n_hot if md else 0))
@@ -145,6 +148,9 @@ CASES = [
     (4, 40, 1, None, "one", None, BM16),  # one expert takes every token: a hot block (4 decode rows, 12 prefill), 2 cold
     (20, 30, 1, None, "one", None, BM16),  # 20 decode pairs on one expert: 2 hot blocks, 2 cold
     (40, 10, 4, None, "random", None, BM16),  # 160 decode pairs: two count tiles of decode pairs
+    (3, 40, 4, None, "random", None, BM32_HOT16),  # hot blocks of 16 rows, cold of 32
+    (4, 40, 1, 4, "one", 1.0, BM32_HOT16),  # one expert: a hot block (4 decode + 12 prefill rows), 1 cold (28)
+    (20, 30, 1, None, "one", None, BM32_HOT16),  # 20 decode pairs on one expert: 2 hot blocks, 1 cold
     (5, 30, 3, 8, "one", 0.5, BM32),  # every token on the same 3 experts, int8 with zero points
     (2, 90, 3, None, "one", None, BM16),  # 270 prefill pairs: 17 align tiles count into the same experts
     (3, 70, 4, 4, "random", None, BM32),  # 280 prefill pairs, int4
@@ -186,14 +192,17 @@ def test_bad_arguments_are_named():
         et.tile_moe(x, ids, w, w13, w2, n_decode=4, backend="interpret")
     with pytest.raises(ValueError, match="block_m"):
         et.tile_moe(x, ids, w, w13, w2, n_decode=1, backend="interpret", plan=et.Plan(8))
+    with pytest.raises(ValueError, match="block_m_hot"):
+        et.tile_moe(x, ids, w, w13, w2, n_decode=1, backend="interpret", plan=et.Plan(16, block_m_hot=32))
     with pytest.raises(ValueError, match="globaltimer"):
         et._run(x, ids, w, w13, w2, n_decode=1, swiglu_limit=None, backend="interpret", plan=BM16, stamps=True)
 
 
-@pytest.mark.parametrize("bits", [None, 4])
-def test_lowers_to_triton_ir(bits, monkeypatch):
+@pytest.mark.parametrize("bits,hot", [(None, None), (4, None), (None, 16)])
+def test_lowers_to_triton_ir(bits, hot, monkeypatch):
     """The GPU path lowers (to Triton IR, on CPU): ordered atomics for the claims and the hand-off
-    counters, a relaxed fp32 add for the combine, barriers around each hand-off, and the clock."""
+    counters, a relaxed fp32 add for the combine, barriers around each hand-off, and the clock.
+    With hot blocks shorter than cold ones the up and down tiles are there twice (one a height)."""
     from jax._src.pallas.triton import lowering as tlow
 
     modules, real = [], tlow.lower_jaxpr_to_triton_module
@@ -206,22 +215,26 @@ def test_lowers_to_triton_ir(bits, monkeypatch):
     monkeypatch.setattr(tlow, "lower_jaxpr_to_triton_module", capture)
     w13, w2 = _weights(np.random.default_rng(0), bits)
     sds = jax.ShapeDtypeStruct
+    plan = et.plan_for(20 * 4, E, bits is not None)
+    if hot:
+        plan = dataclasses.replace(plan, block_m=2 * hot, block_m_hot=hot)
 
     def f(x, ids, w, w13, w2):
-        run = et._run(x, ids, w, w13, w2, n_decode=3, swiglu_limit=None, backend="pallas",
-                      plan=et.plan_for(20 * 4, E, bits is not None), trace=True, stamps=True)
+        run = et._run(x, ids, w, w13, w2, n_decode=3, swiglu_limit=None, backend="pallas", plan=plan, trace=True,
+                      stamps=True)
         return run.y, run.trace, run.stamps
 
     jax.jit(f).trace(sds((20, D), jnp.bfloat16), sds((20, 4), jnp.int32), sds((20, 4), jnp.float32),
                      w13, w2).lower(lowering_platforms=("cuda",))
     [ir] = [m for m in modules if "expert_tiles" in m]
-    # ordered: 6 releases (zero, count, offsets, place, up, hot arrival) and the acquires' reads:
-    # 4 spins (counts, offsets, up tiles, zero tiles) of 2 reads each, and the wait for the align at
-    # 2 call sites (a spin and the two block counts: 4 reads each)
-    assert ir.count("tt.atomic_rmw add, acq_rel, gpu") == 6 + 4 * 2 + 2 * 4
+    g = 2 if hot else 1  # copies of the GEMM tiles
+    # ordered: releases (zero, count, offsets, place; up and hot arrival in each copy) and the
+    # acquires' reads: spins (counts, offsets; up tiles and zero tiles in each copy) of 2 reads each,
+    # and the wait for the align at 2 call sites (a spin and the two block counts: 4 reads each)
+    assert ir.count("tt.atomic_rmw add, acq_rel, gpu") == (4 + 2 * g) + (2 + 2 * g) * 2 + 2 * 4
     # relaxed: the claims (2 call sites), the ticket, the counts, the two block counts
     assert ir.count("tt.atomic_rmw add, relaxed, gpu") == 6
-    assert ir.count("tt.atomic_rmw fadd, relaxed, gpu") == 1  # the combine
+    assert ir.count("tt.atomic_rmw fadd, relaxed, gpu") == g  # the combine
     # a barrier before each release and after each spin, and before the decode rounding
-    assert ir.count("gpu.barrier") == 6 + 6 + 1 and ir.count("%globaltimer_lo") == 2
+    assert ir.count("gpu.barrier") == (4 + 2 * g) + (2 + 2 * g + 2) + g and ir.count("%globaltimer_lo") == 2
     assert "isVolatile = true" in ir  # the rounding reads y32 from L2
