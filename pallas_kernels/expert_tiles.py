@@ -9,12 +9,14 @@ decode outputs wait for the whole prefill. Here one launch aligns the union, and
 hold decode pairs run first: every one of their tiles is claimed before any other GEMM tile
 (seed 002, ExpertPlex's adaptive persistent kernel, §4.2).
 
-Layout. The union's pairs (p = m*k + slot) grouped by expert, one expert per block of BM rows. An
-expert's run is split in two: its hot run, ceil(d_e / BM) blocks holding its d_e decode pairs
-first and then as many of its prefill pairs as fit, and its cold run, the blocks of its remaining
-prefill pairs. Hot blocks come first: blocks [0, n_hot) are hot, [n_hot, n_blocks) cold. So a
-decode expert's weights are read once (with its prefill rows, when they fit in the hot run), and
-every decode pair is in a hot block. All of it is built inside the launch, by the align tiles
+Layout. The union's pairs (p = m*k + slot) grouped by expert, one expert per block. An expert's
+run is split in two: its hot run, ceil(d_e / BM_h) blocks of BM_h rows holding its d_e decode
+pairs first and then as many of its prefill pairs as fit, and its cold run, blocks of BM rows
+(BM_h <= BM, `Plan.block_m_hot`) of its remaining prefill pairs. Hot blocks come first: blocks
+[0, n_hot) are hot, [n_hot, n_blocks) cold, and h's hot rows precede its cold rows. So every
+decode pair is in a hot block, and with BM_h = BM a decode expert's weights are read once; a
+shorter BM_h keeps long prefill blocks off the decode path, at the price of reading those
+experts again. All of it is built inside the launch, by the align tiles
 (below): sorted (the pair at each slot), blk (each block's expert), rows (each block's pairs, its
 first rows; the rest are padding, masked, never written). h holds the blocks' rows.
 Weights: fused_moe's formats, w13 [E, D, 2I] (gate/up interleaved by column) and w2 [E, I, D] in
