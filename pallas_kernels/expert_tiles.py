@@ -42,7 +42,7 @@ a pair; the old count is the pair's rank among its class's pairs of that expert.
 tile (after every count) lays out the runs: each expert's first hot and first cold slot, blk,
 rows, n_hot and n_blocks. A place tile (after the offsets) writes each pair to its slot: rank r
 in the expert's run (a prefill pair's rank after the expert's d_e decode pairs), in the hot run
-if r < ceil(d_e / BM)*BM, else in the cold run. Pairs of an expert land in the order their
+if r < ceil(d_e / BM_h)*BM_h, else in the cold run. Pairs of an expert land in the order their
 atomics ran, not in p order (fused_moe's align is stable): any order serves, rows being
 independent and the combine a sum. A claim past the align waits, once per program, for the last
 place tile, then reads n_hot and n_blocks and so the queue's length.
