@@ -13,8 +13,8 @@
               decode rows, and to the last tile's end); post = the prefill rows' rounding after the
               launch, timed alone. The cold tiles after the last hot tile and the rounding of their
               rows do not count as decode latency. Also the decode-only tile launch (the exclusive
-              time), at the same plan and at the decode tokens' own (plan_for's), and the align's
-              span (to its last tile's end). --tile-per-sm N,.., --tile-bm BM,.., --tile-bm-hot BM,..
+              time), at the same plan and at the decode tokens' own (plan_for's), and the hot blocks'
+              align span (to the last align tile claimed before the first GEMM tile). --tile-per-sm N,.., --tile-bm BM,.., --tile-bm-hot BM,..
               and --tile-warps W,.. time (c) at each persistent grid size, block height, hot block
               height and warp count (default: the kernel's own); --prefills picks the chunk sizes. Each traced run's claim record and
               stamps go to $OUT/traces.npz.
@@ -197,10 +197,14 @@ class Bench:
     @staticmethod
     def spans(trace, stamps, programs):
         """(decode span, kernel span, align span) in µs from one traced call, or tickets (smoke): the
-        last hot tile's finish ticket + 1, the tile count and the last align tile's ticket + 1."""
+        last hot tile's finish ticket + 1, the tile count and the last align tile's ticket + 1. The
+        align is the hot blocks': its tiles claimed before the first GEMM tile (with two align
+        phases, the prefill pairs' align comes after the hot tiles)."""
         trace = np.asarray(trace)
         claimed = trace[trace[:, 0] >= 0]
-        decode, align = claimed[:, 0] < 2, claimed[:, 0] == 5
+        gemm = np.flatnonzero(claimed[:, 0] < 4)
+        first = gemm[0] if len(gemm) else len(claimed)
+        decode, align = claimed[:, 0] < 2, (claimed[:, 0] == 5) & (np.arange(len(claimed)) < first)
         if stamps is None:
             last = int(claimed[decode, 4].max()) + 1 if decode.any() else 0
             return last, len(claimed), int(claimed[align, 4].max()) + 1

@@ -16,8 +16,8 @@ values of s (an attention profile) determine all four.
 
 The server runs decode and prefill as two programs, so a step's x_moe is the sum of the two
 classes' tiles. The tile-scheduled kernel (pallas_kernels/expert_tiles.py) aligns their union
-instead, each expert's decode pairs in hot blocks filled up with its prefill pairs and the rest in
-cold blocks: `x_moe_tile_kernel` counts those.
+instead, each expert's decode pairs in hot blocks (filled up with its prefill pairs when hot and
+cold blocks are one height) and the rest in cold blocks: `x_moe_tile_kernel` counts those.
 
 Routing is unknown when the scheduler plans a step (it happens on device, per layer), so the
 planner uses the expectation of x_moe under routing with per-expert probabilities p_e
@@ -99,15 +99,15 @@ def x_moe_of_ids(topk_ids, n_experts: int, block_m: int) -> int:
 
 def x_moe_tile_kernel(topk_ids, n_decode: int, n_experts: int, block_m: int, block_m_hot: int | None = None) -> int:
     """Executed row tiles of the tile-scheduled kernel on topk_ids [T, k] whose first n_decode
-    tokens are decode tokens: per expert, ceil(d_e / BM_h) hot blocks (its d_e decode pairs, then
-    its prefill pairs up to their capacity) and ceil(rest / BM) cold blocks (exact). BM_h:
-    block_m_hot, default block_m."""
+    tokens are decode tokens: per expert, ceil(d_e / BM_h) hot blocks (its d_e decode pairs, then,
+    where BM_h = BM, its prefill pairs up to their capacity) and ceil(rest / BM) cold blocks
+    (exact). BM_h: block_m_hot, default block_m."""
     bmh = block_m_hot or block_m
     ids = np.asarray(topk_ids)
     d = np.bincount(ids[:n_decode].reshape(-1), minlength=n_experts).astype(np.int64)
     n = np.bincount(ids.reshape(-1), minlength=n_experts).astype(np.int64)
     hot = -(-d // bmh)
-    return int(hot.sum()) + x_moe(np.maximum(n - hot * bmh, 0), block_m)
+    return int(hot.sum()) + x_moe(np.maximum(n - (d if bmh < block_m else hot * bmh), 0), block_m)
 
 
 def _binomial_pmf(n: int, p: float) -> np.ndarray:

@@ -11,12 +11,14 @@ hold decode pairs run first: every one of their tiles is claimed before any othe
 
 Layout. The union's pairs (p = m*k + slot) grouped by expert, one expert per block. An expert's
 run is split in two: its hot run, ceil(d_e / BM_h) blocks of BM_h rows holding its d_e decode
-pairs first and then as many of its prefill pairs as fit, and its cold run, blocks of BM rows
-(BM_h <= BM, `Plan.block_m_hot`) of its remaining prefill pairs. Hot blocks come first: blocks
-[0, n_hot) are hot, [n_hot, n_blocks) cold, and h's hot rows precede its cold rows. So every
-decode pair is in a hot block, and with BM_h = BM a decode expert's weights are read once; a
-shorter BM_h keeps long prefill blocks off the decode path, at the price of reading those
-experts again. All of it is built inside the launch, by the align tiles
+pairs, and its cold run, blocks of BM rows (BM_h <= BM, `Plan.block_m_hot`) of its prefill pairs.
+With BM_h = BM the hot run is filled up with as many prefill pairs as fit (the cold run holds the
+rest), so a decode expert's weights are read once, but the hot blocks wait for the whole union's
+align. A shorter BM_h keeps long prefill blocks off the decode path at the price of reading those
+experts again; then the hot blocks hold decode pairs only, and the align runs in two phases:
+phase 0 the decode pairs (the hot runs), phase 1 the prefill pairs (the cold runs), behind the
+hot tiles. Hot blocks come first: blocks [0, n_hot) are hot, [n_hot, n_blocks) cold, and h's hot
+rows precede its cold rows. All of it is built inside the launch, by the align tiles
 (below): sorted (the pair at each slot), blk (each block's expert), rows (each block's pairs, its
 first rows; the rest are padding, masked, never written). h holds the blocks' rows.
 Weights: fused_moe's formats, w13 [E, D, 2I] (gate/up interleaved by column) and w2 [E, I, D] in
@@ -30,22 +32,27 @@ Tiles and the queue. A GEMM tile is one block's BM rows times one N-block of one
 with T_u = 2I/BN_u and T_d = D/BN_d tiles per block. Besides them, the align tiles and zero tiles
 (ZR rows of the fp32 accumulator y32 <- 0: it starts uninitialised, so no memset sits before the
 launch). The queue is the claim index c = 0, 1, ... read against these segments, in order:
-  [align: count x NBk, offsets, place x NBk | zero x R/ZR | hot up: n_hot*T_u |
-   hot down: n_hot*T_d | cold up: n_cold*T_u | cold down: n_cold*T_d]
+  [align 0: count x N_0, offsets, place x N_0 | zero 0 x Z_0 | hot up: n_hot*T_u |
+   hot down: n_hot*T_d | align 1 | zero 1 | cold up: n_cold*T_u | cold down: n_cold*T_d]
+One phase: align 0 takes all NBk count and place tiles and zero 0 all R/ZR zero tiles (align 1 and
+zero 1 are empty). Two: align 0 the decode pairs' and zero 0 the tiles covering the decode rows,
+align 1 and zero 1 the rest.
 (block-major, N-block fastest: consecutive claims share a block's rows in L2, sibling blocks of
 one expert its weights). No tile list is materialised: a program maps c to its tile from the
 block counts, so the queue costs no memory and no launch.
 
 The align (NBk tiles of PB = `Plan.align_pairs` pairs; a tile holds decode pairs or prefill
 pairs, never both). A count tile adds 1 to its class's counter of each pair's expert, one atomic
-a pair; the old count is the pair's rank among its class's pairs of that expert. The offsets
-tile (after every count) lays out the runs: each expert's first hot and first cold slot, blk,
-rows, n_hot and n_blocks. A place tile (after the offsets) writes each pair to its slot: rank r
-in the expert's run (a prefill pair's rank after the expert's d_e decode pairs), in the hot run
-if r < ceil(d_e / BM_h)*BM_h, else in the cold run. Pairs of an expert land in the order their
-atomics ran, not in p order (fused_moe's align is stable): any order serves, rows being
-independent and the combine a sum. A claim past the align waits, once per program, for the last
-place tile, then reads n_hot and n_blocks and so the queue's length.
+a pair; the old count is the pair's rank among its class's pairs of that expert. A phase's
+offsets tile (after its counts) lays out its runs: each expert's first hot (phase 0) and first
+cold slot, blk, rows, n_hot (phase 0) and n_blocks. A place tile (after its phase's offsets)
+writes each pair to its slot: rank r in the expert's run (in one phase, a prefill pair's rank
+after the expert's d_e decode pairs), in the hot run if r < ceil(d_e / BM_h)*BM_h (two phases:
+decode pairs only), else in the cold run. Pairs of an expert land in the order their atomics
+ran, not in p order (fused_moe's align is stable): any order serves, rows being independent and
+the combine a sum. A claim past a phase's align and zero tiles waits, once per program, for the
+phase's last place tile, then reads n_hot (phase 0) and n_blocks (the last phase), and so where
+the next segments start and the queue's length.
 
 Grid and claims. A persistent grid of G programs (`Plan.programs`, default PROGRAMS_PER_SM = 2 a
 SM: 264 on the H200; where two do not fit an SM the second waits and finds the queue empty).
@@ -53,9 +60,10 @@ Each program loops: c = atomic_add(sync[0], 1); stop once c >= the tile count; r
 Claims are handed out in queue order, so no cold tile is claimed before the last hot tile (the
 debug trace makes that testable), and a hot tile waits behind no cold tile at all (the bound of
 one tile per program would apply to decode work arriving mid-launch; within one launch the hot
-tiles simply come first). What decode does wait for is the align (13-34 µs on the H200 at 8
-decode + 512..8192 prefill tokens) and its own experts' prefill rows in the hot blocks; the
-decode rows are rounded in the launch (below), the prefill rows after it.
+tiles simply come first). What decode does wait for is its align (in one phase, the union's:
+13-34 µs on the H200 at 8 decode + 512..8192 prefill tokens) and, in one phase, its own experts'
+prefill rows in the hot blocks; the decode rows are rounded in the launch (below), the prefill
+rows after it.
 Claims are relaxed atomics (they order nothing; an ordered one would first wait for the last
 tile's atomic adds); each hand-off below is a release (barrier, ordered atomic increment) and an
 acquire (ordered atomic reads, barrier).
@@ -67,7 +75,8 @@ zero tile (a hot block holds prefill rows too). Deadlock-free without assuming t
 is resident: every wait targets tiles claimed earlier (queue order) by programs already running:
 the offsets tile waits for the count tiles, place tiles for the offsets tile, GEMM claims for the
 place tiles, down tiles for zero tiles and their block's up tiles; count, zero and up tiles wait
-for nothing.
+for nothing. Phase 1's offsets tile reads n_hot, which its program read (waiting for phase 0)
+when it claimed past phase 0.
 
 Combine: atomic adds into y32 [R, D] fp32 (R >= M + 1 rows, whole zero tiles; row M: the padding
 rows' sink in interpret mode, adding 0), relaxed (pallas_kernels/relaxed_atomic.py: Pallas' own
@@ -117,12 +126,21 @@ H200_SMS = 132
 PROGRAMS_PER_SM = 2
 KINDS = ("hot up", "hot down", "cold up", "cold down", "zero", "align")  # hot: blocks holding decode pairs
 ZERO_ROWS = 64  # y32 rows per zero tile (ZR)
-# sync int32 counters (zeros before the launch): the next claim; finish tickets; zero tiles done;
-# align tiles done (count, offsets, place); the blocks (hot, all); then T_d counters (hot blocks
-# whose down tile t has landed), 2 x E_pad per-expert pair counts (decode's, then prefill's), and
-# one counter per block (its up tiles done).
-(SYNC_CLAIM, SYNC_TICKET, SYNC_ZERO, SYNC_COUNTED, SYNC_OFFSETS, SYNC_PLACED, SYNC_HOT, SYNC_NB,
- SYNC_ROUND) = range(9)
+# sync int32 counters (zeros before the launch): the next claim; finish tickets; the blocks (hot,
+# all); then each align phase's four (see `_sync`); then T_d counters (hot blocks whose down tile t
+# has landed), 2 x E_pad per-expert pair counts (decode's, then prefill's), and one counter per
+# block (its up tiles done).
+SYNC_CLAIM, SYNC_TICKET, SYNC_HOT, SYNC_NB = range(4)
+COUNTED, OFFSETS, PLACED, ZEROED = range(4)  # a phase's count, offsets, place and zero tiles done
+SYNC_ROUND = 12
+
+
+def sync_index(phase: int, counter: int) -> int:
+    """Where align phase `phase` (0: the hot blocks' pairs, 1: the cold blocks' when apart) keeps
+    `counter` (COUNTED, OFFSETS, PLACED or ZEROED)."""
+    return 4 + 4 * phase + counter
+
+
 TRACE_FIELDS = ("kind", "block", "n_tile", "program", "ticket")
 
 
@@ -184,6 +202,8 @@ class _Static:
     e_pad: int  # experts padded to a power of two (>= 32)
     zr: int  # y32 rows per zero tile
     chunks: int  # zero tiles
+    z1: int  # ... of phase 0 (all, or those covering the decode rows when the phases are apart)
+    split: bool  # the align in two phases: hot blocks hold decode pairs only (BM_h < BM)
     up: object  # fused_moe.WeightOperands of w13, without its arrays
     down: object
     limit: float | None
@@ -191,6 +211,18 @@ class _Static:
     stamps: bool
     interpret: bool
     n_init: int
+
+    @property
+    def n1(self) -> int:  # count (and place) tiles of phase 0: the decode pairs', or all
+        return self.nbk_d if self.split else self.nbk
+
+    @property
+    def a1(self) -> int:  # phase 0's align tiles: counts, the offsets tile, places
+        return 2 * self.n1 + 1
+
+    @property
+    def a2(self) -> int:  # ... phase 1's (none when the phases are one)
+        return 2 * (self.nbk - self.n1) + 1 if self.split else 0
 
     @property
     def sync_count(self) -> int:  # the per-expert pair counts, decode's then prefill's
@@ -232,7 +264,12 @@ def _kernel(*refs, s: _Static):
     # which the interpreter's discharge of nested loops rejects.
     zero = prog * 0
     one = zero + 1
-    prefix = 2 * s.nbk + 1 + s.chunks  # claims before the GEMM tiles: the align and the zero tiles
+    n2 = s.nbk - s.n1  # phase 1's count (and place) tiles
+    z2 = s.chunks - s.z1  # ... and zero tiles
+    prefix = s.a1 + s.z1  # claims before the hot GEMM tiles: phase 0's align and zero tiles
+
+    def at(phase, counter):
+        return sync_index(phase, counter)
 
     def barrier():  # the GPU's threads of one program; the interpreter runs a program as one
         if not s.interpret:
@@ -258,6 +295,11 @@ def _kernel(*refs, s: _Static):
         counters), and an ordered atomic fences first, waiting for the last tile's atomic adds."""
         return relaxed_atomic_add(sync_ref, zero + SYNC_CLAIM, one)
 
+    def placed(phase):
+        """Wait for every place tile of the phase (or its offsets tile, where it has no pairs)."""
+        n = s.n1 if phase == 0 else n2
+        spin(at(phase, PLACED), n) if n else spin(at(phase, OFFSETS), 1)
+
     # ------------------------------------------------------------ the align
     def align_pairs(b):
         """Align tile b's pairs: (decode tile?, its first pair, its end (the class's), pair indices
@@ -270,7 +312,7 @@ def _kernel(*refs, s: _Static):
         ids = pltriton.load(ids_ref.at[pl.ds(start, pb)], mask=q < end, other=e_pad)
         return dec, start, end, q, ids
 
-    def count_tile(b):
+    def count_tile(b, phase):
         """Tile b's pairs counted into their class's expert counters, one atomic increment a pair: its
         old count is the pair's rank (stored). The interpreter's atomics gather, add and scatter, so
         repeated indices in one op would collide: there one pair at a time."""
@@ -294,25 +336,36 @@ def _kernel(*refs, s: _Static):
             real = ids < s.e  # and q < end (past it, ids are E_pad)
             rank = relaxed_atomic_add(sync_ref, counts + jnp.where(real, ids, 0), real.astype(jnp.int32), mask=real)
             pltriton.store(rank_ref.at[pl.ds(start, pb)], rank, mask=real)
-        release(SYNC_COUNTED)
+        release(at(phase, COUNTED))
 
-    def offsets_tile():
-        """Once every count is in: each expert's hot and cold runs, the blocks' experts and rows,
-        the hot and total block counts."""
-        spin(SYNC_COUNTED, s.nbk)
+    def offsets_tile(phase, n_hot):
+        """Once the phase's counts are in, its runs: phase 0 lays out the hot runs (and the cold
+        ones, when the phases are one), phase 1 the cold runs (after the n_hot hot blocks); each
+        with its blocks' experts and rows, and the hot / total block count."""
+        spin(at(phase, COUNTED), s.n1 if phase == 0 else n2)
         ex = jnp.arange(e_pad, dtype=jnp.int32)
         real = ex < s.e  # ids in [E, E_pad) are skipped pairs, in no block
-        nd = jnp.where(real, pltriton.load(sync_ref.at[pl.ds(s.sync_count, e_pad)], volatile=True), 0)
-        n = nd + jnp.where(real, pltriton.load(sync_ref.at[pl.ds(s.sync_count + e_pad, e_pad)], volatile=True), 0)
-        hot = (nd + bmh - 1) // bmh  # [E_pad] blocks holding the expert's decode pairs
-        rest = jnp.maximum(n - hot * bmh, 0)  # its pairs past them
-        cold = (rest + bm - 1) // bm
-        n_hot = jnp.sum(hot)
-        hot0 = jnp.cumsum(hot) - hot  # first block of each expert's hot run
-        cold0 = n_hot + jnp.cumsum(cold) - cold  # ... and of its cold run
-        offs_ref[0, :] = hot0 * bmh
-        offs_ref[1, :] = s.h0 + (cold0 - n_hot) * bm
-        offs_ref[2, :] = nd
+
+        def pairs(cls):  # [E_pad] the class's pairs of each expert (0: decode, 1: prefill)
+            return jnp.where(real, pltriton.load(sync_ref.at[pl.ds(s.sync_count + cls * e_pad, e_pad)],
+                                                 volatile=True), 0)
+
+        nd = pairs(0)
+        none = ex * 0
+        hot = hot0 = cold = cold0 = rest = none
+        if phase == 0:  # the hot runs
+            hot = (nd + bmh - 1) // bmh  # [E_pad] blocks holding the expert's decode pairs
+            n_hot = jnp.sum(hot)
+            hot0 = jnp.cumsum(hot) - hot  # first block of each expert's hot run
+            offs_ref[0, :] = hot0 * bmh
+            offs_ref[2, :] = nd
+        hot_pairs = nd if s.split else nd + pairs(1)  # a union's hot runs take prefill pairs too
+        lay_cold = phase == 1 or not s.split
+        if lay_cold:  # the cold runs: each expert's pairs past its hot run
+            rest = pairs(1) if s.split else jnp.maximum(hot_pairs - hot * bmh, 0)
+            cold = (rest + bm - 1) // bm
+            cold0 = n_hot + jnp.cumsum(cold) - cold  # first block of each expert's cold run
+            offs_ref[1, :] = s.h0 + (cold0 - n_hot) * bm
         sink = blk_ref.shape[0] - 1
 
         def fill_blocks(i, carry):  # the i-th block of every expert with more than i blocks
@@ -320,21 +373,23 @@ def _kernel(*refs, s: _Static):
             ic = i - hot
             used = is_hot | (ic < cold)
             b = jnp.where(is_hot, hot0 + i, jnp.where(used, cold0 + ic, sink))
-            rows = jnp.where(is_hot, jnp.minimum(n - i * bmh, bmh), jnp.minimum(rest - ic * bm, bm))
+            rows = jnp.where(is_hot, jnp.minimum(hot_pairs - i * bmh, bmh), jnp.minimum(rest - ic * bm, bm))
             pltriton.store(blk_ref.at[b], ex, mask=used)
             pltriton.store(rows_ref.at[b], rows, mask=used)
             return carry
 
         lax.fori_loop(0, jnp.max(hot + cold), fill_blocks, zero)
-        relaxed_atomic_add(sync_ref, zero + SYNC_HOT, n_hot)
-        relaxed_atomic_add(sync_ref, zero + SYNC_NB, n_hot + jnp.sum(cold))
-        release(SYNC_OFFSETS)
+        if phase == 0:
+            relaxed_atomic_add(sync_ref, zero + SYNC_HOT, n_hot)
+        if lay_cold:
+            relaxed_atomic_add(sync_ref, zero + SYNC_NB, n_hot + jnp.sum(cold))
+        release(at(phase, OFFSETS))
 
-    def place_tile(b):
+    def place_tile(b, phase):
         """Tile b's pairs to their slots. A pair's rank in its expert's run: its rank in its class,
-        after the expert's decode pairs if it is a prefill pair. Ranks below the hot run's capacity go
-        to the hot run, the others to the cold run."""
-        spin(SYNC_OFFSETS, 1)
+        after the expert's decode pairs if it is a prefill pair of a union. Ranks below the hot run's
+        capacity go to the hot run, the others to the cold run."""
+        spin(at(phase, OFFSETS), 1)
         dec, start, end, q, ids = align_pairs(b)
         valid = ids < s.e
         e = jnp.where(valid, ids, 0)
@@ -344,18 +399,26 @@ def _kernel(*refs, s: _Static):
 
         nd = offs(2)
         r = pltriton.load(rank_ref.at[pl.ds(start, pb)], mask=valid, other=0, volatile=True)
-        r = r + jnp.where(dec, zero, nd)
-        cap = (nd + bmh - 1) // bmh * bmh
+        if s.split:  # decode pairs fill the hot runs, prefill pairs the cold runs
+            cap = jnp.where(dec, (nd + bmh - 1) // bmh * bmh, 0)
+        else:
+            r = r + jnp.where(dec, zero, nd)
+            cap = (nd + bmh - 1) // bmh * bmh
         first = jnp.where(r < cap, offs(0), offs(1) - cap)
         # Masked-off lanes point at the last slot, never a pair's (interpret mode may write them back)
         slot = jnp.where(valid, first + r, sorted_ref.shape[0] - 1)
         pltriton.store(sorted_ref.at[slot], q, mask=valid)
-        release(SYNC_PLACED)
+        release(at(phase, PLACED))
 
-    def align_tile(j):
-        pl.when(j < s.nbk)(lambda: count_tile(j))
-        pl.when(j == s.nbk)(offsets_tile)
-        pl.when(j > s.nbk)(lambda: place_tile(j - s.nbk - 1))
+    def align_tile(j, n_hot):
+        """Align tile j: phase 0's [count x n1, offsets, place x n1], then phase 1's."""
+        for phase, base, b0, n in ((0, 0, 0, s.n1), (1, s.a1, s.n1, n2)):
+            if phase and not s.split:
+                break
+            i = j - base
+            pl.when((i >= 0) & (i < n))(lambda: count_tile(b0 + i, phase))
+            pl.when(i == n)(lambda: offsets_tile(phase, n_hot))
+            pl.when((i > n) & (i <= 2 * n))(lambda: place_tile(b0 + i - n - 1, phase))
 
     # ------------------------------------------------------------ the GEMM tiles
     def block(j, n_hot, rows):
@@ -369,14 +432,14 @@ def _kernel(*refs, s: _Static):
         return blk_ref[j], pair, valid, row0
 
     def zero_tile(z):
-        """y32 rows [z*ZR, (z+1)*ZR) <- 0, in D / BN_d column blocks."""
+        """y32 rows [z*ZR, (z+1)*ZR) <- 0, in D / BN_d column blocks; chunks [0, Z1) are phase 0's."""
         def cols(ci, carry):
             y32_ref[pl.ds(z * zr, zr), pl.ds(pl.multiple_of(ci * bn_d, bn_d), bn_d)] = jnp.zeros((zr, bn_d),
                                                                                                   jnp.float32)
             return carry
 
         lax.fori_loop(0, td, cols, zero)
-        release(SYNC_ZERO)
+        release(jnp.where(z < s.z1, zero + at(0, ZEROED), zero + at(1, ZEROED)))
 
     def up_tile(j, t, n_hot, rows):
         e, pair, valid, row0 = block(j, n_hot, rows)
@@ -406,12 +469,15 @@ def _kernel(*refs, s: _Static):
 
         lax.fori_loop(0, s.md // s.rb, chunk, zero)
 
-    def down_tile(j, t, n_hot, rows):
+    def down_tile(j, t, n_hot, rows, cold):
         e, pair, valid, row0 = block(j, n_hot, rows)
         # Acquire block j's h (its T_u up tiles were claimed before this tile and wait for nothing)
-        # and y32's zeroed rows (the zero tiles were claimed before it too).
+        # and y32's zeroed rows (the zero tiles were claimed before it too): the hot blocks' rows
+        # are phase 0's, a cold block's may be any.
         spin(s.sync_up + j, tu)
-        spin(SYNC_ZERO, s.chunks)
+        spin(at(0, ZEROED), s.z1)
+        if cold and z2:
+            spin(at(1, ZEROED), z2)
 
         def a_load(k0, size):  # the block's own h rows; padding rows were never written
             mask = jnp.broadcast_to(valid[:, None], (rows, size))
@@ -437,16 +503,18 @@ def _kernel(*refs, s: _Static):
     # ------------------------------------------------------------ the queue
     def tile_of(c, n_hot, n_blocks):
         """Claim index -> (kind, index j in its segment, N-block t) over the segments
-        [count, offsets, place | zero | hot up | hot down | cold up | cold down]; j of a zero tile
-        is its chunk, of an align tile its index in the align, of a GEMM tile its block (cold blocks
-        follow the hot ones). n_hot, n_blocks: -1 until read after the align (claims before the
-        GEMM tiles do not depend on them)."""
+        [align 0 | zero 0 | hot up | hot down | align 1 | zero 1 | cold up | cold down]; j of a zero
+        tile is its chunk, of an align tile its index in the align (phase 1's after phase 0's), of
+        a GEMM tile its block (cold blocks follow the hot ones). n_hot, n_blocks: -1 until read
+        after their phase's align (the claims before those segments do not depend on them)."""
         n_hot, n_cold = jnp.maximum(n_hot, 0), jnp.maximum(n_blocks - n_hot, 0)
-        segments = ((5, 2 * s.nbk + 1, 1, 0), (4, s.chunks, 1, 0), (0, n_hot * tu, tu, 0),
-                    (1, n_hot * td, td, 0), (2, n_cold * tu, tu, n_hot), (3, n_cold * td, td, n_hot))
+        segments = ((5, s.a1, 1, 0), (4, s.z1, 1, 0), (0, n_hot * tu, tu, 0), (1, n_hot * td, td, 0),
+                    (5, s.a2, 1, s.a1), (4, z2, 1, s.z1), (2, n_cold * tu, tu, n_hot), (3, n_cold * td, td, n_hot))
         kind = j = t = zero
         start = zero
         for kd, length, width, j0 in segments:
+            if isinstance(length, int) and not length:
+                continue
             inside = ((c >= start) & (c < start + length)).astype(jnp.int32)
             local = (c - start) * inside
             kind, j, t = kind + kd * inside, j + (j0 + lax.div(local, width)) * inside, t + lax.rem(local, width)
@@ -454,14 +522,24 @@ def _kernel(*refs, s: _Static):
         return kind, j, t
 
     def blocks(c, counts):
-        """(n_hot, n_blocks), read (once) when a claim passes the align: wait for every place tile,
-        all claimed earlier (so the wait ends even without every program resident)."""
+        """(n_hot, n_blocks), each read once, when a claim passes its phase's align: wait for every
+        place tile of the phase, all claimed earlier (so the wait ends even without every program
+        resident). One phase: both at once."""
+        n_hot, n_blocks = counts
 
-        def wait():
-            spin(SYNC_PLACED, s.nbk)
-            return read(SYNC_HOT), read(SYNC_NB)
+        def wait0():
+            placed(0)
+            return read(SYNC_HOT), (n_blocks if s.split else read(SYNC_NB))
 
-        return lax.cond((c >= prefix) & (counts[1] < 0), wait, lambda: counts)
+        n_hot, n_blocks = lax.cond((c >= prefix) & (n_hot < 0), wait0, lambda: (n_hot, n_blocks))
+        if s.split:
+            def wait1():
+                placed(1)
+                return read(SYNC_NB)
+
+            past = (n_hot >= 0) & (c >= prefix + n_hot * (tu + td) + s.a2 + z2)
+            n_blocks = lax.cond(past & (n_blocks < 0), wait1, lambda: n_blocks)
+        return n_hot, n_blocks
 
     def clock(dep):
         """[1] int32: %globaltimer's low word (ns). The asm is pure: dep, a value that exists only
@@ -477,15 +555,15 @@ def _kernel(*refs, s: _Static):
         n_hot = counts[0]
         kind, j, t = tile_of(c, *counts)
         pl.when(kind == 4)(lambda: zero_tile(j))
-        pl.when(kind == 5)(lambda: align_tile(j))
-        if bmh == bm:  # one code path for both
+        pl.when(kind == 5)(lambda: align_tile(j, n_hot))
+        if bmh == bm:  # one code path for both (one phase: every zero tile is phase 0's)
             pl.when((kind == 0) | (kind == 2))(lambda: up_tile(j, t, n_hot, bm))
-            pl.when((kind == 1) | (kind == 3))(lambda: down_tile(j, t, n_hot, bm))
+            pl.when((kind == 1) | (kind == 3))(lambda: down_tile(j, t, n_hot, bm, cold=False))
         else:
             pl.when(kind == 0)(lambda: up_tile(j, t, n_hot, bmh))
-            pl.when(kind == 1)(lambda: down_tile(j, t, n_hot, bmh))
+            pl.when(kind == 1)(lambda: down_tile(j, t, n_hot, bmh, cold=False))
             pl.when(kind == 2)(lambda: up_tile(j, t, n_hot, bm))
-            pl.when(kind == 3)(lambda: down_tile(j, t, n_hot, bm))
+            pl.when(kind == 3)(lambda: down_tile(j, t, n_hot, bm, cold=True))
         if s.trace or s.stamps:
             ticket = relaxed_atomic_add(sync_ref, zero + SYNC_TICKET, one)
         if s.trace:
@@ -496,9 +574,9 @@ def _kernel(*refs, s: _Static):
         c = claim()
         return c, blocks(c, counts)
 
-    def more(carry):
+    def more(carry):  # n_blocks unknown: c is before the cold tiles
         c, (_, n_blocks) = carry
-        return c < prefix + jnp.maximum(n_blocks, 0) * (tu + td)
+        return (n_blocks < 0) | (c < prefix + s.a2 + z2 + n_blocks * (tu + td))
 
     if s.stamps:
         stamp_ref[pl.ds(prog, 1)] = clock(prog)
@@ -576,7 +654,9 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
     e_pad = max(32, _pow2(e))
     zr = ZERO_ROWS
     chunks = -(-(m + 1) // zr)  # y32 rows: whole zero tiles covering M + 1
-    c_max = nb * (up.n_tiles + down.n_tiles) + 2 * nbk + 1 + chunks  # every claim's trace row
+    split = bmh < bm  # hot blocks hold decode pairs only: two align phases
+    z1 = -(-n_decode // zr) if split else chunks  # phase 0's zero tiles: the decode rows', or all
+    c_max = nb * (up.n_tiles + down.n_tiles) + 2 * nbk + 1 + split + chunks  # every claim's trace row
     i32 = jnp.int32
     inits = [jnp.zeros((SYNC_ROUND + down.n_tiles + 2 * e_pad + nb,), i32)]  # sync
     out_shape = [jax.ShapeDtypeStruct((rows, i), act),  # h
@@ -605,7 +685,7 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
     aliases = {len(inputs) + n: o for n, o in enumerate(alias_out)}
     rb = min(32, n_decode & -n_decode) if n_decode else 1  # a power of two dividing n_decode
     s = _Static(k=k, e=e, p=p, p_d=p_d, m=m, md=n_decode, rb=rb, bm=bm, bmh=bmh, h0=nbh * bmh, pb=pb, nbk_d=nbk_d, nbk=nbk, e_pad=e_pad, zr=zr,
-                chunks=chunks, up=_strip(up), down=_strip(down), limit=swiglu_limit,
+                chunks=chunks, z1=z1, split=split, up=_strip(up), down=_strip(down), limit=swiglu_limit,
                 trace=trace, stamps=stamps, interpret=interpret, n_init=len(inits))
     name = "expert_tiles" + ("" if up.qm is None else f"_int{up.qm.bits}") + f"_m{bm}" + (
         f"_h{bmh}" if bmh != bm else "")

@@ -63,12 +63,12 @@ def _run(md, mp, k, bits, kind, limit, plan, symmetric=True, seed=0):
 
 
 def _runs(ids, md, bm, bmh):
-    """Each expert's hot blocks (holding its decode pairs, filled up with its prefill pairs) and
-    cold blocks (its pairs past them), from the routing."""
+    """Each expert's hot blocks (holding its decode pairs, filled up with its prefill pairs when
+    BM_h = BM) and cold blocks (its pairs past them), from the routing."""
     dec = np.bincount(np.asarray(ids[:md]).reshape(-1), minlength=E)
     n = np.bincount(np.asarray(ids).reshape(-1), minlength=E)
     hot = -(-dec // bmh)
-    return hot, -(-np.maximum(n - hot * bmh, 0) // bm)
+    return hot, -(-np.maximum(n - (dec if bmh < bm else hot * bmh), 0) // bm)
 
 
 def _align_tiles(ids, md, pb):
@@ -81,7 +81,7 @@ def _expected_tiles(ids, md, bm, bmh, pb, tu, td):
     """{(kind, j, n_tile)} the queue must hand out once each, from the routing: the align's tiles
     (kind 5: counts, the offsets tile, places), one zero tile (kind 4) per ZR rows of y32 (M + 1
     rows), and each block's up and down tiles (hot blocks first: kinds 0, 1; then cold: 2, 3)."""
-    out = {(5, j, 0) for j in range(2 * _align_tiles(ids, md, pb) + 1)}
+    out = {(5, j, 0) for j in range(2 * _align_tiles(ids, md, pb) + 1 + (bmh < bm))}
     out |= {(4, z, 0) for z in range(-(-(len(ids) + 1) // et.ZERO_ROWS))}
     hot, cold = (int(v.sum()) for v in _runs(ids, md, bm, bmh))
     for kind, blocks in ((0, range(hot)), (2, range(hot, hot + cold))):
@@ -97,31 +97,34 @@ def _n_tiles(w, block_n):
 
 def _check_trace(run, ids, md, plan, w13, w2):
     tu, td = _n_tiles(w13, plan.up.block_n), _n_tiles(w2, plan.down.block_n)
+    bm, bmh = plan.block_m, plan.block_m_hot or plan.block_m
+    split = bmh < bm  # the align in two phases: phase 0 the decode pairs, phase 1 the prefill pairs
     nbk = _align_tiles(ids, md, plan.align_pairs)
+    n1 = _align_tiles(ids[:md], md, plan.align_pairs) if split else nbk  # phase 0's count tiles
     chunks = -(-(len(ids) + 1) // et.ZERO_ROWS)
+    z1 = -(-md // et.ZERO_ROWS) if split else chunks
+    n_hot, n_cold = (int(v.sum()) for v in _runs(ids, md, bm, bmh))
     trace = np.asarray(run.trace)
     claimed = trace[trace[:, 0] >= 0]
     n = len(claimed)
     assert np.all(trace[n:] == -1)  # claims are a prefix of the record
     kinds = claimed[:, 0]
-    # the count, offsets and place tiles, the zero tiles, then hot up, hot down, cold up, cold down
-    na = 2 * nbk + 1
-    assert np.all(kinds[:na] == 5) and np.all(kinds[na:na + chunks] == 4)
-    assert list(claimed[:na + chunks, 1]) == list(range(na)) + list(range(chunks))
-    assert np.all(np.diff(kinds[na + chunks:]) >= 0)
-    hot = np.flatnonzero(kinds < 2)
-    cold = np.flatnonzero((kinds >= 2) & (kinds < 4))
-    if len(hot) and len(cold):
-        assert hot.max() < cold.min()  # no cold tile claimed before the last hot tile
+    # phase 0's count, offsets and place tiles and zero tiles, hot up, hot down, then phase 1's
+    # align and zero tiles (when apart), cold up, cold down
+    a1, a2 = 2 * n1 + 1, 2 * (nbk - n1) + split
+    order = [5] * a1 + [4] * z1 + [0] * (n_hot * tu) + [1] * (n_hot * td) + [5] * a2 + [4] * (chunks - z1)
+    order += [2] * (n_cold * tu) + [3] * (n_cold * td)
+    assert list(kinds) == order
+    assert list(claimed[kinds == 5, 1]) == list(range(a1 + a2)) and list(claimed[kinds == 4, 1]) == list(range(chunks))
     tiles = [tuple(r) for r in claimed[:, :3]]
-    assert len(set(tiles)) == n and set(tiles) == _expected_tiles(ids, md, plan.block_m, plan.block_m_hot or plan.block_m, plan.align_pairs, tu, td)
+    assert len(set(tiles)) == n and set(tiles) == _expected_tiles(ids, md, bm, bmh, plan.align_pairs, tu, td)
     assert sorted(claimed[:, 4]) == list(range(n))  # each finished once
     sync = np.asarray(run.sync)
     assert sync[et.SYNC_CLAIM] == n + (plan.programs or 4)  # every program's last claim found nothing
     assert sync[et.SYNC_TICKET] == n
-    assert sync[et.SYNC_ZERO] == chunks
-    assert sync[et.SYNC_COUNTED] == sync[et.SYNC_PLACED] == nbk and sync[et.SYNC_OFFSETS] == 1
-    n_hot, n_cold = (int(v.sum()) for v in _runs(ids, md, plan.block_m, plan.block_m_hot or plan.block_m))
+    for phase, (counts, zeros, offsets) in enumerate(((n1, z1, 1), (nbk - n1, chunks - z1, int(split)))):
+        assert sync[et.sync_index(phase, et.COUNTED)] == sync[et.sync_index(phase, et.PLACED)] == counts
+        assert sync[et.sync_index(phase, et.ZEROED)] == zeros and sync[et.sync_index(phase, et.OFFSETS)] == offsets
     assert (sync[et.SYNC_HOT], sync[et.SYNC_NB]) == (n_hot, n_hot + n_cold)
     rounds = sync[et.SYNC_ROUND:et.SYNC_ROUND + td]  # hot blocks landed per down tile
     assert np.all(rounds == (n_hot if md else 0))
@@ -131,12 +134,6 @@ def _check_trace(run, ids, md, plan, w13, w2):
     assert np.array_equal(counts[e_pad:], np.bincount(np.asarray(ids[md:]).reshape(-1), minlength=e_pad))
     ups = sync[et.SYNC_ROUND + td + 2 * e_pad:]
     assert np.all(ups[:n_hot + n_cold] == tu) and np.all(ups[n_hot + n_cold:] == 0)  # each block's up tiles done
-    # Each block's down tiles come after its up tiles (hot blocks' before every cold tile, above).
-    for kind in (0, 2):
-        up = [i for i, (kk, b, t) in enumerate(tiles) if kk == kind]
-        down = [i for i, (kk, b, t) in enumerate(tiles) if kk == kind + 1]
-        if down:
-            assert max(up) < min(down)
 
 
 # (decode tokens, prefill tokens, k, bits, routing, limit, plan)
@@ -148,9 +145,12 @@ CASES = [
     (4, 40, 1, None, "one", None, BM16),  # one expert takes every token: a hot block (4 decode rows, 12 prefill), 2 cold
     (20, 30, 1, None, "one", None, BM16),  # 20 decode pairs on one expert: 2 hot blocks, 2 cold
     (40, 10, 4, None, "random", None, BM16),  # 160 decode pairs: two count tiles of decode pairs
-    (3, 40, 4, None, "random", None, BM32_HOT16),  # hot blocks of 16 rows, cold of 32
-    (4, 40, 1, 4, "one", 1.0, BM32_HOT16),  # one expert: a hot block (4 decode + 12 prefill rows), 1 cold (28)
+    # hot blocks of 16 rows holding decode pairs only (two align phases), cold of 32
+    (3, 40, 4, None, "random", None, BM32_HOT16),
+    (4, 40, 1, 4, "one", 1.0, BM32_HOT16),  # one expert: a hot block (4 decode rows), 2 cold (32 + 8)
     (20, 30, 1, None, "one", None, BM32_HOT16),  # 20 decode pairs on one expert: 2 hot blocks, 1 cold
+    (0, 11, 3, None, "random", None, BM32_HOT16),  # no decode class: phase 0 lays out nothing
+    (6, 0, 4, 4, "random", None, BM32_HOT16),  # no prefill class: phase 1 lays out nothing
     (5, 30, 3, 8, "one", 0.5, BM32),  # every token on the same 3 experts, int8 with zero points
     (2, 90, 3, None, "one", None, BM16),  # 270 prefill pairs: 17 align tiles count into the same experts
     (3, 70, 4, 4, "random", None, BM32),  # 280 prefill pairs, int4
@@ -228,13 +228,18 @@ def test_lowers_to_triton_ir(bits, hot, monkeypatch):
                      w13, w2).lower(lowering_platforms=("cuda",))
     [ir] = [m for m in modules if "expert_tiles" in m]
     g = 2 if hot else 1  # copies of the GEMM tiles
-    # ordered: releases (zero, count, offsets, place; up and hot arrival in each copy) and the
-    # acquires' reads: spins (counts, offsets; up tiles and zero tiles in each copy) of 2 reads each,
-    # and the wait for the align at 2 call sites (a spin and the two block counts: 4 reads each)
-    assert ir.count("tt.atomic_rmw add, acq_rel, gpu") == (4 + 2 * g) + (2 + 2 * g) * 2 + 2 * 4
-    # relaxed: the claims (2 call sites), the ticket, the counts, the two block counts
-    assert ir.count("tt.atomic_rmw add, relaxed, gpu") == 6
+    phases = 2 if hot else 1  # align phases (hot blocks shorter than cold ones hold decode pairs only)
+    # ordered: releases (zero; count, offsets, place in each phase; up and hot arrival in each copy)
+    # and the acquires' reads, 2 a spin: spins (counts, offsets in each phase; up tiles and zero
+    # tiles in each copy; here every zero tile is phase 0's), and the wait for each phase's align
+    # at 2 call sites (a spin and its block counts: both in one phase, else one each)
+    releases, spins = 1 + 3 * phases + 2 * g, 2 * phases + 2 * g
+    waits = 2 * (4 if phases == 1 else 3 + 3)
+    assert ir.count("tt.atomic_rmw add, acq_rel, gpu") == releases + 2 * spins + waits
+    # relaxed: the claims (2 call sites), the ticket, the counts (a site a phase), the two block counts
+    assert ir.count("tt.atomic_rmw add, relaxed, gpu") == 5 + phases
     assert ir.count("tt.atomic_rmw fadd, relaxed, gpu") == g  # the combine
-    # a barrier before each release and after each spin, and before the decode rounding
-    assert ir.count("gpu.barrier") == (4 + 2 * g) + (2 + 2 * g + 2) + g and ir.count("%globaltimer_lo") == 2
+    # a barrier before each release and after each spin (the align waits': 2 sites a phase), and
+    # before the decode rounding
+    assert ir.count("gpu.barrier") == releases + spins + 2 * phases + g and ir.count("%globaltimer_lo") == 2
     assert "isVolatile = true" in ir  # the rounding reads y32 from L2

@@ -56,9 +56,9 @@ def test_x_moe_of_the_tile_kernel_counts_hot_and_cold_blocks():
     assert tiles.x_moe_tile_kernel(ids, 3, 5, 4) == 2 + 1 + 1 + 2
     assert tiles.x_moe_tile_kernel(ids, 0, 5, 4) == tiles.x_moe_of_ids(ids, 5, 4)  # no decode: one class
     assert tiles.x_moe_tile_kernel(ids, 8, 5, 4) == tiles.x_moe_of_ids(ids, 5, 4)  # no prefill: one class
-    # hot blocks of 2, cold of 4: expert 0 -> 2 hot (3 decode + 1), 1 cold (4); expert 2 -> 1 hot;
-    # expert 1 -> 1 cold; expert 4 -> 1 hot (2 decode), 1 cold (4)
-    assert tiles.x_moe_tile_kernel(ids, 3, 5, 4, block_m_hot=2) == 3 + 1 + 1 + 2
+    # hot blocks of 2 (decode pairs only), cold of 4: expert 0 -> 2 hot (3 decode), 2 cold (5
+    # prefill); expert 2 -> 1 hot; expert 1 -> 1 cold; expert 4 -> 1 hot (2 decode), 1 cold (4)
+    assert tiles.x_moe_tile_kernel(ids, 3, 5, 4, block_m_hot=2) == 4 + 1 + 1 + 2
 
 
 def _model(**kw):
