@@ -165,7 +165,7 @@ def bench_ours(gate, ceiling, backend, args):
     zeros_o = jnp.zeros((B, T, H, KD), jnp.bfloat16)
     interp = backend == "interpret"
     prec = lambda name: lax.Precision.HIGHEST if interp else kp.PRECISIONS[name]  # noqa: E731
-    inv_prec = prec("tf32x3")
+    inv_prec = prec(kp.INV_PRECISION)
 
     chunk = args.chunk or kp.CHUNK
 

@@ -32,10 +32,10 @@ Rounding: the conv output is rounded to the activation dtype (as the model's `ca
 w, u, q ⊙ e^G, k ⊙ e^{G_C - G} and Aqk are stored in the activation dtype between the kernels
 (as fla's chunk_kda; exact for fp32 activations); o is rounded to it before the norm (as the
 model) and once more after. Dots: the intra kernel's at `Plan.precision` ("tf32": 10-bit
-operands, fp32 accumulation), the inverse's in 3xtf32; the state kernel multiplies the stored
-16-bit tiles by the fp32 state rounded to 16 bits (as fla's chunk_kda; `Plan.state_hi_lo`: split
-into hi + lo, two dots, ~16 mantissa bits; fp32 activations: `Plan.precision`). The state itself
-accumulates in fp32.
+operands, fp32 accumulation), the inverse's (`INV_PRECISION`) as fp32 FMAs; the state kernel
+multiplies the stored 16-bit tiles by the fp32 state rounded to 16 bits (as fla's chunk_kda;
+`Plan.state_hi_lo`: split into hi + lo, two dots, ~16 mantissa bits; fp32 activations:
+`Plan.precision`). The state itself accumulates in fp32.
 
 Layouts (C = H·K; every array is its own buffer): KdaInputs, KdaWeights, KdaState of
 `pallas_kernels.kda` with T the prompt length; valid [B] int32 (clipped to 0..T).
@@ -98,6 +98,10 @@ CHUNK = 32  # tokens per chunk of the WY form. H200, 8192 tokens: the layer 1656
 SUB = 16  # rows per sub-block of one decay anchor (and the smallest side of a dot)
 ANCHOR_MAX = 40.0  # bound of |Gl - anchor| in the bounded-gate blocks: e^±40, far from overflow and denormals
 
+# The inverse's dots ([R, R] @ [R, R]; T_10's): fp32 FMAs. sm_90a (triton 3.6, 4 warps, chunk 32):
+# 3xtf32 took ~790 SASS instructions a level (its splits and the mma results' shuffles into the
+# next dot's operand layout), ~3.2k of the ~10.2k executed a thread; FMA dots ~110 a level.
+INV_PRECISION = "ieee"
 LOG2E = 1.4426950408889634  # the kernels keep log-decays in base 2: exp2 is one MUFU op, exp a libdevice call
 
 PRECISIONS = {
@@ -283,9 +287,10 @@ def _unit_lower_inverse(lo, precision):
     """(I + lo)⁻¹ for lo [S, S] strictly lower triangular, S a power of two, by recursive
     doubling: with T the inverse of the b×b diagonal blocks, the 2b×2b blocks' inverse is
     T - T L_b T, L_b the lower-left b×b block of each 2b×2b block (the blocked triangular
-    inversion). log2 S levels of two [S, S] dots, where row-by-row substitution would take
-    S - 1 steps, each with cross-warp reductions and barriers. The levels are a loop, not
-    unrolled: the intra kernel's code size, not its arithmetic, limited it."""
+    inversion). log2 S levels, the first (b = 1) elementwise and each other of two [S, S] dots,
+    where row-by-row substitution would take S - 1 steps, each with cross-warp reductions and
+    barriers. The levels are a loop (the intra kernel's code size, not its arithmetic, limited
+    it at 3xtf32); with fp32 FMA dots (`INV_PRECISION`) ptxas unrolls its 3 trips at S = 16."""
     s = lo.shape[0]
     row = jnp.arange(s, dtype=jnp.int32)[:, None]
     col = jnp.arange(s, dtype=jnp.int32)[None, :]
@@ -295,7 +300,10 @@ def _unit_lower_inverse(lo, precision):
         lower_left = ((rb & 1) == 1) & (cb == rb - 1)
         return inv - _dot(inv, _dot(jnp.where(lower_left, lo, 0.0), inv, precision), precision)
 
-    return lax.fori_loop(0, s.bit_length() - 1, level, (row == col).astype(jnp.float32))
+    # Level 0 (b = 1) without dots: T = I there, so T - T L_1 T = I - L_1 (the subdiagonal of
+    # each 2×2 block).
+    first = (row == col).astype(jnp.float32) - jnp.where(((row & 1) == 1) & (col == row - 1), lo, 0.0)
+    return lax.fori_loop(1, s.bit_length() - 1, level, first)
 
 
 def _diag_bounded(q, k, g, gl, *, lower_bound, precision):
@@ -663,10 +671,9 @@ def _conv_state_after_valid(x, conv_state, valid):
 @functools.partial(jax.jit, static_argnames=("gate", "eps", "lower_bound", "chunk", "plan", "interpret"))
 def _prefill_pallas(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate, eps, lower_bound, chunk, plan,
                     interpret):
-    # CPU (interpret): fp32 dots either way. GPU: the inverse's products in 3xtf32 (~fp32), the
-    # rest at the plan's precision.
+    # The inverse's products as fp32 FMAs, the rest at the plan's precision (CPU, interpret: fp32).
     precision = lax.Precision.HIGHEST if interpret else PRECISIONS[plan.precision]
-    inv_precision = lax.Precision.HIGHEST if interpret else PRECISIONS["tf32x3"]
+    inv_precision = PRECISIONS[INV_PRECISION]
     inter = _intra(x, w, state, valid, chunk=chunk, gate=gate, lower_bound=lower_bound, precision=precision,
                    inv_precision=inv_precision, num_warps=plan.intra_warps, interpret=interpret)
     o, rec = _state(inter, x, w, state.recurrent, chunk=chunk, eps=eps, bv=plan.bv, precision=precision,
