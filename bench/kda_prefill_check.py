@@ -164,7 +164,7 @@ def bench_ours(gate, ceiling, backend, args):
     base = kp.default_plan(KD, jnp.bfloat16)
     zeros_o = jnp.zeros((B, T, H, KD), jnp.bfloat16)
     interp = backend == "interpret"
-    prec = lambda name: lax.Precision.HIGHEST if interp else kp.PRECISIONS[name]  # noqa: E731
+    prec = lambda name: lax.Precision.HIGHEST if interp and name != "bf16" else kp.PRECISIONS[name]  # noqa: E731
     inv_prec = prec(kp.INV_PRECISION)
 
     chunk = args.chunk or kp.CHUNK
@@ -210,7 +210,9 @@ def bench_ours(gate, ceiling, backend, args):
 
     best_intra, best_state = None, None
     others = [(wp, base.precision) for wp in (2, 4, 8) if wp != base.intra_warps]
-    for warps, precision in [(base.intra_warps, base.precision)] + others + [(base.intra_warps, "bf16x3")]:
+    alt = "tf32" if base.precision == "bf16" else "bf16"  # the intra dots' other operand precision
+    for warps, precision in [(base.intra_warps, base.precision)] + others + [(base.intra_warps, alt),
+                                                                             (base.intra_warps, "bf16x3")]:
         if time.time() - T0 > args.budget:
             log("  budget spent: intra sweep cut short")
             break

@@ -109,6 +109,7 @@ PRECISIONS = {
     "ieee": lax.Precision.HIGHEST,  # fp32 FMAs, no tensor cores
     "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
     "bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+    "bf16": "bf16",  # operands rounded to bf16 (8 mantissa bits), fp32 accumulation: `_dot_general`
 }
 
 
@@ -243,7 +244,8 @@ class Plan:
     state_warps: int = 4
     state_stages: int = 3  # Triton pipelining of the chunk loop; H200 at BV 32: 367 µs vs 562 at 2 stages
     # (3 stages of BV 128's loads pass the 227 KB of shared memory: give larger V-blocks 2 or 1)
-    precision: str = "tf32"  # dot operand precision, a key of PRECISIONS
+    precision: str = "tf32"  # dot operand precision, a key of PRECISIONS (default_plan: "bf16" for 16-bit
+    # activations, as fla's chunk_kda; the inverse is apart, INV_PRECISION)
     # 16-bit activations: the fp32 state (and v_new) enter the state kernel's dots rounded to the
     # activation dtype (one dot, as fla's chunk_kda), or as 16-bit hi + lo when True (two dots, ~16
     # mantissa bits). H200, 8192 tokens: state kernel 418 µs rounded vs 616 hi + lo, and the same
@@ -255,14 +257,25 @@ def default_plan(v: int, dtype) -> Plan:
     """The H200 sweep's best at Ling's shapes (bench/kda_prefill_check.py, bench/RESULTS.md):
     BV 32 of 4 warps and 3 stages for the state kernel, 4 warps for the intra kernel. fp32
     intermediates (4 B each) do not fit two pipeline stages of the state kernel's loads in
-    shared memory."""
-    return Plan(bv=min(v, 32), state_stages=3 if jnp.dtype(dtype).itemsize <= 2 else 1)
+    shared memory. 16-bit activations: the intra kernel's dots on bf16 operands (their outputs
+    are stored in 16 bits anyway; sm_90a: half the MMAs of tf32 and no fp32 operand layouts,
+    ~4.8k -> ~4.5k SASS instructions; interpret, K 128, bf16: o ≤ 1.0e-2 of max |o| vs ≤ 7.4e-3
+    with fp32 dots, state ≤ 5.3e-3 either way)."""
+    bits16 = jnp.dtype(dtype).itemsize <= 2
+    return Plan(bv=min(v, 32), state_stages=3 if bits16 else 1, precision="bf16" if bits16 else "tf32")
+
+
+def _dot_general(a, b, dims, precision):
+    """lax.dot_general with fp32 accumulation at a value of PRECISIONS: "bf16" rounds the
+    operands to bf16 (also in interpret mode, where the others all become fp32 on the CPU)."""
+    if isinstance(precision, str) and precision == "bf16":
+        a, b, precision = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _dot(a, b, precision, *, trans_b: bool = False):
     """a @ b (or a @ bᵀ), fp32 accumulation."""
-    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+    return _dot_general(a, b, (((1,), (1 if trans_b else 0,)), ((), ())), precision)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -586,7 +599,7 @@ def _state_kernel(w_ref, qg_ref, kg_ref, u_ref, aqk_ref, gc_ref, s0_ref, gate_re
         registers): split into hi + lo (two dots, ~2x the mantissa bits of b), or rounded."""
         dims = (((contract_a,), (0,)), ((), ()))
         if not bits16:
-            return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
+            return _dot_general(a, b, dims, precision)
         b_hi = b.astype(a.dtype)
         out = lax.dot_general(a, b_hi, dims, preferred_element_type=f32)
         if hi_lo:
@@ -671,8 +684,9 @@ def _conv_state_after_valid(x, conv_state, valid):
 @functools.partial(jax.jit, static_argnames=("gate", "eps", "lower_bound", "chunk", "plan", "interpret"))
 def _prefill_pallas(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate, eps, lower_bound, chunk, plan,
                     interpret):
-    # The inverse's products as fp32 FMAs, the rest at the plan's precision (CPU, interpret: fp32).
-    precision = lax.Precision.HIGHEST if interpret else PRECISIONS[plan.precision]
+    # The inverse's products as fp32 FMAs, the rest at the plan's precision; CPU (interpret): fp32
+    # dots, except "bf16", whose operand rounding is explicit (so interpret tests exercise it).
+    precision = lax.Precision.HIGHEST if interpret and plan.precision != "bf16" else PRECISIONS[plan.precision]
     inv_precision = PRECISIONS[INV_PRECISION]
     inter = _intra(x, w, state, valid, chunk=chunk, gate=gate, lower_bound=lower_bound, precision=precision,
                    inv_precision=inv_precision, num_warps=plan.intra_warps, interpret=interpret)
