@@ -72,7 +72,14 @@ Cost at Ling shapes (B 1, T 8192, H 32, K = V = 128, C 64 unless said, bf16), pe
   byte floors. Unrolled, it was ~20k instructions and ncu found half its stalls in instruction
   fetch, at 12.5% occupancy (the registers allow 2 programs of 4 warps an SM).
   Chunks of 32 (CHUNK, since 2026-12-01) halve that code: 5.0k instructions at 4 warps (76 B
-  spilled), for 8192 programs and twice the state kernel's steps.
+  spilled), for 8192 programs and twice the state kernel's steps. Executed (ncu): 12.5k
+  warp-instructions a warp, 41% of issue slots; the static count with the half loop run twice and
+  the inverse's levels 4 times gives ~10.2k a thread, 3.2k of it the 3xtf32 inverse. Since then
+  (offline only, not yet timed): the inverse as FMA dots (INV_PRECISION), bf16 dot operands
+  (default_plan, 16-bit activations), unmasked loads when T is a multiple of the chunk and the
+  gate's exponent as one FMA: 4.35k static, ~6.4k executed a thread by the same count (-37%),
+  255 registers, 52 B spilled. What remains is mostly elementwise: the conv's 4 taps (bf16 → fp32
+  converts and FMAs, ~1.6k), SiLU, L2 norms and the decay factors' exp2s, the cumsum (~0.5k).
   Measured (H200, bench/RESULTS.md 2026-12-01): chunks of 32, intra 0.98-1.10 ms (4 warps; 8
   warps 2.3), state 0.57-0.62 ms with hi + lo dots, 0.42 rounded; the layer 1.65-1.68 ms, 1.47
   rounded; chunks of 64 (intra 8 warps) 2.83 ms; fla's chunk_kda 0.96 ms without conv and gated
@@ -289,10 +296,16 @@ def _sigmoid(x):
     return r * r
 
 
-def _gate2(z, a, *, gate: str, lower_bound: float):
-    """The log-decay of `pallas_kernels.kda._gate` in base 2 (g · log2 e) from z = g_in + dt_bias."""
+def _gate2(f, dtb, a, *, gate: str, lower_bound: float):
+    """The log-decay of `pallas_kernels.kda._gate` in base 2 (g · log2 e) from f = g_in [R, K]
+    fp32, dtb = dt_bias [K] and a = exp(A_log). safe: lower_bound · σ(a z), z = f + dt_bias, its
+    exponent -a z log2 e as one FMA of f (and the [K] vector c · dt_bias) and the scale folded
+    into the square: 6 instructions an element where the plain form took 8."""
     if gate == "safe":
-        return (lower_bound * LOG2E) * _sigmoid(a * z)
+        c = -LOG2E * a
+        r = lax.rsqrt(1.0 + jnp.exp2(f * c + (c * dtb)[None, :]))
+        return (r * (lower_bound * LOG2E)) * r
+    z = f + dtb[None, :]
     return (-LOG2E) * a * (jnp.maximum(z, 0.0) + jnp.log1p(jnp.exp2(-LOG2E * jnp.abs(z))))
 
 
@@ -425,6 +438,16 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, csq_ref, csk_ref
     rows = jnp.arange(hf, dtype=jnp.int32)
     row, col = rows[:, None], rows[None, :]
 
+    def load_rows(ref, start, inside):
+        """Rows start .. start+R-1 of ref, those not inside (past T) 0. T a multiple of the chunk
+        (static): every row a half reads outside the edge gather lies before T, and plain loads
+        drop the masks (their predicates and zero fills: ~0.26k of ~6.8k SASS instructions
+        executed a thread, sm_90a)."""
+        if t_len % chunk == 0:
+            return ref[pl.ds(start, hf)]
+        mask = inside if ref.ndim == 1 else inside[:, None]
+        return pltriton.load(ref.at[pl.ds(start, hf)], mask=mask, other=0.0)
+
     def conv(x_ref, cs_ref, w_ref_, start, edge):
         """SiLU(conv) of rows start .. start+R-1 [R, X] fp32, rounded to the activation dtype (as
         the model). Tap j reads row r - (W-1-j): rows before 0 are the conv state's, which only
@@ -436,8 +459,7 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, csq_ref, csk_ref
             y = None
             for j in range(n_taps):
                 shift = n_taps - 1 - j
-                xs = pltriton.load(x_ref.at[pl.ds(start - shift, hf), :], mask=(r - shift < t_len)[:, None],
-                                   other=0.0).astype(f32)
+                xs = load_rows(x_ref, start - shift, r - shift < t_len).astype(f32)
                 y = taps[j][None, :] * xs if y is None else y + taps[j][None, :] * xs
             return y
 
@@ -472,10 +494,10 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, csq_ref, csk_ref
         other = pl.ds(pl.multiple_of((1 - h) * hf, hf), hf)  # h = 1: half 0's columns; h = 0: above the diagonal
         start = t0 + h * hf
         r = start + rows
-        z = pltriton.load(g_ref.at[pl.ds(start, hf), :], mask=(r < t_len)[:, None], other=0.0)
-        g = _gate2(z.astype(f32) + dtb[None, :], a, gate=gate, lower_bound=lower_bound)
+        z = load_rows(g_ref, start, r < t_len)
+        g = _gate2(z.astype(f32), dtb, a, gate=gate, lower_bound=lower_bound)
         g = jnp.where((r < valid)[:, None], g, 0.0)  # padding: no decay and (β = 0) no write
-        beta = _sigmoid(pltriton.load(b_ref.at[pl.ds(start, hf)], mask=r < t_len, other=0.0).astype(f32))
+        beta = _sigmoid(load_rows(b_ref, start, r < t_len).astype(f32))
         beta = jnp.where(r < valid, beta, 0.0)
         gl = jnp.cumsum(g, axis=0)  # [R, K]: G - O_h, ≤ 0
         o_next = o_h + jnp.sum(g, axis=0)  # O_{h+1}

@@ -57,7 +57,7 @@ def test_reference_matches_token_loop(gate):
             np.testing.assert_array_equal(np.asarray(got[bi]), window[n:n + 3], err_msg="conv " + msg)
 
 
-# (T, gate, chunk, BV, dtype): T = 1, not a multiple of the chunk, several chunks; both gates,
+# (T, gate, chunk, BV, dtype): T = 1, not a multiple of the chunk, a multiple, several chunks; both gates,
 # both norm paths (BV 16 < V: XLA epilogue; BV 32 = V: fused), fp32 and bf16.
 # hi_lo False: the bf16 state kernel's dots take the state rounded to bf16 (one dot, as fla).
 CASES = [
@@ -67,6 +67,8 @@ CASES = [
     (130, "safe", 64, 32, jnp.float32, True),
     (130, "softplus", 64, 16, jnp.bfloat16, True),
     (130, "safe", 32, 32, jnp.bfloat16, False),
+    (64, "safe", 32, 32, jnp.bfloat16, False),  # T a multiple of the chunk: the intra kernel's unmasked loads
+    (64, "softplus", 32, 16, jnp.float32, True),
 ]
 
 
