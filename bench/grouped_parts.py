@@ -3,9 +3,9 @@
     python3 bench/grouped_parts.py [--m 4096]       (GPU; prints a table last)
 
 Ling's MoE layer (E 512, top-8, D 2560, I 768), bf16, `grouped_gemm.plan_for`'s plan, one uniform
-random routing: the whole call with each combine ("sum", "atomic"), then the align, the gate/up
+random routing: the whole call with each combine ("sum", "sum16", "atomic"), then the align, the gate/up
 GEMM, the down GEMM (each combine, then a few other down tiles) and the XLA sum over the k pair
-rows, each in its own jit, timed as bench/common.queued_us (a part shorter than the host's
+rows (fp32 and bf16), each in its own jit, timed as bench/common.queued_us (a part shorter than the host's
 dispatch, ~40 µs, reads as the dispatch: the align alone does). TFLOP/s over the useful
 6*P*D*I FLOPs, TB/s over the weights.
 """
@@ -55,7 +55,7 @@ def main():
     plan = gg.plan_for(m * K, E, False)
     flop, wbytes = 6 * m * K * D * I, 3 * E * D * I * 2
     ref = None
-    for combine in ("sum", "atomic"):
+    for combine in gg.COMBINES:
         p = dataclasses.replace(plan, combine=combine)
         f = jax.jit(lambda x, i, s, a, b, p=p: gg.grouped_moe(x, i, s, a, b, plan=p))
         y = f(x, ids, tw, w13, w2).astype(jnp.float32)
@@ -70,16 +70,17 @@ def main():
     up = jax.jit(lambda x, sp, be, w: gg.gate_up(x, sp, be, w, k=K, n_blocks=nb, plan=plan))
     t("gate/up GEMM + SwiGLU", up, x, sp, be, w13)
     h = up(x, sp, be, w13)
-    tiles = [(f"down ({c})", dataclasses.replace(plan, combine=c)) for c in ("sum", "atomic")]
+    tiles = [(f"down ({c})", dataclasses.replace(plan, combine=c)) for c in gg.COMBINES]
     tiles += [(f"down {bk}x{bn}, {nw} warps, {ns} stages", dataclasses.replace(plan, down=gg.Tile(bk, bn, nw, ns)))
               for bk, bn, nw, ns in ((128, 128, 8, 3), (64, 128, 8, 4), (64, 256, 8, 3), (32, 128, 8, 6),
                                      (64, 64, 4, 4), (128, 64, 4, 3))]
     for label, p in tiles:
         down = jax.jit(lambda h, sp, be, tw, w, p=p: gg.down(h, sp, be, tw, w, n_blocks=nb, plan=p))
         t(label, down, h, sp, be, tw, w2)
-    out = jnp.zeros((m * K + 1, D), jnp.float32)
-    t("XLA sum over the k pair rows", jax.jit(lambda o: jnp.sum(o[:m * K].reshape(m, K, D), axis=1)
-                                              .astype(jnp.bfloat16)), out)
+    for dt in (jnp.float32, jnp.bfloat16):
+        out = jax.random.normal(key, (m * K + 1, D), dt)
+        t(f"XLA sum over the k pair rows ({jnp.dtype(dt).name})",
+          jax.jit(lambda o: jnp.sum(o[:m * K].astype(jnp.float32).reshape(m, K, D), axis=1).astype(jnp.bfloat16)), out)
     print(f"\ngrouped GEMM parts, M = {m}, plan {plan}")
     for label, us in rows:
         print(f"  {label:40s} {us:9.1f} µs")

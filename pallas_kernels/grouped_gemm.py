@@ -28,6 +28,9 @@ for BM 16 / 32 unswapped):
         row by its pair's routed weight (fp32) and
           combine "sum"    stores it to out [P + 1, D] fp32 at the pair's row (row P: padding,
                            masked), then one XLA fusion sums the k rows of each token;
+          combine "sum16"  the same with out in the activation dtype: each weighted pair row is
+                           rounded to it (bf16: as SGLang's and vLLM's fused_moe store theirs)
+                           before the fp32 sum, for half the bytes written and read back;
           combine "atomic" adds it into y32 [M + 1, D] fp32 with atomics (row M: padding; the
                            sum order, and so the last bits, vary run to run).
         y is rounded once to x's dtype.
@@ -45,7 +48,7 @@ Rounding: h is rounded to the activation dtype between the GEMMs (as in moe.bloc
 FLOPs (useful) 6*P*D*I: up 2*P*D*2I, down 2*P*I*D; the padding adds (NB_used*BM - P)/P of it.
 Bytes: the U distinct experts' weights once, U*3*D*I*2 (bf16) or U*3*D*I*(b + 16/G)/8, x and y
 (M*D*2 each); by design also h (NB_used*BM*I*2, written and read) and, combine "sum", out
-(P*D*4, written and read).
+(P*D*4, written and read; "sum16" P*D*2).
 Ling (E 512, top-8, D 2560, I 768) at M = 4096 tokens, P = 32768, U = 512 (every expert):
   386.5 GFLOP useful (0.39 ms at the H200's 989 TFLOP/s dense bf16);
   bf16 weights 6.04 GB -> 1.40 ms at 4.3 TB/s: the floor (x + y add 0.04 GB); h ~0.15 GB and the
@@ -73,7 +76,7 @@ from pallas_kernels.fused_moe import _dims, _QMeta, _swiglu, align_sizes, check_
 from pallas_kernels.quant import QuantizedWeight, dequantize
 from pallas_kernels.relaxed_atomic import relaxed_atomic_add
 
-COMBINES = ("sum", "atomic")
+COMBINES = ("sum", "sum16", "atomic")
 
 
 # ---------------------------------------------------------------------------------- plans
@@ -94,7 +97,7 @@ class Plan:
     block_m: int = 64  # rows per block: a power of two >= 16 (64 and 128: wgmma on sm_90)
     up: Tile = Tile()
     down: Tile = Tile()
-    combine: str = "sum"  # "sum" | "atomic", see the module docstring ("atomic" in interpret
+    combine: str = "sum"  # "sum" | "sum16" | "atomic", see the module docstring ("atomic" in interpret
     # mode: a block's rows must be distinct tokens, as top-k ids are: the interpreter's atomics
     # are a gather-add-scatter)
     swap: bool = False  # acc^T = W^T A^T: wgmma's M is the tile's N, its N the rows (BM 16 and
@@ -106,7 +109,10 @@ def plan_for(p: int, e: int, quantized: bool) -> Plan:
     (its weights read once) without mostly padding. Measured for bf16 at Ling's 4096 tokens (64
     rows an expert; H200, bench/RESULTS.md): BM 128 of 8 warps 1767 µs, BM 64 of 4 warps 1878 µs,
     BN 256, 6 stages, the atomic combine (then fenced; relaxed since 2026-12-01, it ties "sum":
-    1717 vs 1714 µs) and BM 32 all slower; so BM 128 from 48 rows an expert."""
+    1717 vs 1714 µs) and BM 32 all slower; so BM 128 from 48 rows an expert. bf16 pair rows
+    ("sum16") at 4096 tokens: 1578-1723 µs against "sum"'s 1736-1796 in three interleaved rounds
+    (and 1608 vs 1709 in a run of their own; 512 and 16384 tokens: ties), so bf16 weights take it;
+    the quantised plans keep "sum" (not measured)."""
     r = p / e
     if quantized:
         if r <= 24:
@@ -115,10 +121,10 @@ def plan_for(p: int, e: int, quantized: bool) -> Plan:
             return Plan(64, Tile(0, 0, 4, 3), Tile(0, 0, 4, 3))
         return Plan(128, Tile(0, 0, 8, 3), Tile(0, 0, 8, 3))
     if r <= 24:
-        return Plan(16, Tile(64, 128, 4, 5), Tile(64, 128, 4, 5))
+        return Plan(16, Tile(64, 128, 4, 5), Tile(64, 128, 4, 5), combine="sum16")
     if r <= 48:
-        return Plan(32, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))
-    return Plan(128, Tile(64, 128, 8, 3), Tile(64, 128, 8, 3))
+        return Plan(32, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4), combine="sum16")
+    return Plan(128, Tile(64, 128, 8, 3), Tile(64, 128, 8, 3), combine="sum16")
 
 
 # ---------------------------------------------------------------------------------- reference
@@ -238,9 +244,9 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, inter
             w = pltriton.load(tw_ref.at[jnp.where(valid, pair, 0)], mask=valid, other=0.0)  # [BM]
             val = acc * w[:, None]  # padding rows: h = 0, w = 0 -> 0
             cols = (t * bn + jnp.arange(bn, dtype=jnp.int32))[None, :]
-            if combine == "sum":
+            if combine != "atomic":  # "sum", "sum16": the pair's own row, in out's dtype
                 rows = jnp.where(valid, pair, p)[:, None]  # padding goes nowhere (masked, row P)
-                pltriton.store(out_ref.at[rows, cols], val, mask=valid[:, None])
+                pltriton.store(out_ref.at[rows, cols], val.astype(out_ref.dtype), mask=valid[:, None])
             else:
                 n_tok = out_ref.shape[0] - 1
                 rows = jnp.where(valid, pair // k, n_tok)[:, None]  # padding: row M (adds 0)
@@ -317,8 +323,9 @@ def gate_up(x, sorted_pairs, block_expert, w13, *, k: int, n_blocks: int, plan: 
 def down(h, sorted_pairs, block_expert, topk_weights, w2, *, n_blocks: int, plan: Plan,
          backend="pallas", init=None):
     """Stage 2. The down GEMM of gate_up's h with each row scaled by its routed weight, combined
-    per token: "sum" returns out [P + 1, D] fp32 (pair rows; row P untouched), "atomic" y32
-    [M + 1, D] fp32 (token rows, added into init or zeros; row M collects padding zeros)."""
+    per token: "sum" returns out [P + 1, D] fp32 (pair rows; row P untouched), "sum16" the same
+    in h's dtype, "atomic" y32 [M + 1, D] fp32 (token rows, added into init or zeros; row M
+    collects padding zeros)."""
     _check_plan(plan)
     m, k = topk_weights.shape
     d = w2.shape[0] if isinstance(w2, QuantizedWeight) else w2.shape[2]
@@ -327,14 +334,14 @@ def down(h, sorted_pairs, block_expert, topk_weights, w2, *, n_blocks: int, plan
         out_shape = jax.ShapeDtypeStruct((m + 1, d), jnp.float32)
         init = jnp.zeros(out_shape.shape, jnp.float32) if init is None else init
     else:
-        out_shape = jax.ShapeDtypeStruct((m * k + 1, d), jnp.float32)
+        out_shape = jax.ShapeDtypeStruct((m * k + 1, d), h.dtype if plan.combine == "sum16" else jnp.float32)
     return _gemm("down", h, block_expert, sorted_pairs, w2, tw=tw, n_blocks=n_blocks, k=k, p=m * k,
                  plan=plan, out_shape=out_shape, limit=None, interpret=backend == "interpret",
                  init=init)
 
 
 def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poison=False):
-    """The kernel path; returns (y, h, out). poison: h and ("sum") out start as NaN (tests)."""
+    """The kernel path; returns (y, h, out). poison: h and ("sum", "sum16") out start as NaN (tests)."""
     m, k = topk_ids.shape
     p = m * k
     e, _, _ = _dims(w13, w2)
@@ -348,13 +355,14 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
     d = x.shape[1]
     h = gate_up(x.astype(act), sorted_pairs, block_expert, w13, k=k, n_blocks=nb, plan=plan,
                 swiglu_limit=swiglu_limit, backend=backend, init=nan((nb * plan.block_m, i), act))
-    init = None if plan.combine == "atomic" else nan((p + 1, d), jnp.float32)
+    init = None if plan.combine == "atomic" else nan((p + 1, d), act if plan.combine == "sum16" else jnp.float32)
     out = down(h, sorted_pairs, block_expert, topk_weights, w2, n_blocks=nb, plan=plan,
                backend=backend, init=init)
     if plan.combine == "atomic":
         y = out[:m]
     else:  # a skipped pair's row was never written
-        y = jnp.sum(jnp.where((ids < e)[:, None], out[:p], 0.0).reshape(m, k, d), axis=1)  # one XLA fusion, fp32
+        rows = jnp.where((ids < e)[:, None], out[:p].astype(jnp.float32), 0.0)
+        y = jnp.sum(rows.reshape(m, k, d), axis=1)  # one XLA fusion, fp32
     return y.astype(x.dtype), h, out
 
 

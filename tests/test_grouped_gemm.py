@@ -78,6 +78,8 @@ CASES = [
     (29, 6, "int4", 2.0, gg.Plan(64, T(0, 0, 4, 2), T(0, 0, 4, 2), swap=True, combine="atomic")),
     (21, 4, "int8a", None, gg.Plan(128, T(0, 0, 8, 2), T(0, 0, 8, 2), swap=True)),  # zero points
     (70, 2, "bf16", 7.0, None),  # plan_for's choice
+    (45, 8, "bf16", None, gg.Plan(32, T(64, 64, 4, 2), T(64, 128, 4, 2), combine="sum16")),  # bf16 pair rows
+    (26, 4, "int4", 1.0, gg.Plan(16, T(0, 0, 4, 2), T(0, 0, 4, 2), swap=True, combine="sum16")),
 ]
 
 
@@ -95,8 +97,8 @@ def test_grouped_moe_matches_experts_reference(m, k, kind, limit, plan):
     # Every pair written once, padding nowhere; h: padding rows 0, unused blocks untouched (NaN).
     plan = plan or gg.plan_for(m * k, E, kind.startswith("int"))
     p = m * k
-    out = np.asarray(out)
-    if plan.combine == "sum":
+    out = np.asarray(out.astype(jnp.float32))
+    if plan.combine != "atomic":  # pair rows
         assert np.isfinite(out[:p]).all() and np.isnan(out[p]).all()
     sorted_pairs, block_expert = (np.asarray(a) for a in fm.moe_align(ids, E, plan.block_m, backend="reference"))
     used = int(np.sum(block_expert >= 0))
