@@ -172,7 +172,10 @@ def plan_for(pairs: int, e: int, quantized: bool) -> Plan:
     H200, 8 decode + 8192 prefill tokens (128 rows an expert), BM 128: hot blocks of 128 (the
     decode experts' prefill rows ride along, read once) 2480-2564 µs total, decode span
     295-305 µs; BM 64 2986 and 275; BM 128 of 8 warps (one program an SM) 3179 and 372
-    (bench/RESULTS.md, 2026-12-01, fourth session)."""
+    (bench/RESULTS.md, 2026-12-01, fourth session). Hot blocks of 16 (decode pairs only, two align
+    phases): decode span 1.07-1.11 of the decode-only launch's, total 1.13-1.20 of the union
+    launch's (fifth session); at 2048 prefill tokens they cost 0.12 of the total (decode experts
+    read twice), so BM 64 keeps its hot blocks as tall as the cold ones."""
     r = pairs / e
     bm = 16 if r <= 24 else 64 if r <= 96 else 128
     hot = 16 if bm == 128 else None

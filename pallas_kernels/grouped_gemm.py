@@ -110,9 +110,8 @@ def plan_for(p: int, e: int, quantized: bool) -> Plan:
     rows an expert; H200, bench/RESULTS.md): BM 128 of 8 warps 1767 µs, BM 64 of 4 warps 1878 µs,
     BN 256, 6 stages, the atomic combine (then fenced; relaxed since 2026-12-01, it ties "sum":
     1717 vs 1714 µs) and BM 32 all slower; so BM 128 from 48 rows an expert. bf16 pair rows
-    ("sum16") at 4096 tokens: 1578-1723 µs against "sum"'s 1736-1796 in three interleaved rounds
-    (and 1608 vs 1709 in a run of their own; 512 and 16384 tokens: ties), so bf16 weights take it;
-    the quantised plans keep "sum" (not measured)."""
+    ("sum16") at 4096 tokens: 1613 µs against "sum"'s 1738 (512 and 16384 tokens: ties), so bf16
+    weights take it; the quantised plans keep "sum" (not measured)."""
     r = p / e
     if quantized:
         if r <= 24:
