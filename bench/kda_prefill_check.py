@@ -11,18 +11,18 @@ activations, fp32 conv weights (as Ling), fp32 state, random nonzero initial rec
 state; gate "safe" (Ling, lower_bound -5) and "softplus" (Kimi).
 Correctness first, on the GPU: kda_prefill (default plan) against the jnp reference (the model's
 chunked form at HIGHEST precision) at T 1024 and at T 8192, o and final state.
-Timing: device side. A fori_loop of n calls in one dispatch, the state (recurrent and conv: the
-conv pass and both kernels depend on it, so nothing is hoisted out of the loop) and o carried
-from call to call, run for 2 and 7 iterations; the difference / 5 is one call. Median of 3.
-Rows: ours (default plan), the conv + SiLU pass (XLA) and the two kernels alone (intra: grid
-(B, N, H); state: grid (B, H, V/BV) plus the norm epilogue), the sweep of plans (intra: warps x
-precision; state: BV x warps x stages), the best combination, the layer in chunks of 64 when C
-is not (the default before 2026-12-01), the XLA reference, and fla 0.6.0's chunk_kda (the peer:
-L2 norm, gate and beta in kernel; no conv, no gated norm) under a CUDA graph where fla imports
-(carry it as a wheel: ../shared/tools/device-wheels.sh).
+Timing: device side. A fori_loop of n calls in one dispatch, the state (recurrent and conv: both
+kernels depend on it, so nothing is hoisted out of the loop) and o carried from call to call, run
+for 2 and 7 iterations; the difference / 5 is one call. Median of 3.
+Rows: ours (default plan), the two kernels alone (intra: grid (B, N, H); state: grid (B, H, V/BV)
+plus the norm epilogue), the sweep of plans (intra: warps x precision; state: BV x warps x
+stages), the best combination, the layer in chunks of 64 when C is not (the default before
+2026-12-01), the XLA reference, and fla 0.6.0's chunk_kda (the peer: L2 norm,
+gate and beta in kernel; no conv, no gated norm) under a CUDA graph where fla imports (carry it as
+a wheel: ../shared/tools/device-wheels.sh).
 Figures: µs per layer; TB/s over the bytes that must move (q, k, v, g_in, gate_in in, o out,
 b_in, state in/out: ~408 MB) and the share of the floor at the copy bandwidth measured in the same
-run; the design floor adds the conv pass's output and the intermediates (~1.5 GB). A table is printed last.
+run; the design floor adds the intermediates (~1.15 GB). A table is printed last.
 """
 
 from __future__ import annotations
@@ -65,13 +65,11 @@ def must_move_bytes(t, e=2):
 
 
 def design_bytes(t, bv, e=2, chunk=32):
-    """must_move + the conv pass's q, k, v (written, read by the intra kernel) + the intermediates
-    written and read (w, u, qg, kg, aqk in the activation dtype, gc fp32) + with BV < V the
-    unfused norm's o (written and read once more)."""
+    """must_move + the intermediates written and read (w, u, qg, kg, aqk in the activation dtype,
+    gc fp32) + with BV < V the unfused norm's o (written and read once more)."""
     tp = -(-t // chunk) * chunk
     inter = e * tp * H * (4 * KD + chunk) + 4 * (tp // chunk) * H * KD
-    conv = e * t * 3 * H * KD
-    return must_move_bytes(t, e) + 2 * conv + 2 * inter + (2 * e * t * H * KD if bv < KD else 0)
+    return must_move_bytes(t, e) + 2 * inter + (2 * e * t * H * KD if bv < KD else 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,32 +183,22 @@ def bench_ours(gate, ceiling, backend, args):
     if args.no_sweep:
         return
 
-    # The conv pass and the two kernels alone (kda_prefill's internals, with the same precisions it uses).
-    def conv_pass(a, c):
-        x, w = a
-        st, _ = c
-        qkv = kp._conv_qkv(x, w, st)  # carried: written out in full
-        tick = (qkv[0][0, 0, 0] * 0).astype(st.conv_q.dtype)  # the next call depends on this one
-        return st._replace(conv_q=st.conv_q + tick), qkv
-
-    qkv = jax.jit(kp._conv_qkv)(x, w, s)
-    record(gate, "conv + SiLU pass (XLA) alone", time_loop(conv_pass, (x, w), (s, qkv)), T, None, ceiling)
-
+    # The two kernels alone (kda_prefill's internals, with the same precisions it uses).
     def intra(warps, precision):
         def step(a, c):
-            qkv, x, valid = a
-            inter, w = c
-            inter = kp._intra(qkv, x, w, valid, chunk=chunk, gate=gate, lower_bound=-5.0, precision=prec(precision),
+            x, w, valid = a
+            inter, st = c
+            inter = kp._intra(x, w, st, valid, chunk=chunk, gate=gate, lower_bound=-5.0, precision=prec(precision),
                               inv_precision=inv_prec, num_warps=warps, interpret=interp)
-            tick = inter[5][0, 0, 0, 0] * 0  # the next call depends on this one
-            return inter, w._replace(A_log=w.A_log + tick)
-        inter0 = jax.eval_shape(lambda: kp._intra(qkv, x, w, valid, chunk=chunk, gate=gate, lower_bound=-5.0,
+            tick = (inter[5][0, 0, 0, 0] * 0).astype(st.conv_q.dtype)  # the next call depends on this one
+            return inter, st._replace(conv_q=st.conv_q + tick)
+        inter0 = jax.eval_shape(lambda: kp._intra(x, w, s, valid, chunk=chunk, gate=gate, lower_bound=-5.0,
                                                   precision=prec(precision), inv_precision=inv_prec,
                                                   num_warps=warps, interpret=interp))
         inter0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), inter0)
-        return time_loop(step, (qkv, x, valid), (inter0, w))
+        return time_loop(step, (x, w, valid), (inter0, s))
 
-    inter = kp._intra(qkv, x, w, valid, chunk=chunk, gate=gate, lower_bound=-5.0, precision=prec(base.precision),
+    inter = kp._intra(x, w, s, valid, chunk=chunk, gate=gate, lower_bound=-5.0, precision=prec(base.precision),
                       inv_precision=inv_prec, num_warps=base.intra_warps, interpret=interp)
 
     def state(bv, warps, stages, precision, hi_lo):

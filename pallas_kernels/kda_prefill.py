@@ -28,28 +28,26 @@ decay before it:
 M⁻¹ per half by recursive doubling (log2 R levels of two dots), merged across the halves by
 T_10 = -T_11 M_10 T_00. Decays are kept in base 2 (exp2 is one MUFU op; exp a libdevice call).
 
-Rounding: the conv output is stored in the activation dtype by the XLA pass before the kernels
-(the model's `causal_conv` itself, so the model's rounding); w, u, q ⊙ e^G, k ⊙ e^{G_C - G} and
-Aqk are stored in the activation dtype between the kernels (as fla's chunk_kda; exact for fp32
-activations); o is rounded to it before the norm (as the model) and once more after. Dots: the
-intra kernel's at `Plan.precision` ("tf32": 10-bit operands, fp32 accumulation), the inverse's
-(`INV_PRECISION`) as fp32 FMAs; the state kernel multiplies the stored 16-bit tiles by the fp32
-state rounded to 16 bits (as fla's chunk_kda; `Plan.state_hi_lo`: split into hi + lo, two dots,
-~16 mantissa bits; fp32 activations: `Plan.precision`). The state itself accumulates in fp32.
+Rounding: the conv output is rounded to the activation dtype (as the model's `causal_conv`);
+w, u, q ⊙ e^G, k ⊙ e^{G_C - G} and Aqk are stored in the activation dtype between the kernels
+(as fla's chunk_kda; exact for fp32 activations); o is rounded to it before the norm (as the
+model) and once more after. Dots: the intra kernel's at `Plan.precision` ("tf32": 10-bit
+operands, fp32 accumulation), the inverse's (`INV_PRECISION`) as fp32 FMAs; the state kernel
+multiplies the stored 16-bit tiles by the fp32 state rounded to 16 bits (as fla's chunk_kda;
+`Plan.state_hi_lo`: split into hi + lo, two dots, ~16 mantissa bits; fp32 activations:
+`Plan.precision`). The state itself accumulates in fp32.
 
 Layouts (C = H·K; every array is its own buffer): KdaInputs, KdaWeights, KdaState of
 `pallas_kernels.kda` with T the prompt length; valid [B] int32 (clipped to 0..T).
-Intermediates (Tp = N·C, N = ceil(T / C)): the conv'd q, k, v [B, T, C] (as the inputs); w, qg,
-kg [B, H, Tp, K], u [B, H, Tp, V], aqk [B, H, Tp, C] in the activation dtype; gc = e^{G_C}
-[B, H, N, K] fp32.
+Intermediates (Tp = N·C, N = ceil(T / C)): w, qg, kg [B, H, Tp, K], u [B, H, Tp, V],
+aqk [B, H, Tp, C] in the activation dtype; gc = e^{G_C} [B, H, N, K] fp32.
 
-Passes (the kernels through the Triton lowering):
-  conv   XLA, one fusion per input (`_conv_qkv`): `causal_conv` of q, k and v from the raw rows
-         and the conv states (fp32 taps, SiLU), rounded to the activation dtype.
+Kernels (Triton lowering):
   intra  grid (B, N, H), one program per (sequence, chunk, head), all independent: the chunk's
-         conv'd q/k/v rows (one load of each a half), L2 norm, gate, decays, A and Aqk, the
+         raw q/k/v rows and the W-1 before (the previous chunk's, or for chunk 0 the conv
+         state: a gather under lax.cond), conv + SiLU + L2 norm, gate, decays, A and Aqk, the
          inverse, w and u; stores w, u, qg, kg, aqk, gc. Rows past valid are padding
-         (g = 0, β = 0: u = w = 0); rows past T load as 0.
+         (g = 0, β = 0: u = w = 0).
   state  grid (B, H, V/BV), sequential over the N chunks with the [K, BV] fp32 state in
          registers: v_new = u - w S, o = qg S + aqk v_new, S = gc ⊙ S + kgᵀ v_new; wgmma, the
          next chunk's loads pipelined (cp.async). The V-blocks of a head run side by side and
@@ -63,11 +61,9 @@ Cost at Ling shapes (B 1, T 8192, H 32, K = V = 128, C 64 unless said, bf16), pe
   at the H200's ~495 TFLOP/s dense tf32.
   Bytes that must move: q, k, v, g_in, gate_in in and o out, 6 × 67.1 MB, + b_in, conv states
   and the fp32 state in and out ≈ 408 MB → 0.095 ms at 4.3 TB/s: the floor of any implementation.
-  This design also writes and reads the conv pass's q, k, v (3 × 67.1 MB each way: the pass
-  reads the raw rows, 3 × 67.1 MB, and writes its output, ~0.1 ms at 4.3 TB/s; the intra kernel
-  then reads that instead of the raw rows), the intermediates (w, u, qg, kg 4 × 67.1 MB, aqk
-  33.6 MB, gc 2 MB: 304 MB each way) and, with BV < V, o once more (134 MB written and read):
-  ≈ 1.55 GB → 0.36 ms at 4.3 TB/s, the floor of this design (0.33 ms with the norm fused).
+  This design also writes and reads the intermediates (w, u, qg, kg 4 × 67.1 MB, aqk 33.6 MB,
+  gc 2 MB: 304 MB each way) and, with BV < V, o once more (134 MB written and read):
+  ≈ 1.15 GB → 0.27 ms at 4.3 TB/s, the floor of this design (0.24 ms with the norm fused).
   The intra kernel is instruction-bound rather than byte-bound. Compiled offline for sm_90a
   (triton 3.6; jax 0.10.2 and 0.11.2 lower alike; 2026-11-30), with the halves and the inverse's
   levels as loops: 8 warps ~7.0k SASS instructions a thread (~56k warp-instructions a program),
@@ -82,20 +78,13 @@ Cost at Ling shapes (B 1, T 8192, H 32, K = V = 128, C 64 unless said, bf16), pe
   (offline counts; timed below): the inverse as FMA dots (INV_PRECISION), bf16 dot operands
   (default_plan, 16-bit activations), unmasked loads when T is a multiple of the chunk and the
   gate's exponent as one FMA: 4.35k static, ~6.4k executed a thread by the same count (-37%),
-  255 registers, 52 B spilled, ~1.6k of the executed the conv's 4 taps (bf16 → fp32 converts and
-  FMAs) and a few hundred SiLU. The conv + SiLU moved to the XLA pass (2026-12-01, with the
-  chunk 0 edge gather and its lax.cond): 2.33k static, ~4.35k executed a thread (-32%), 254
-  registers, no spills. What remains: the elementwise work (L2 norms, the decay factors' exp2s,
-  the cumsum ~0.5k) and the shared-memory traffic of the dots' layouts and the row reductions
-  (LDS/STS/SHFL ~0.5k).
+  255 registers, 52 B spilled. What remains is mostly elementwise: the conv's 4 taps (bf16 → fp32
+  converts and FMAs, ~1.6k), SiLU, L2 norms and the decay factors' exp2s, the cumsum (~0.5k).
   Measured (H200, bench/RESULTS.md 2026-12-01): chunks of 32, intra 0.98-1.10 ms (4 warps; 8
   warps 2.3), state 0.57-0.62 ms with hi + lo dots, 0.42 rounded; the layer 1.65-1.68 ms, 1.47
   rounded; chunks of 64 (intra 8 warps) 2.83 ms; fla's chunk_kda 0.96 ms without conv and gated
   norm; target ≤ 1.0 ms. With the cuts above (bf16 dots, FMA inverse): the layer 1180 µs (fla
   959 in the same run), o / state rel. err at T = 8192 unchanged (7.5e-3 / 3.7e-3).
-  Predicted for the conv pass (not timed yet): the intra kernel ~0.76 ms × 4.35 / 6.43 ≈ 0.51 ms
-  if its time follows the executed instructions, plus the pass's ~0.1 ms of bandwidth: the layer
-  ≈ 1.03 ms.
 """
 
 from __future__ import annotations
@@ -428,12 +417,13 @@ def _diag_unbounded(q, k, g, gl, *, precision):
     return a + spread(ad), aq + spread(aqd)
 
 
-def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_ref,
+def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, csq_ref, csk_ref, csv_ref,
+                  wq_ref, wk_ref, wv_ref, alog_ref, dtb_ref,
                   w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gc_ref,
-                  *, t_len: int, chunk: int, gate: str, lower_bound: float, anchored: bool, precision,
+                  *, t_len: int, n_taps: int, chunk: int, gate: str, lower_bound: float, anchored: bool, precision,
                   inv_precision):
-    """Refs (squeezed blocks): q, k [T, K], v [T, V] after the conv + SiLU (`_conv_qkv`, activation
-    dtype); g [T, K]; b [T]; outputs w, qg, kg [C, K], u [C, V], aqk [C, C], gc [K].
+    """Refs (squeezed blocks): q, k [T, K], v [T, V] raw; g [T, K]; b [T]; conv states [W-1, K|V];
+    conv weights [K|V, W]; outputs w, qg, kg [C, K], u [C, V], aqk [C, C], gc [K].
     The chunk is two halves of R = C/2 rows; the decay factors of half h are taken relative to
     O_h, the cumulative decay before it (see the module docstring); decays are in base 2. The
     work of a half is ordered so that its [R, K] tiles die early (register pressure)."""
@@ -451,12 +441,45 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_re
 
     def load_rows(ref, start, inside):
         """Rows start .. start+R-1 of ref, those not inside (past T) 0. T a multiple of the chunk
-        (static): every row a half reads lies before T, and plain loads drop the masks (their
-        predicates and zero fills: ~0.26k of ~6.8k SASS instructions executed a thread, sm_90a)."""
+        (static): every row a half reads outside the edge gather lies before T, and plain loads
+        drop the masks (their predicates and zero fills: ~0.26k of ~6.8k SASS instructions
+        executed a thread, sm_90a)."""
         if t_len % chunk == 0:
             return ref[pl.ds(start, hf)]
         mask = inside if ref.ndim == 1 else inside[:, None]
         return pltriton.load(ref.at[pl.ds(start, hf)], mask=mask, other=0.0)
+
+    def conv(x_ref, cs_ref, w_ref_, start, edge):
+        """SiLU(conv) of rows start .. start+R-1 [R, X] fp32, rounded to the activation dtype (as
+        the model). Tap j reads row r - (W-1-j): rows before 0 are the conv state's, which only
+        chunk 0's first half (edge, traced bool) reaches: it gathers, every other half loads plain rows."""
+        r = start + rows
+        taps = [w_ref_[:, j].astype(f32) for j in range(n_taps)]  # [X] each
+
+        def plain():
+            y = None
+            for j in range(n_taps):
+                shift = n_taps - 1 - j
+                xs = load_rows(x_ref, start - shift, r - shift < t_len).astype(f32)
+                y = taps[j][None, :] * xs if y is None else y + taps[j][None, :] * xs
+            return y
+
+        def with_state():
+            cols = jnp.arange(x_ref.shape[1], dtype=jnp.int32)[None, :]
+            y = None
+            for j in range(n_taps):
+                rr = r - (n_taps - 1 - j)  # [R], < 0: the conv state's row rr + W-1
+                xs = pltriton.load(x_ref.at[jnp.clip(rr, 0, t_len - 1)[:, None], cols],
+                                   mask=((rr >= 0) & (rr < t_len))[:, None], other=0.0).astype(f32)
+                if j < n_taps - 1:
+                    cs = pltriton.load(cs_ref.at[jnp.clip(rr + n_taps - 1, 0, n_taps - 2)[:, None], cols],
+                                       mask=(rr < 0)[:, None], other=0.0)
+                    xs = xs + cs.astype(act).astype(f32)
+                y = taps[j][None, :] * xs if y is None else y + taps[j][None, :] * xs
+            return y
+
+        y = lax.cond(edge, with_state, plain)
+        return (y * _sigmoid(y)).astype(act).astype(f32)
 
     def l2norm(x, scale=1.0):
         return x * (lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6) * scale)
@@ -472,16 +495,16 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_re
         other = pl.ds(pl.multiple_of((1 - h) * hf, hf), hf)  # h = 1: half 0's columns; h = 0: above the diagonal
         start = t0 + h * hf
         r = start + rows
-        inside = r < t_len
-        z = load_rows(g_ref, start, inside)
+        z = load_rows(g_ref, start, r < t_len)
         g = _gate2(z.astype(f32), dtb, a, gate=gate, lower_bound=lower_bound)
         g = jnp.where((r < valid)[:, None], g, 0.0)  # padding: no decay and (β = 0) no write
-        beta = _sigmoid(load_rows(b_ref, start, inside).astype(f32))
+        beta = _sigmoid(load_rows(b_ref, start, r < t_len).astype(f32))
         beta = jnp.where(r < valid, beta, 0.0)
         gl = jnp.cumsum(g, axis=0)  # [R, K]: G - O_h, ≤ 0
         o_next = o_h + jnp.sum(g, axis=0)  # O_{h+1}
-        k = l2norm(load_rows(k_ref, start, inside).astype(f32))  # [R, K]
-        q = l2norm(load_rows(q_ref, start, inside).astype(f32), kd**-0.5)
+        edge = (n == 0) & (h == 0)
+        k = l2norm(conv(k_ref, csk_ref, wk_ref, start, edge))
+        q = l2norm(conv(q_ref, csq_ref, wq_ref, start, edge), kd**-0.5)
         if anchored:
             a_hh, aqk_hh = _diag_bounded(q, k, g, gl, lower_bound=lower_bound, precision=precision)
         else:
@@ -495,7 +518,7 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_re
         eo = jnp.exp2(o_h)[None, :]
         keg = ke * eo  # k ⊙ e^G, G from the chunk start
         qg_ref[sl, :] = (qe * eo).astype(act)
-        v = load_rows(v_ref, start, inside).astype(f32)  # [R, V]
+        v = conv(v_ref, csv_ref, wv_ref, start, edge)  # [R, V]
         tb = inv * beta[None, :]  # M⁻¹ diag(β), the diagonal block
         # The cross block (rows of half 1, columns of half 0), anchored at O_1: factors ≤ 1.
         aqk_ref[sl, other] = _dot(qe, kt0, precision, trans_b=True).astype(act)
@@ -519,25 +542,15 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_re
     gc_ref[...] = jnp.exp2(o_c)
 
 
-def _conv_qkv(x: KdaInputs, w: KdaWeights, state: KdaState):
-    """SiLU(conv) of q, k and v [B, T, C] in the activation dtype, continuing from the conv states:
-    the reference's `causal_conv` (fp32 taps, rounded as the model), one XLA pass before the intra
-    kernel."""
-    return tuple(causal_conv(a, cs, wt)[0] for a, cs, wt in
-                 ((x.q, state.conv_q, w.conv_q), (x.k, state.conv_k, w.conv_k), (x.v, state.conv_v, w.conv_v)))
-
-
-def _intra(qkv, x: KdaInputs, w: KdaWeights, valid, *, chunk, gate, lower_bound, precision, inv_precision,
-           num_warps, interpret):
-    """qkv: `_conv_qkv`'s (q, k, v) [B, T, C]; g_in, b_in from x, A_log, dt_bias from w. Returns
-    (w, u, qg, kg, aqk, gc) (module docstring, Layouts)."""
-    q, k, v = qkv
-    b, t, c = q.shape
+def _intra(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, chunk, gate, lower_bound, precision,
+           inv_precision, num_warps, interpret):
+    b, t, c = x.q.shape
     h = x.b_in.shape[2]
-    kd, vd = c // h, v.shape[2] // h
+    kd, vd = c // h, x.v.shape[2] // h
+    nw = w.conv_q.shape[1]
     n = -(-t // chunk)
     tp = n * chunk
-    act = q.dtype
+    act = x.q.dtype
     # Anchored (dot) diagonal blocks when the decay over half a sub-block is bounded by ANCHOR_MAX.
     anchored = gate == "safe" and -lower_bound * SUB / 2 <= ANCHOR_MAX
 
@@ -546,11 +559,17 @@ def _intra(qkv, x: KdaInputs, w: KdaWeights, valid, *, chunk, gate, lower_bound,
 
     in_specs = [
         blk((None,), lambda i, j, l: (i,)),  # valid
-        blk((None, t, kd), lambda i, j, l: (i, 0, l)),  # q (conv'd)
-        blk((None, t, kd), lambda i, j, l: (i, 0, l)),  # k (conv'd)
-        blk((None, t, vd), lambda i, j, l: (i, 0, l)),  # v (conv'd)
+        blk((None, t, kd), lambda i, j, l: (i, 0, l)),  # q
+        blk((None, t, kd), lambda i, j, l: (i, 0, l)),  # k
+        blk((None, t, vd), lambda i, j, l: (i, 0, l)),  # v
         blk((None, t, None, kd), lambda i, j, l: (i, 0, l, 0)),  # g_in
         blk((None, t, None), lambda i, j, l: (i, 0, l)),  # b_in
+        blk((None, nw - 1, kd), lambda i, j, l: (i, 0, l)),  # conv state q
+        blk((None, nw - 1, kd), lambda i, j, l: (i, 0, l)),  # conv state k
+        blk((None, nw - 1, vd), lambda i, j, l: (i, 0, l)),  # conv state v
+        blk((kd, nw), lambda i, j, l: (l, 0)),  # conv weight q
+        blk((kd, nw), lambda i, j, l: (l, 0)),  # conv weight k
+        blk((vd, nw), lambda i, j, l: (l, 0)),  # conv weight v
         blk((None,), lambda i, j, l: (l,)),  # A_log
         blk((kd,), lambda i, j, l: (l,)),  # dt_bias
     ]
@@ -570,7 +589,7 @@ def _intra(qkv, x: KdaInputs, w: KdaWeights, valid, *, chunk, gate, lower_bound,
         jax.ShapeDtypeStruct((b, h, tp, chunk), act),
         jax.ShapeDtypeStruct((b, h, n, kd), jnp.float32),
     ]
-    kernel = functools.partial(_intra_kernel, t_len=t, chunk=chunk, gate=gate, lower_bound=lower_bound,
+    kernel = functools.partial(_intra_kernel, t_len=t, n_taps=nw, chunk=chunk, gate=gate, lower_bound=lower_bound,
                                anchored=anchored, precision=precision, inv_precision=inv_precision)
     return pl.pallas_call(
         kernel,
@@ -581,7 +600,8 @@ def _intra(qkv, x: KdaInputs, w: KdaWeights, valid, *, chunk, gate, lower_bound,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kda_prefill_intra",
-    )(valid, q, k, v, x.g_in, x.b_in, w.A_log, w.dt_bias)
+    )(valid, x.q, x.k, x.v, x.g_in, x.b_in, state.conv_q, state.conv_k, state.conv_v,
+      w.conv_q, w.conv_k, w.conv_v, w.A_log, w.dt_bias)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -691,8 +711,7 @@ def _prefill_pallas(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate
     # dots, except "bf16", whose operand rounding is explicit (so interpret tests exercise it).
     precision = lax.Precision.HIGHEST if interpret and plan.precision != "bf16" else PRECISIONS[plan.precision]
     inv_precision = PRECISIONS[INV_PRECISION]
-    qkv = _conv_qkv(x, w, state)  # [B, T, C] each: XLA
-    inter = _intra(qkv, x, w, valid, chunk=chunk, gate=gate, lower_bound=lower_bound, precision=precision,
+    inter = _intra(x, w, state, valid, chunk=chunk, gate=gate, lower_bound=lower_bound, precision=precision,
                    inv_precision=inv_precision, num_warps=plan.intra_warps, interpret=interpret)
     o, rec = _state(inter, x, w, state.recurrent, chunk=chunk, eps=eps, bv=plan.bv, precision=precision,
                     num_warps=plan.state_warps, num_stages=plan.state_stages, interpret=interpret,
@@ -719,8 +738,8 @@ def kda_prefill(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate: st
         raise ValueError(f"kda_prefill needs K={kd}, V={vd} and BV={plan.bv} powers of two >= 16, BV dividing V")
     if not (pow2(chunk) and chunk >= 2 * SUB):
         raise ValueError(f"chunk={chunk} must be a power of two >= {2 * SUB} (two halves of whole sub-blocks)")
-    if nw < 2:  # (the conv runs in XLA before the kernels: no upper bound from the chunk)
-        raise ValueError(f"conv width W={nw} must be >= 2")
+    if not 2 <= nw <= 1 + chunk // 2:
+        raise ValueError(f"conv width W={nw} must be 2..{chunk // 2 + 1}")
     if plan.precision not in PRECISIONS:
         raise ValueError(f"plan.precision must be one of {tuple(PRECISIONS)}, got {plan.precision!r}")
     return _prefill_pallas(x, w, state, valid, gate=gate, eps=float(eps), lower_bound=float(lower_bound),

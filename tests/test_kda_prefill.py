@@ -75,10 +75,7 @@ CASES = [
 @pytest.mark.parametrize("t,gate,chunk,bv,dtype,hi_lo", CASES)
 def test_interpret_matches_reference(t, gate, chunk, bv, dtype, hi_lo):
     """B = 3, ragged: one full sequence, one cut short, one slot sitting out (valid 0, its state
-    must come back unchanged); nonzero initial recurrent and conv states. Both paths take the conv
-    + SiLU from `causal_conv` (the kernels' XLA pass before the intra kernel), which
-    test_reference_matches_token_loop checks against the float64 equations; here the kernels
-    must wire it up: conv states in, the conv'd rows each chunk loads, the conv states out."""
+    must come back unchanged); nonzero initial recurrent and conv states."""
     seed = _seed()
     x, w, s = make_inputs(seed, b=3, t=t, dtype=dtype, h=H, kd=K)
     valid = jnp.asarray([t, (t + 1) // 2, 0])
