@@ -687,8 +687,8 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
     alias_out = ([0] if poison else []) + list(range(n_out - 1, n_out + trace + stamps))
     aliases = {len(inputs) + n: o for n, o in enumerate(alias_out)}
     rb = min(32, n_decode & -n_decode) if n_decode else 1  # a power of two dividing n_decode
-    s = _Static(k=k, e=e, p=p, p_d=p_d, m=m, md=n_decode, rb=rb, bm=bm, bmh=bmh, h0=nbh * bmh, pb=pb, nbk_d=nbk_d, nbk=nbk, e_pad=e_pad, zr=zr,
-                chunks=chunks, z1=z1, split=split, up=_strip(up), down=_strip(down), limit=swiglu_limit,
+    s = _Static(k=k, e=e, p=p, p_d=p_d, m=m, md=n_decode, rb=rb, bm=bm, bmh=bmh, h0=nbh * bmh, pb=pb, nbk_d=nbk_d,
+                nbk=nbk, e_pad=e_pad, zr=zr, chunks=chunks, z1=z1, split=split, up=_strip(up), down=_strip(down), limit=swiglu_limit,
                 trace=trace, stamps=stamps, interpret=interpret, n_init=len(inits))
     name = "expert_tiles" + ("" if up.qm is None else f"_int{up.qm.bits}") + f"_m{bm}" + (
         f"_h{bmh}" if bmh != bm else "")
