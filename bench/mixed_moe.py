@@ -14,10 +14,11 @@
               launch, timed alone. The cold tiles after the last hot tile and the rounding of their
               rows do not count as decode latency. Also the decode-only tile launch (the exclusive
               time), at the same plan and at the decode tokens' own (plan_for's), and the hot blocks'
-              align span (to the last align tile claimed before the first GEMM tile). --tile-per-sm N,.., --tile-bm BM,.., --tile-bm-hot BM,..
-              and --tile-warps W,.. time (c) at each persistent grid size, block height, hot block
-              height and warp count (default: the kernel's own); --prefills picks the chunk sizes. Each traced run's claim record and
-              stamps go to $OUT/traces.npz.
+              align span (to the last align tile claimed before the first GEMM tile).
+              --tile-per-sm N,.., --tile-bm BM,.., --tile-bm-hot BM,.. and --tile-warps W,.. time
+              (c) at each persistent grid size, block height, hot block height and warp count
+              (default: the kernel's own); --prefills picks the chunk sizes. Each traced run's
+              claim record and stamps go to $OUT/traces.npz.
 --profile-tiles. The tile kernel at one plan (BM 64) over a grid of (decode, prefill) token
 counts; x_moe from each call's routing (hot and cold blocks, as the kernel aligns them); a least-squares
 fit of moe/tiles.py's model t = alpha + beta x (s = 1) on two thirds of the shapes, its error on
