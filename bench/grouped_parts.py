@@ -4,10 +4,10 @@
 
 Ling's MoE layer (E 512, top-8, D 2560, I 768), bf16, `grouped_gemm.plan_for`'s plan, one uniform
 random routing: the whole call with each combine ("sum", "sum16", "atomic"), then the align, the gate/up
-GEMM, the down GEMM (each combine, then a few other down tiles) and the XLA sum over the k pair
-rows (fp32 and bf16), each in its own jit, timed as bench/common.queued_us (a part shorter than the host's
-dispatch, ~40 µs, reads as the dispatch: the align alone does). TFLOP/s over the useful
-6*P*D*I FLOPs, TB/s over the weights.
+GEMM (the plan's tile, then a few others), the down GEMM (each combine, then a few other down tiles)
+and the XLA sum over the k pair rows (fp32 and bf16), each in its own jit, timed as
+bench/common.queued_us (a part shorter than the host's dispatch, ~40 µs, reads as the dispatch:
+the align alone does). TFLOP/s over the useful 6*P*D*I FLOPs, TB/s over the weights.
 """
 
 from __future__ import annotations
@@ -70,6 +70,10 @@ def main():
     up = jax.jit(lambda x, sp, be, w: gg.gate_up(x, sp, be, w, k=K, n_blocks=nb, plan=plan))
     t("gate/up GEMM + SwiGLU", up, x, sp, be, w13)
     h = up(x, sp, be, w13)
+    for bk, bn, nw, ns in ((64, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 3), (32, 128, 8, 6)):
+        p = dataclasses.replace(plan, up=gg.Tile(bk, bn, nw, ns))
+        f = jax.jit(lambda x, sp, be, w, p=p: gg.gate_up(x, sp, be, w, k=K, n_blocks=nb, plan=p))
+        t(f"gate/up {bk}x{bn}, {nw} warps, {ns} stages", f, x, sp, be, w13)
     tiles = [(f"down ({c})", dataclasses.replace(plan, combine=c)) for c in gg.COMBINES]
     tiles += [(f"down {bk}x{bn}, {nw} warps, {ns} stages", dataclasses.replace(plan, down=gg.Tile(bk, bn, nw, ns)))
               for bk, bn, nw, ns in ((128, 128, 8, 3), (64, 128, 8, 4), (64, 256, 8, 3), (32, 128, 8, 6),

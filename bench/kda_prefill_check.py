@@ -14,12 +14,14 @@ chunked form at HIGHEST precision) at T 1024 and at T 8192, o and final state.
 Timing: device side. A fori_loop of n calls in one dispatch, the state (recurrent and conv: both
 kernels depend on it, so nothing is hoisted out of the loop) and o carried from call to call, run
 for 2 and 7 iterations; the difference / 5 is one call. Median of 3.
-Rows: ours (default plan), the two kernels alone (intra: grid (B, N, H); state: grid (B, H, V/BV)
-plus the norm epilogue), the sweep of plans (intra: warps x precision; state: BV x warps x
-stages), the best combination, the layer in chunks of 64 when C is not (the default before
-2026-12-01), the XLA reference, and fla 0.6.0's chunk_kda (the peer: L2 norm,
-gate and beta in kernel; no conv, no gated norm) under a CUDA graph where fla imports (carry it as
-a wheel: ../shared/tools/device-wheels.sh).
+Rows: ours (default plan, its other state-dot form, its other intra warp counts or, with
+--state-stages, other state-kernel stages, and the default once more for the spread), the kernels
+alone (the conv pass over q, k, v at several row blocks; the gated norm as XLA's fusion and as the
+norm pass; intra: grid (B, N, H); state: grid (B, H, V/BV) plus the norm), the sweep of plans
+(intra: warps x precision; state: BV x warps x stages), the best combination, the layer in chunks
+of 64 when C is not (the default before 2026-12-01), the XLA reference, and fla 0.6.0's chunk_kda
+(the peer: L2 norm, gate and beta in kernel; no conv, no gated norm) under a CUDA graph where fla
+imports (carry it as a wheel: ../shared/tools/device-wheels.sh).
 Figures: µs per layer; TB/s over the bytes that must move (q, k, v, g_in, gate_in in, o out,
 b_in, state in/out: ~408 MB) and the share of the floor at the copy bandwidth measured in the same
 run; the design floor adds the intermediates (~1.15 GB). A table is printed last.
@@ -38,7 +40,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import capture_triton, compile_report, rel_err, time_torch_graph  # noqa: E402  (bench/common.py)
+from common import capture_triton, compile_report, kernel_name, rel_err, time_torch_graph  # noqa: E402
 
 B, T, H, KD, W = 1, 8192, 32, 128, 4
 T_CHECK = 1024
@@ -178,27 +180,70 @@ def bench_ours(gate, ceiling, backend, args):
 
     us = full(base)
     record(gate, f"ours, default plan {plan_name(base)}", us, T, base.bv, ceiling, chunk=chunk)
-    other = dataclasses.replace(base, state_hi_lo=not base.state_hi_lo)  # the state's other dot form
-    record(gate, f"ours, {plan_name(other)}", full(other), T, other.bv, ceiling, chunk=chunk)
+    if not args.state_stages:
+        other = dataclasses.replace(base, state_hi_lo=not base.state_hi_lo)  # the state's other dot form
+        record(gate, f"ours, {plan_name(other)}", full(other), T, other.bv, ceiling, chunk=chunk)
+    # The layer at the intra kernel's other warp counts (or at other state-kernel stages).
+    variants = ([dataclasses.replace(base, state_stages=st) for st in args.state_stages] if args.state_stages else
+                [dataclasses.replace(base, intra_warps=warps) for warps in (2, 4)])
+    for plan in variants:
+        if plan != base and time.time() - T0 < args.budget:
+            record(gate, f"ours, {plan_name(plan)}", full(plan), T, plan.bv, ceiling, chunk=chunk)
+    if time.time() - T0 < args.budget:  # the default once more: the spread between two timings of one thing
+        record(gate, f"ours, default plan {plan_name(base)} (again)", full(base), T, base.bv, ceiling, chunk=chunk)
     if args.no_sweep:
         return
 
-    # The two kernels alone (kda_prefill's internals, with the same precisions it uses).
+    def conv_pass(block_t, warps):
+        def step(a, c):
+            x, w = a
+            ys = [kp._conv_pass(xi, si, wi, head=KD, norm=i < 2, interpret=interp, block_t=block_t, num_warps=warps)
+                  for i, (xi, si, wi) in enumerate(((x.q, c.conv_q, w.conv_q), (x.k, c.conv_k, w.conv_k),
+                                                    (x.v, c.conv_v, w.conv_v)))]
+            tick = sum(y[0][0, 0, 0].astype(jnp.float32) * 0 for y in ys).astype(c.conv_q.dtype)
+            return c._replace(conv_q=c.conv_q + tick)
+        return time_loop(step, (x, w), s)
+
+    for block_t, warps in ((kp.CONV_ROWS, 4), (32, 8), (16, 4), (64, 8), (64, 4)):
+        if time.time() - T0 < args.budget:
+            us = conv_pass(block_t, warps)
+            record(gate, f"conv pass alone (q, k, v and the norm factors), {block_t} rows, {warps} warps", us, T,
+                   None, ceiling)
+            log(f"    conv pass: {2 * 3 * B * T * H * KD * 2 / (us * 1e-6) / 1e12:.2f} TB/s over its 403 MB")
+    if time.time() - T0 < args.budget:  # the gated norm after the state kernel (BV < V), alone
+        o = jax.random.normal(jax.random.PRNGKey(3), (B, T, H, KD), jnp.bfloat16)
+        from pallas_kernels.kda import _gated_norm
+
+        def norm_step(a, c):
+            x, w = a
+            y = _gated_norm(c.astype(jnp.float32), x.gate_in.reshape(B, T, H, KD), w.o_norm, 1e-6)
+            return y.astype(c.dtype)
+        record(gate, "the gated norm alone (XLA)", time_loop(norm_step, (x, w), o), T, None, ceiling)
+        for rows in (kp.NORM_ROWS, 16, 64):
+            def pass_step(a, c, rows=rows):
+                x, w = a
+                return kp._norm_pass(c, x.gate_in, w.o_norm, eps=1e-6, interpret=interp, block_t=rows)
+            record(gate, f"the gated norm alone (norm pass, {rows} rows)", time_loop(pass_step, (x, w), o), T, None,
+                   ceiling)
+
+    # The two kernels alone (kda_prefill's internals, with the same precisions it uses), on the
+    # conv pass's outputs.
+    xc, rn = kp._convs(x, w, s, interpret=interp)
+
     def intra(warps, precision):
         def step(a, c):
-            x, w, valid = a
-            inter, st = c
-            inter = kp._intra(x, w, st, valid, chunk=chunk, gate=gate, lower_bound=-5.0, precision=prec(precision),
-                              inv_precision=inv_prec, num_warps=warps, interpret=interp)
-            tick = (inter[5][0, 0, 0, 0] * 0).astype(st.conv_q.dtype)  # the next call depends on this one
-            return inter, st._replace(conv_q=st.conv_q + tick)
-        inter0 = jax.eval_shape(lambda: kp._intra(x, w, s, valid, chunk=chunk, gate=gate, lower_bound=-5.0,
+            x, w, rn, valid = a
+            inter, tick = c
+            inter = kp._intra(x._replace(q=x.q + tick), w, rn, valid, chunk=chunk, gate=gate, lower_bound=-5.0,
+                              precision=prec(precision), inv_precision=inv_prec, num_warps=warps, interpret=interp)
+            return inter, (inter[5][0, 0, 0, 0] * 0).astype(x.q.dtype)  # the next call depends on this one
+        inter0 = jax.eval_shape(lambda: kp._intra(xc, w, rn, valid, chunk=chunk, gate=gate, lower_bound=-5.0,
                                                   precision=prec(precision), inv_precision=inv_prec,
                                                   num_warps=warps, interpret=interp))
         inter0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), inter0)
-        return time_loop(step, (x, w, valid), (inter0, s))
+        return time_loop(step, (xc, w, rn, valid), (inter0, jnp.zeros((), xc.q.dtype)))
 
-    inter = kp._intra(x, w, s, valid, chunk=chunk, gate=gate, lower_bound=-5.0, precision=prec(base.precision),
+    inter = kp._intra(xc, w, rn, valid, chunk=chunk, gate=gate, lower_bound=-5.0, precision=prec(base.precision),
                       inv_precision=inv_prec, num_warps=base.intra_warps, interpret=interp)
 
     def state(bv, warps, stages, precision, hi_lo):
@@ -323,7 +368,8 @@ def run_gpu(args):
     for gate in args.gates:
         base = kp.default_plan(KD, jax.numpy.bfloat16)
         other = dataclasses.replace(base, state_hi_lo=not base.state_hi_lo)  # the state kernel's other dot form
-        for t, plan in ((T_CHECK, None), (T, None), (T, other)):
+        checks = [(T, None)] if args.state_stages else [(T_CHECK, None), (T, None), (T, other)]
+        for t, plan in checks:
             try:
                 check(gate, t, backend, plan)
             except Exception as e:  # noqa: BLE001
@@ -390,9 +436,11 @@ def lower_all(out_dir, args):
             jax.jit(lambda x, w, s, v: kp.kda_prefill(x, w, s, v, gate=gate, plan=plan, chunk=chunk,
                                                             backend="pallas")).trace(
                 x, w, s, sds((B,), jnp.int32)).lower(lowering_platforms=("cuda",))
-            for name, ir, nw, ns in zip(("intra", "state"), captured[n0:], (plan.intra_warps, plan.state_warps),
-                                        (1, plan.state_stages)):
-                tag = f"{gate}_c{chunk}_{name}_bv{plan.bv}_{plan.precision}_w{nw}_s{ns}"
+            for i, ir in enumerate(captured[n0:]):  # conv pass x 3, intra, state, (norm pass)
+                name = kernel_name(ir).removeprefix("kda_prefill_")
+                nw = {"intra": plan.intra_warps, "state": plan.state_warps}.get(name, 4)
+                ns = plan.state_stages if name == "state" else 1
+                tag = f"{gate}_c{chunk}_{i}{name}_bv{plan.bv}_{plan.precision}_w{nw}_s{ns}"
                 with open(os.path.join(out_dir, tag + ".ttir"), "w") as f:
                     f.write(ir)
                 log(f"lowered {tag}")
@@ -406,6 +454,8 @@ def main():
     ap.add_argument("--lower", metavar="DIR", help="CPU: Triton IR of every plan (+ sm_90a compile)")
     ap.add_argument("--no-sweep", action="store_true", help="only the default plan and the peers")
     ap.add_argument("--chunk", type=int, help="tokens per chunk (default: kda_prefill.CHUNK)")
+    ap.add_argument("--state-stages", type=int, nargs="*", default=[],
+                    help="time the layer at these state-kernel stages instead of the conv x warps variants")
     ap.add_argument("--gates", nargs="+", default=["safe", "softplus"], choices=["safe", "softplus"])
     args = ap.parse_args()
     if args.smoke or args.lower:

@@ -28,7 +28,8 @@ decay before it:
 M⁻¹ per half by recursive doubling (log2 R levels of two dots), merged across the halves by
 T_10 = -T_11 M_10 T_00. Decays are kept in base 2 (exp2 is one MUFU op; exp a libdevice call).
 
-Rounding: the conv output is rounded to the activation dtype (as the model's `causal_conv`);
+Rounding: the conv output is rounded to the activation dtype (as the model's `causal_conv`) and
+L2-normalised in fp32 from that;
 w, u, q ⊙ e^G, k ⊙ e^{G_C - G} and Aqk are stored in the activation dtype between the kernels
 (as fla's chunk_kda; exact for fp32 activations); o is rounded to it before the norm (as the
 model) and once more after. Dots: the intra kernel's at `Plan.precision` ("tf32": 10-bit
@@ -39,20 +40,27 @@ multiplies the stored 16-bit tiles by the fp32 state rounded to 16 bits (as fla'
 
 Layouts (C = H·K; every array is its own buffer): KdaInputs, KdaWeights, KdaState of
 `pallas_kernels.kda` with T the prompt length; valid [B] int32 (clipped to 0..T).
-Intermediates (Tp = N·C, N = ceil(T / C)): w, qg, kg [B, H, Tp, K], u [B, H, Tp, V],
-aqk [B, H, Tp, C] in the activation dtype; gc = e^{G_C} [B, H, N, K] fp32.
+Intermediates (Tp = N·C, N = ceil(T / C)): the conv outputs q, k, v [B, T, C] in the activation
+dtype and q's and k's L2-norm factors rnq, rnk [B, H, T] fp32; w, qg, kg [B, H, Tp, K],
+u [B, H, Tp, V], aqk [B, H, Tp, C] in the activation dtype; gc = e^{G_C} [B, H, N, K] fp32.
 
-Kernels (Triton lowering):
+Kernels (Triton lowering), in this order:
+  conv   (one launch each for q, k and v) grid (B, T/CONV_ROWS, H): conv + SiLU of a row block
+         of one head, the W-1 rows before it from the previous block or, for block 0, the conv
+         state (a gather under lax.cond); q and k also store each row's L2-norm factor.
+         Bandwidth-bound, with registers for many programs an SM: inside the intra kernel the
+         conv's taps cost ~1.6k of ~6.4k instructions a thread and its registers kept the kernel
+         at 4 warps (H200, 8192 tokens: the layer 1214 -> 1017 µs with the pass, 2026-12-02).
   intra  grid (B, N, H), one program per (sequence, chunk, head), all independent: the chunk's
-         raw q/k/v rows and the W-1 before (the previous chunk's, or for chunk 0 the conv
-         state: a gather under lax.cond), conv + SiLU + L2 norm, gate, decays, A and Aqk, the
-         inverse, w and u; stores w, u, qg, kg, aqk, gc. Rows past valid are padding
-         (g = 0, β = 0: u = w = 0).
+         q/k/v rows, times their norm factors, gate, decays, A and Aqk, the inverse, w and u;
+         stores w, u, qg, kg, aqk, gc. Rows past valid are padding (g = 0, β = 0: u = w = 0).
   state  grid (B, H, V/BV), sequential over the N chunks with the [K, BV] fp32 state in
          registers: v_new = u - w S, o = qg S + aqk v_new, S = gc ⊙ S + kgᵀ v_new; wgmma, the
          next chunk's loads pipelined (cp.async). The V-blocks of a head run side by side and
          share w/qg/kg/aqk through L2. BV == V fuses the gated norm; else o (activation dtype)
-         goes through one XLA fusion for it.
+         goes through the norm pass.
+  norm   (BV < V) grid (B, T/NORM_ROWS, H): the gated RMSNorm of whole V rows (XLA's fusion of
+         it ran at 1.7 TB/s; this pass near the copy ceiling).
   The conv states after valid[b] are a gather of W-1 rows (XLA).
 
 Cost at Ling shapes (B 1, T 8192, H 32, K = V = 128, C 64 unless said, bf16), per layer:
@@ -62,8 +70,8 @@ Cost at Ling shapes (B 1, T 8192, H 32, K = V = 128, C 64 unless said, bf16), pe
   Bytes that must move: q, k, v, g_in, gate_in in and o out, 6 × 67.1 MB, + b_in, conv states
   and the fp32 state in and out ≈ 408 MB → 0.095 ms at 4.3 TB/s: the floor of any implementation.
   This design also writes and reads the intermediates (w, u, qg, kg 4 × 67.1 MB, aqk 33.6 MB,
-  gc 2 MB: 304 MB each way) and, with BV < V, o once more (134 MB written and read):
-  ≈ 1.15 GB → 0.27 ms at 4.3 TB/s, the floor of this design (0.24 ms with the norm fused).
+  gc 2 MB: 304 MB each way), the conv outputs (201 MB each way) and, with BV < V, o once more
+  (134 MB written and read): ≈ 1.55 GB → 0.36 ms at 4.3 TB/s, the floor of this design.
   The intra kernel is instruction-bound rather than byte-bound. Compiled offline for sm_90a
   (triton 3.6; jax 0.10.2 and 0.11.2 lower alike; 2026-11-30), with the halves and the inverse's
   levels as loops: 8 warps ~7.0k SASS instructions a thread (~56k warp-instructions a program),
@@ -85,6 +93,11 @@ Cost at Ling shapes (B 1, T 8192, H 32, K = V = 128, C 64 unless said, bf16), pe
   rounded; chunks of 64 (intra 8 warps) 2.83 ms; fla's chunk_kda 0.96 ms without conv and gated
   norm; target ≤ 1.0 ms. With the cuts above (bf16 dots, FMA inverse): the layer 1180 µs (fla
   959 in the same run), o / state rel. err at T = 8192 unchanged (7.5e-3 / 3.7e-3).
+  2026-12-02: the conv in its own pass (with the norm factors: 3.2k instructions a thread at 2
+  warps, 212 B spilled; the carries keg, v and kt in bf16 where the dots round them anyway), the
+  intra kernel at 2 warps, the norm in a Pallas pass: conv 148-250 µs, intra 464-553 µs, state +
+  norm 379-407 µs (bench/RESULTS.md 2026-12-02); the layer 1007-1021 µs over three timings on two
+  machines (fla 960 in the same runs); o / state rel. err at T = 8192 unchanged.
 """
 
 from __future__ import annotations
@@ -216,15 +229,14 @@ def chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     return o, s
 
 
-def reference(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate: str = "safe", eps: float = 1e-6,
-              lower_bound: float = -5.0, chunk: int = CHUNK):
-    """Plain jnp, the model's prefill (ling.kda.KDAttention, form "chunked"): same signature and
-    outputs as `kda_prefill`."""
+def reference_delta(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate: str = "safe",
+                    lower_bound: float = -5.0, chunk: int = CHUNK):
+    """`reference` up to the gated norm: (o [B, T, H, V] fp32 before it, KdaState after the valid
+    tokens). valid [B] int32 in 0..T."""
     b, t, c = x.q.shape
     h = x.b_in.shape[2]
     kd = c // h
     nw = w.conv_q.shape[1]
-    valid = jnp.clip(jnp.asarray(valid, jnp.int32), 0, t)
     convs = [causal_conv(a, s, wt) for a, s, wt in
              zip((x.q, x.k, x.v), (state.conv_q, state.conv_k, state.conv_v), (w.conv_q, w.conv_k, w.conv_v))]
     q, k, v = (y.reshape(b, t, h, -1) for y, _ in convs)
@@ -236,9 +248,20 @@ def reference(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate: str 
     g = jnp.where(real[..., None, None], g, 0.0)
     beta = jnp.where(real[..., None], beta, 0.0)
     o, rec = chunked(q, k, v, g, beta, state.recurrent, chunk)
-    o = _gated_norm(o.astype(x.q.dtype).astype(jnp.float32), x.gate_in.reshape(b, t, h, -1), w.o_norm, eps)
     conv = (conv_state_after(win, valid, nw - 1) for _, win in convs)
-    return o.astype(x.q.dtype), KdaState(*conv, rec)
+    return o, KdaState(*conv, rec)
+
+
+def reference(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate: str = "safe", eps: float = 1e-6,
+              lower_bound: float = -5.0, chunk: int = CHUNK):
+    """Plain jnp, the model's prefill (ling.kda.KDAttention, form "chunked"): same signature and
+    outputs as `kda_prefill`."""
+    b, t, c = x.q.shape
+    h = x.b_in.shape[2]
+    valid = jnp.clip(jnp.asarray(valid, jnp.int32), 0, t)
+    o, new = reference_delta(x, w, state, valid, gate=gate, lower_bound=lower_bound, chunk=chunk)
+    o = _gated_norm(o.astype(x.q.dtype).astype(jnp.float32), x.gate_in.reshape(b, t, h, -1), w.o_norm, eps)
+    return o.astype(x.q.dtype), new
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,7 +271,8 @@ def reference(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate: str 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     bv: int  # V-block of the state kernel (V/BV programs per head); BV == V fuses the gated norm
-    intra_warps: int = 4  # H200, 8192 tokens, chunks of 32: 1124 µs vs 8 warps' 2400 (chunks of 64: 8 warps won)
+    intra_warps: int = 4  # H200, 8192 tokens, chunks of 32, bf16 dots: 464-553 µs at 2 warps vs 660-716 at 4
+    # (255 registers either way: 4 vs 2 programs an SM); with the conv inside, 4 warps had won (977 vs 1885)
     state_warps: int = 4
     state_stages: int = 3  # Triton pipelining of the chunk loop; H200 at BV 32: 367 µs vs 562 at 2 stages
     # (3 stages of BV 128's loads pass the 227 KB of shared memory: give larger V-blocks 2 or 1)
@@ -263,14 +287,16 @@ class Plan:
 
 def default_plan(v: int, dtype) -> Plan:
     """The H200 sweep's best at Ling's shapes (bench/kda_prefill_check.py, bench/RESULTS.md):
-    BV 32 of 4 warps and 3 stages for the state kernel, 4 warps for the intra kernel. fp32
+    BV 32 of 4 warps and 3 stages for the state kernel (4 and 5 stages: within the spread). fp32
     intermediates (4 B each) do not fit two pipeline stages of the state kernel's loads in
     shared memory. 16-bit activations: the intra kernel's dots on bf16 operands (their outputs
     are stored in 16 bits anyway; sm_90a: half the MMAs of tf32 and no fp32 operand layouts,
     ~4.8k -> ~4.5k SASS instructions; interpret, K 128, bf16: o ≤ 1.0e-2 of max |o| vs ≤ 7.4e-3
-    with fp32 dots, state ≤ 5.3e-3 either way)."""
+    with fp32 dots, state ≤ 5.3e-3 either way) in programs of 2 warps; fp32 activations keep 4
+    (sm_90a: 2 warps of tf32 dots spill 716 B, 4 warps 32 B; not timed)."""
     bits16 = jnp.dtype(dtype).itemsize <= 2
-    return Plan(bv=min(v, 32), state_stages=3 if bits16 else 1, precision="bf16" if bits16 else "tf32")
+    return Plan(bv=min(v, 32), intra_warps=2 if bits16 else 4, state_stages=3 if bits16 else 1,
+                precision="bf16" if bits16 else "tf32")
 
 
 def _dot_general(a, b, dims, precision):
@@ -284,6 +310,106 @@ def _dot_general(a, b, dims, precision):
 def _dot(a, b, precision, *, trans_b: bool = False):
     """a @ b (or a @ bᵀ), fp32 accumulation."""
     return _dot_general(a, b, (((1,), (1 if trans_b else 0,)), ((), ())), precision)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel 0: the short conv + SiLU (and q's and k's L2-norm factors), one program per row block and head.
+
+CONV_ROWS = 16  # rows per program of the conv pass. Bandwidth-bound, it wants many programs' loads in
+# flight: sm_90a registers a thread at 16 / 32 / 64 / 128 rows of 4 warps 76 / 124 / 168 / 255. H200, T 8192,
+# three projections: 148 µs at 16 rows; 154-250 at 32, 183-186 at 64, 288 at 128 (runs of 2026-12-02)
+
+
+def _conv_kernel(x_ref, cs_ref, w_ref, y_ref, *rn_ref, t_len: int, block_t: int, scale: float):
+    """Refs (squeezed blocks): x [T, BC] raw inputs, cs [W-1, BC] the conv state (oldest first),
+    w [BC, W] taps; y [T, BC]; optional rn [T] (BC is one head). Rows t0 .. t0+BT-1:
+    y = SiLU(Σ_j w_j x[t - (W-1-j)]) rounded to the activation dtype (as the model's
+    `causal_conv`), and rn = scale / sqrt(Σ y² + 1e-6) over the row (fp32, from the rounded y:
+    the L2 norm's factor, as `l2_normalize`). Tap j of block 0 reaches rows before 0, the conv
+    state's: it gathers, every other block loads plain (possibly unaligned) row ranges."""
+    f32 = jnp.float32
+    act = x_ref.dtype
+    n_taps = w_ref.shape[1]
+    i = pl.program_id(1)
+    t0 = i * block_t
+    r = t0 + jnp.arange(block_t, dtype=jnp.int32)  # [BT]
+    cols = jnp.arange(x_ref.shape[1], dtype=jnp.int32)[None, :]
+    taps = [w_ref[:, j].astype(f32) for j in range(n_taps)]  # [BC] each
+
+    def plain():
+        y = None
+        for j in range(n_taps):
+            shift = n_taps - 1 - j
+            xs = pltriton.load(x_ref.at[pl.ds(t0 - shift, block_t)], mask=(r - shift < t_len)[:, None],
+                               other=0.0).astype(f32)
+            y = taps[j][None, :] * xs if y is None else y + taps[j][None, :] * xs
+        return y
+
+    def with_state():
+        y = None
+        for j in range(n_taps):
+            rr = r - (n_taps - 1 - j)  # [BT], < 0: the conv state's row rr + W-1
+            xs = pltriton.load(x_ref.at[jnp.clip(rr, 0, t_len - 1)[:, None], cols],
+                               mask=((rr >= 0) & (rr < t_len))[:, None], other=0.0).astype(f32)
+            if j < n_taps - 1:
+                cs = pltriton.load(cs_ref.at[jnp.clip(rr + n_taps - 1, 0, n_taps - 2)[:, None], cols],
+                                   mask=(rr < 0)[:, None], other=0.0)
+                xs = xs + cs.astype(act).astype(f32)
+            y = taps[j][None, :] * xs if y is None else y + taps[j][None, :] * xs
+        return y
+
+    y = lax.cond(i == 0, with_state, plain)
+    y = (y * _sigmoid(y)).astype(act)
+    inside = r < t_len
+    pltriton.store(y_ref.at[pl.ds(t0, block_t)], y, mask=inside[:, None])
+    if rn_ref:
+        y = y.astype(f32)
+        rn = lax.rsqrt(jnp.sum(y * y, axis=1) + 1e-6) * scale  # [BT]
+        pltriton.store(rn_ref[0].at[pl.ds(t0, block_t)], rn, mask=inside)
+
+
+def _conv_pass(x, conv_state, weight, *, head: int, norm: bool, scale: float = 1.0, interpret: bool,
+               block_t: int = CONV_ROWS, num_warps: int = 4):
+    """x [B, T, C] raw, conv_state [B, W-1, C], weight [C, W] -> (y = SiLU(conv) [B, T, C] in x's
+    dtype, with norm the L2-norm factors rn [B, C / head, T] fp32 of y's heads times scale, else
+    None); see `_conv_kernel`. One program per block_t rows and head. Bytes: x read once (the
+    taps' overlapping rows hit in cache), y written once: 2·B·T·C·2 at bf16, 134 MB a projection
+    at Ling's T 8192 (rn 1 MB)."""
+    b, t, c = x.shape
+    nw = weight.shape[1]
+    bc = head  # columns per program
+    bt = min(block_t, pl.next_power_of_2(t))
+    kernel = functools.partial(_conv_kernel, t_len=t, block_t=bt, scale=scale)
+    out_specs = [pl.BlockSpec((None, t, bc), lambda i, j, l: (i, 0, l))]
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+    if norm:
+        out_specs.append(pl.BlockSpec((None, None, t), lambda i, j, l: (i, l, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((b, c // head, t), jnp.float32))
+    out = pl.pallas_call(
+        kernel,
+        grid=(b, -(-t // bt), c // bc),  # column blocks fastest: neighbours cover whole rows
+        in_specs=[pl.BlockSpec((None, t, bc), lambda i, j, l: (i, 0, l)),
+                  pl.BlockSpec((None, nw - 1, bc), lambda i, j, l: (i, 0, l)),
+                  pl.BlockSpec((bc, nw), lambda i, j, l: (l, 0))],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_prefill_conv",
+    )(x, conv_state, weight)
+    return out if norm else (out[0], None)
+
+
+def _convs(x: KdaInputs, w: KdaWeights, state: KdaState, *, interpret: bool):
+    """The conv pass over q, k and v: (x with q, k, v replaced by SiLU(conv), (rnq, rnk) [B, H, T]
+    the L2-norm factors of q's rows (times K^-1/2) and k's)."""
+    h = x.b_in.shape[2]
+    kd, vd = x.q.shape[2] // h, x.v.shape[2] // h
+    conv = functools.partial(_conv_pass, interpret=interpret)
+    q, rnq = conv(x.q, state.conv_q, w.conv_q, head=kd, norm=True, scale=kd**-0.5)
+    k, rnk = conv(x.k, state.conv_k, w.conv_k, head=kd, norm=True)
+    v, _ = conv(x.v, state.conv_v, w.conv_v, head=vd, norm=False)
+    return x._replace(q=q, k=k, v=v), (rnq, rnk)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -417,13 +543,12 @@ def _diag_unbounded(q, k, g, gl, *, precision):
     return a + spread(ad), aq + spread(aqd)
 
 
-def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, csq_ref, csk_ref, csv_ref,
-                  wq_ref, wk_ref, wv_ref, alog_ref, dtb_ref,
+def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, rnq_ref, rnk_ref, alog_ref, dtb_ref,
                   w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gc_ref,
-                  *, t_len: int, n_taps: int, chunk: int, gate: str, lower_bound: float, anchored: bool, precision,
-                  inv_precision):
-    """Refs (squeezed blocks): q, k [T, K], v [T, V] raw; g [T, K]; b [T]; conv states [W-1, K|V];
-    conv weights [K|V, W]; outputs w, qg, kg [C, K], u [C, V], aqk [C, C], gc [K].
+                  *, t_len: int, chunk: int, gate: str, lower_bound: float, anchored: bool, precision, inv_precision):
+    """Refs (squeezed blocks): q, k [T, K], v [T, V] (the conv pass's outputs); g [T, K]; b [T];
+    rnq, rnk [T] the L2-norm factors of q's and k's rows; A_log, dt_bias; outputs w, qg, kg [C, K],
+    u [C, V], aqk [C, C], gc [K].
     The chunk is two halves of R = C/2 rows; the decay factors of half h are taken relative to
     O_h, the cumulative decay before it (see the module docstring); decays are in base 2. The
     work of a half is ordered so that its [R, K] tiles die early (register pressure)."""
@@ -440,49 +565,13 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, csq_ref, csk_ref
     row, col = rows[:, None], rows[None, :]
 
     def load_rows(ref, start, inside):
-        """Rows start .. start+R-1 of ref, those not inside (past T) 0. T a multiple of the chunk
-        (static): every row a half reads outside the edge gather lies before T, and plain loads
-        drop the masks (their predicates and zero fills: ~0.26k of ~6.8k SASS instructions
-        executed a thread, sm_90a)."""
+        """Rows start .. start+R-1 of ref as fp32, those not inside (past T) 0. T a multiple of
+        the chunk (static): every row lies before T, and plain loads drop the masks (their
+        predicates and zero fills: ~0.26k of ~6.8k SASS instructions executed a thread, sm_90a)."""
         if t_len % chunk == 0:
-            return ref[pl.ds(start, hf)]
+            return ref[pl.ds(start, hf)].astype(f32)
         mask = inside if ref.ndim == 1 else inside[:, None]
-        return pltriton.load(ref.at[pl.ds(start, hf)], mask=mask, other=0.0)
-
-    def conv(x_ref, cs_ref, w_ref_, start, edge):
-        """SiLU(conv) of rows start .. start+R-1 [R, X] fp32, rounded to the activation dtype (as
-        the model). Tap j reads row r - (W-1-j): rows before 0 are the conv state's, which only
-        chunk 0's first half (edge, traced bool) reaches: it gathers, every other half loads plain rows."""
-        r = start + rows
-        taps = [w_ref_[:, j].astype(f32) for j in range(n_taps)]  # [X] each
-
-        def plain():
-            y = None
-            for j in range(n_taps):
-                shift = n_taps - 1 - j
-                xs = load_rows(x_ref, start - shift, r - shift < t_len).astype(f32)
-                y = taps[j][None, :] * xs if y is None else y + taps[j][None, :] * xs
-            return y
-
-        def with_state():
-            cols = jnp.arange(x_ref.shape[1], dtype=jnp.int32)[None, :]
-            y = None
-            for j in range(n_taps):
-                rr = r - (n_taps - 1 - j)  # [R], < 0: the conv state's row rr + W-1
-                xs = pltriton.load(x_ref.at[jnp.clip(rr, 0, t_len - 1)[:, None], cols],
-                                   mask=((rr >= 0) & (rr < t_len))[:, None], other=0.0).astype(f32)
-                if j < n_taps - 1:
-                    cs = pltriton.load(cs_ref.at[jnp.clip(rr + n_taps - 1, 0, n_taps - 2)[:, None], cols],
-                                       mask=(rr < 0)[:, None], other=0.0)
-                    xs = xs + cs.astype(act).astype(f32)
-                y = taps[j][None, :] * xs if y is None else y + taps[j][None, :] * xs
-            return y
-
-        y = lax.cond(edge, with_state, plain)
-        return (y * _sigmoid(y)).astype(act).astype(f32)
-
-    def l2norm(x, scale=1.0):
-        return x * (lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6) * scale)
+        return pltriton.load(ref.at[pl.ds(start, hf)], mask=mask, other=0.0).astype(f32)
 
     def half(h, carry):
         """Half h of the chunk. carry: O_h [K] (the decay before the half, base 2) and half
@@ -496,15 +585,16 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, csq_ref, csk_ref
         start = t0 + h * hf
         r = start + rows
         z = load_rows(g_ref, start, r < t_len)
-        g = _gate2(z.astype(f32), dtb, a, gate=gate, lower_bound=lower_bound)
+        g = _gate2(z, dtb, a, gate=gate, lower_bound=lower_bound)
         g = jnp.where((r < valid)[:, None], g, 0.0)  # padding: no decay and (β = 0) no write
-        beta = _sigmoid(load_rows(b_ref, start, r < t_len).astype(f32))
+        beta = _sigmoid(load_rows(b_ref, start, r < t_len))
         beta = jnp.where(r < valid, beta, 0.0)
         gl = jnp.cumsum(g, axis=0)  # [R, K]: G - O_h, ≤ 0
         o_next = o_h + jnp.sum(g, axis=0)  # O_{h+1}
-        edge = (n == 0) & (h == 0)
-        k = l2norm(conv(k_ref, csk_ref, wk_ref, start, edge))
-        q = l2norm(conv(q_ref, csq_ref, wq_ref, start, edge), kd**-0.5)
+        inside = r < t_len
+        # The conv pass's rows times their L2-norm factors (q's also carry K^-1/2)
+        k = load_rows(k_ref, start, inside) * load_rows(rnk_ref, start, inside)[:, None]
+        q = load_rows(q_ref, start, inside) * load_rows(rnq_ref, start, inside)[:, None]
         if anchored:
             a_hh, aqk_hh = _diag_bounded(q, k, g, gl, lower_bound=lower_bound, precision=precision)
         else:
@@ -518,7 +608,7 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, csq_ref, csk_ref
         eo = jnp.exp2(o_h)[None, :]
         keg = ke * eo  # k ⊙ e^G, G from the chunk start
         qg_ref[sl, :] = (qe * eo).astype(act)
-        v = conv(v_ref, csv_ref, wv_ref, start, edge)  # [R, V]
+        v = load_rows(v_ref, start, inside)  # [R, V]
         tb = inv * beta[None, :]  # M⁻¹ diag(β), the diagonal block
         # The cross block (rows of half 1, columns of half 0), anchored at O_1: factors ≤ 1.
         aqk_ref[sl, other] = _dot(qe, kt0, precision, trans_b=True).astype(act)
@@ -533,21 +623,26 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, csq_ref, csk_ref
         last = jnp.broadcast_to(h == 1, (hf, kd))
         pltriton.store(kg_ref.at[pl.ds(0, hf), :], (kt0 * jnp.exp2(o_next - o_h)[None, :]).astype(act), mask=last)
         pltriton.store(kg_ref.at[pl.ds(hf, hf), :], kt.astype(act), mask=last)
-        return o_next, kt, keg, v, inv, beta
+        return o_next, kt.astype(dot_in), keg.astype(dot_in), v.astype(dot_in), inv, beta
 
-    zk = jnp.zeros((hf, kd), f32)
-    init = (jnp.zeros((kd,), f32), zk, zk, jnp.zeros((hf, v_ref.shape[1]), f32), jnp.zeros((hf, hf), f32),
-            jnp.zeros((hf,), f32))
+    # kt, keg and v cross to the second half as operands of its dots: with bf16 dots they are carried
+    # rounded, as the dots round them anyway (kt also gives kg's first-half rows, rounded once more).
+    # sm_90a, 2 warps: 604 -> 212 B of spills.
+    dot_in = jnp.bfloat16 if isinstance(precision, str) and precision == "bf16" else f32
+    zk = jnp.zeros((hf, kd), dot_in)
+    init = (jnp.zeros((kd,), f32), zk, zk, jnp.zeros((hf, v_ref.shape[1]), dot_in),
+            jnp.zeros((hf, hf), f32), jnp.zeros((hf,), f32))
     o_c = lax.fori_loop(0, 2, half, init)[0]
     gc_ref[...] = jnp.exp2(o_c)
 
 
-def _intra(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, chunk, gate, lower_bound, precision,
-           inv_precision, num_warps, interpret):
+def _intra(x: KdaInputs, w: KdaWeights, rn, valid, *, chunk, gate, lower_bound, precision, inv_precision,
+           num_warps, interpret):
+    """The intra kernel over x, whose q, k, v are the conv pass's outputs, and rn = (rnq, rnk)
+    [B, H, T] their norm factors (`_conv_pass`)."""
     b, t, c = x.q.shape
     h = x.b_in.shape[2]
     kd, vd = c // h, x.v.shape[2] // h
-    nw = w.conv_q.shape[1]
     n = -(-t // chunk)
     tp = n * chunk
     act = x.q.dtype
@@ -564,12 +659,8 @@ def _intra(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, chunk, gate, 
         blk((None, t, vd), lambda i, j, l: (i, 0, l)),  # v
         blk((None, t, None, kd), lambda i, j, l: (i, 0, l, 0)),  # g_in
         blk((None, t, None), lambda i, j, l: (i, 0, l)),  # b_in
-        blk((None, nw - 1, kd), lambda i, j, l: (i, 0, l)),  # conv state q
-        blk((None, nw - 1, kd), lambda i, j, l: (i, 0, l)),  # conv state k
-        blk((None, nw - 1, vd), lambda i, j, l: (i, 0, l)),  # conv state v
-        blk((kd, nw), lambda i, j, l: (l, 0)),  # conv weight q
-        blk((kd, nw), lambda i, j, l: (l, 0)),  # conv weight k
-        blk((vd, nw), lambda i, j, l: (l, 0)),  # conv weight v
+        blk((None, None, t), lambda i, j, l: (i, l, 0)),  # rnq
+        blk((None, None, t), lambda i, j, l: (i, l, 0)),  # rnk
         blk((None,), lambda i, j, l: (l,)),  # A_log
         blk((kd,), lambda i, j, l: (l,)),  # dt_bias
     ]
@@ -589,7 +680,7 @@ def _intra(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, chunk, gate, 
         jax.ShapeDtypeStruct((b, h, tp, chunk), act),
         jax.ShapeDtypeStruct((b, h, n, kd), jnp.float32),
     ]
-    kernel = functools.partial(_intra_kernel, t_len=t, n_taps=nw, chunk=chunk, gate=gate, lower_bound=lower_bound,
+    kernel = functools.partial(_intra_kernel, t_len=t, chunk=chunk, gate=gate, lower_bound=lower_bound,
                                anchored=anchored, precision=precision, inv_precision=inv_precision)
     return pl.pallas_call(
         kernel,
@@ -600,8 +691,7 @@ def _intra(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, chunk, gate, 
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kda_prefill_intra",
-    )(valid, x.q, x.k, x.v, x.g_in, x.b_in, state.conv_q, state.conv_k, state.conv_v,
-      w.conv_q, w.conv_k, w.conv_v, w.A_log, w.dt_bias)
+    )(valid, x.q, x.k, x.v, x.g_in, x.b_in, *rn, w.A_log, w.dt_bias)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -689,9 +779,51 @@ def _state(inter, x: KdaInputs, w: KdaWeights, rec, *, chunk, eps, bv, precision
         interpret=interpret,
         name="kda_prefill_state",
     )(wy, qg, kg, u, aqk, gc, rec, x.gate_in, w.o_norm)
-    if not fuse_norm:  # the norm needs the whole V row, spread over V-blocks: one XLA fusion
-        o = _gated_norm(o.astype(jnp.float32), x.gate_in.reshape(b, t, h, vd), w.o_norm, eps).astype(x.q.dtype)
+    if not fuse_norm:  # the norm needs the whole V row, spread over V-blocks: a pass of its own
+        o = _norm_pass(o, x.gate_in, w.o_norm, eps=eps, interpret=interpret)
     return o, s
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel 3 (BV < V): the gated RMSNorm over whole V rows, one program per row block and head.
+
+NORM_ROWS = 64  # rows per program of the norm pass. H200, T 8192: 91 µs at 16 or 64 rows (4.5 TB/s), 121 at
+# 32; XLA's fusion of the same 130 (2026-12-02)
+
+
+def _norm_kernel(o_ref, gate_ref, wn_ref, y_ref, *, t_len: int, block_t: int, eps: float):
+    """Refs (squeezed blocks): o [T, V] (the state kernel's, activation dtype), gate [T, V], wn [V];
+    y [T, V] = rmsnorm(o) · wn · σ(gate) for rows t0 .. t0+BT-1, in fp32 and rounded once (as
+    `pallas_kernels.kda._gated_norm` of the rounded o)."""
+    f32 = jnp.float32
+    t0 = pl.program_id(1) * block_t
+    inside = (t0 + jnp.arange(block_t, dtype=jnp.int32) < t_len)[:, None]
+    rows = pl.ds(t0, block_t)
+    o = pltriton.load(o_ref.at[rows], mask=inside, other=0.0).astype(f32)
+    gate = pltriton.load(gate_ref.at[rows], mask=inside, other=0.0).astype(f32)
+    o = o * lax.rsqrt(jnp.mean(o * o, axis=1, keepdims=True) + eps)
+    y = o * wn_ref[...].astype(f32)[None, :] * _sigmoid(gate)
+    pltriton.store(y_ref.at[rows], y.astype(y_ref.dtype), mask=inside)
+
+
+def _norm_pass(o, gate_in, weight, *, eps: float, interpret: bool, block_t: int = NORM_ROWS):
+    """o [B, T, H, V], gate_in [B, T, H·V], weight [V] -> the gated norm [B, T, H, V] in o's dtype.
+    Bytes: o and gate read, y written (201 MB at Ling's T 8192; XLA's fusion of the same took
+    116 µs on the H200, 1.7 TB/s)."""
+    b, t, h, vd = o.shape
+    bt = min(block_t, pl.next_power_of_2(t))
+    return pl.pallas_call(
+        functools.partial(_norm_kernel, t_len=t, block_t=bt, eps=eps),
+        grid=(b, -(-t // bt), h),  # heads fastest: neighbours cover whole rows
+        in_specs=[pl.BlockSpec((None, t, None, vd), lambda i, j, l: (i, 0, l, 0)),
+                  pl.BlockSpec((None, t, vd), lambda i, j, l: (i, 0, l)),
+                  pl.BlockSpec((vd,), lambda i, j, l: (0,))],
+        out_specs=pl.BlockSpec((None, t, None, vd), lambda i, j, l: (i, 0, l, 0)),
+        out_shape=jax.ShapeDtypeStruct(o.shape, o.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="kda_prefill_norm",
+    )(o, gate_in, weight)
 
 
 def _conv_state_after_valid(x, conv_state, valid):
@@ -711,7 +843,8 @@ def _prefill_pallas(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate
     # dots, except "bf16", whose operand rounding is explicit (so interpret tests exercise it).
     precision = lax.Precision.HIGHEST if interpret and plan.precision != "bf16" else PRECISIONS[plan.precision]
     inv_precision = PRECISIONS[INV_PRECISION]
-    inter = _intra(x, w, state, valid, chunk=chunk, gate=gate, lower_bound=lower_bound, precision=precision,
+    xc, rn = _convs(x, w, state, interpret=interpret)
+    inter = _intra(xc, w, rn, valid, chunk=chunk, gate=gate, lower_bound=lower_bound, precision=precision,
                    inv_precision=inv_precision, num_warps=plan.intra_warps, interpret=interpret)
     o, rec = _state(inter, x, w, state.recurrent, chunk=chunk, eps=eps, bv=plan.bv, precision=precision,
                     num_warps=plan.state_warps, num_stages=plan.state_stages, interpret=interpret,
