@@ -455,7 +455,7 @@ def main():
     ap.add_argument("--no-sweep", action="store_true", help="only the default plan and the peers")
     ap.add_argument("--chunk", type=int, help="tokens per chunk (default: kda_prefill.CHUNK)")
     ap.add_argument("--state-stages", type=int, nargs="*", default=[],
-                    help="time the layer at these state-kernel stages instead of the conv x warps variants")
+                    help="time the layer at these state-kernel stages instead of the intra warp variants")
     ap.add_argument("--gates", nargs="+", default=["safe", "softplus"], choices=["safe", "softplus"])
     args = ap.parse_args()
     if args.smoke or args.lower:
