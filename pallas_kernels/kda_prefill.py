@@ -50,7 +50,7 @@ Kernels (Triton lowering), in this order:
          state (a gather under lax.cond); q and k also store each row's L2-norm factor.
          Bandwidth-bound, with registers for many programs an SM: inside the intra kernel the
          conv's taps cost ~1.6k of ~6.4k instructions a thread and its registers kept the kernel
-         at 4 warps (H200, 8192 tokens: the layer 1214 -> 1017 µs with the pass, 2026-12-02).
+         at 4 warps (H200, 8192 tokens, one run: the layer 1168 -> 1017 µs with the pass, 2026-12-02).
   intra  grid (B, N, H), one program per (sequence, chunk, head), all independent: the chunk's
          q/k/v rows, times their norm factors, gate, decays, A and Aqk, the inverse, w and u;
          stores w, u, qg, kg, aqk, gc. Rows past valid are padding (g = 0, β = 0: u = w = 0).
