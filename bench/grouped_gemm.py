@@ -75,8 +75,11 @@ def sweep_plans(fmt: str, m: int):
                 Plan(128, T(64, 256, 8, 3), T(64, 256, 8, 3)),
                 Plan(64, T(128, 128, 4, 3), T(128, 128, 4, 3)),
                 Plan(64, T(64, 128, 4, 6), T(64, 128, 4, 6)),  # deeper pipelines: at 4096 tokens
-                Plan(64, T(64, 256, 8, 4), T(64, 256, 8, 4))]  # the weight stream dominates
-        order = {512: [0, 1, 2, 3, 6, 4], 2048: [2, 3, 4, 6, 0, 5, 7], 4096: [4, 10, 11, 5, 7, 6, 8, 2, 9, 3]}
+                Plan(64, T(64, 256, 8, 4), T(64, 256, 8, 4)),  # the weight stream dominates
+                Plan(128, T(64, 128, 8, 3), T(64, 128, 8, 3), half=True),  # 7 and 8 with half blocks
+                Plan(128, T(64, 256, 8, 3), T(64, 256, 8, 3), half=True)]
+        order = {512: [0, 1, 2, 3, 6, 4], 2048: [2, 3, 4, 6, 0, 5, 7, 12],
+                 4096: [4, 10, 11, 5, 7, 12, 6, 8, 13, 2, 9, 3]}
     else:
         base = [Plan(16, T(0, 0, 4, 3), T(0, 0, 4, 3)),
                 Plan(16, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True),
@@ -86,8 +89,10 @@ def sweep_plans(fmt: str, m: int):
                 Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3)),
                 Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3), swap=True),
                 Plan(64, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True, combine="atomic"),
-                Plan(32, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True)]
-        order = {512: [0, 1, 8, 3], 2048: [8, 3, 2, 1, 7], 4096: [3, 2, 6, 5, 4, 7]}
+                Plan(32, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True),
+                Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3), half=True),  # 5 and 6 with half blocks
+                Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3), swap=True, half=True)]
+        order = {512: [0, 1, 8, 3], 2048: [8, 3, 2, 1, 7], 4096: [3, 2, 6, 10, 5, 9, 4, 7]}
     return [base[i] for i in order.get(m, range(len(base)))]
 
 

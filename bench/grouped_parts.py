@@ -3,11 +3,13 @@
     python3 bench/grouped_parts.py [--m 4096]       (GPU; prints a table last)
 
 Ling's MoE layer (E 512, top-8, D 2560, I 768), bf16, `grouped_gemm.plan_for`'s plan, one uniform
-random routing: the whole call with each combine ("sum", "sum16", "atomic"), then the align, the gate/up
-GEMM (the plan's tile, then a few others), the down GEMM (each combine, then a few other down tiles)
-and the XLA sum over the k pair rows (fp32 and bf16), each in its own jit, timed as
-bench/common.queued_us (a part shorter than the host's dispatch, ~40 µs, reads as the dispatch:
-the align alone does). TFLOP/s over the useful 6*P*D*I FLOPs, TB/s over the weights.
+random routing: the whole call with each combine ("sum", "sum16", "atomic") and with the plan's
+half flag flipped (`Plan.half`: blocks of at most BM/2 valid rows run at BM/2), then the align, the
+gate/up GEMM (the plan's tile, its half flag flipped, then a few other tiles), the down GEMM (each
+combine, the half flag flipped, then a few other down tiles) and the XLA sum over the k pair rows
+(fp32 and bf16), each in its own jit, timed as bench/common.queued_us (a part shorter than the
+host's dispatch, ~40 µs, reads as the dispatch: the align alone does). TFLOP/s over the useful
+6*P*D*I FLOPs, TB/s over the weights.
 """
 
 from __future__ import annotations
@@ -54,14 +56,16 @@ def main():
 
     plan = gg.plan_for(m * K, E, False)
     flop, wbytes = 6 * m * K * D * I, 3 * E * D * I * 2
+    flip = dataclasses.replace(plan, half=not plan.half)
     ref = None
-    for combine in gg.COMBINES:
-        p = dataclasses.replace(plan, combine=combine)
+    wholes = [(c, dataclasses.replace(plan, combine=c)) for c in gg.COMBINES]
+    wholes.append((f"{plan.combine}, half={flip.half}", flip))
+    for label, p in wholes:
         f = jax.jit(lambda x, i, s, a, b, p=p: gg.grouped_moe(x, i, s, a, b, plan=p))
         y = f(x, ids, tw, w13, w2).astype(jnp.float32)
         ref = y if ref is None else ref
-        print(f"{combine}: rel. err. vs sum {float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)):.1e}")
-        us = t(f"whole ({combine})", f, x, ids, tw, w13, w2)
+        print(f"{label}: rel. err. vs sum {float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)):.1e}")
+        us = t(f"whole ({label})", f, x, ids, tw, w13, w2)
         print(f"   {flop / us / 1e6:.1f} TFLOP/s, {wbytes / us / 1e6:.2f} TB/s over the weights")
     align = jax.jit(lambda i: moe_align(i.reshape(-1), E, plan.block_m))
     t("align", align, ids)
@@ -69,12 +73,15 @@ def main():
     nb = align_sizes(m * K, E, plan.block_m).nb
     up = jax.jit(lambda x, sp, be, w: gg.gate_up(x, sp, be, w, k=K, n_blocks=nb, plan=plan))
     t("gate/up GEMM + SwiGLU", up, x, sp, be, w13)
-    h = up(x, sp, be, w13)
+    f = jax.jit(lambda x, sp, be, w: gg.gate_up(x, sp, be, w, k=K, n_blocks=nb, plan=flip))
+    t(f"gate/up GEMM + SwiGLU, half={flip.half}", f, x, sp, be, w13)
+    h = up(x, sp, be, w13)  # the plan's (plan.half: the flipped down reads rows left unwritten; timed only)
     for bk, bn, nw, ns in ((64, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 3), (32, 128, 8, 6)):
         p = dataclasses.replace(plan, up=gg.Tile(bk, bn, nw, ns))
         f = jax.jit(lambda x, sp, be, w, p=p: gg.gate_up(x, sp, be, w, k=K, n_blocks=nb, plan=p))
         t(f"gate/up {bk}x{bn}, {nw} warps, {ns} stages", f, x, sp, be, w13)
     tiles = [(f"down ({c})", dataclasses.replace(plan, combine=c)) for c in gg.COMBINES]
+    tiles += [(f"down ({plan.combine}, half={flip.half})", flip)]
     tiles += [(f"down {bk}x{bn}, {nw} warps, {ns} stages", dataclasses.replace(plan, down=gg.Tile(bk, bn, nw, ns)))
               for bk, bn, nw, ns in ((128, 128, 8, 3), (64, 128, 8, 4), (64, 256, 8, 3), (32, 128, 8, 6),
                                      (64, 64, 4, 4), (128, 64, 4, 3))]

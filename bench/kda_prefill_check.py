@@ -16,14 +16,14 @@ kernels depend on it, so nothing is hoisted out of the loop) and o carried from 
 for 2 and 7 iterations; the difference / 5 is one call. Median of 3.
 Rows: ours (default plan, its other state-dot form, its other intra warp counts or, with
 --state-stages, other state-kernel stages, and the default once more for the spread), the kernels
-alone (the conv pass over q, k, v at several row blocks; the gated norm as XLA's fusion and as the
+alone (the conv pass over q, k, v at several row blocks and steps a program; the gated norm as XLA's fusion and as the
 norm pass; intra: grid (B, N, H); state: grid (B, H, V/BV) plus the norm), the sweep of plans
 (intra: warps x precision; state: BV x warps x stages), the best combination, the layer in chunks
 of 64 when C is not (the default before 2026-12-01), the XLA reference, and fla 0.6.0's chunk_kda
 (the peer: L2 norm, gate and beta in kernel; no conv, no gated norm) under a CUDA graph where fla
 imports (carry it as a wheel: ../shared/tools/device-wheels.sh).
 Figures: µs per layer; TB/s over the bytes that must move (q, k, v, g_in, gate_in in, o out,
-b_in, state in/out: ~408 MB) and the share of the floor at the copy bandwidth measured in the same
+b_in, state in/out: ~408 MB; the conv and norm passes alone: their own, 403 and 201 MB) and the share of the floor at the copy bandwidth measured in the same
 run; the design floor adds the intermediates (~1.15 GB). A table is printed last.
 """
 
@@ -125,8 +125,10 @@ def copy_ceiling():
     return 2 * (1 << 30) / (us * 1e-6)  # read + write
 
 
-def record(case, what, us, t, bv, ceiling, chunk=32, **extra):
-    mm = must_move_bytes(t)
+def record(case, what, us, t, bv, ceiling, chunk=32, nbytes=None, **extra):
+    """One timing; TB/s and the share of the floor over nbytes (a part's own bytes), else the
+    layer's must-move bytes."""
+    mm = nbytes or must_move_bytes(t)
     row = dict(case=case, what=what, us=us, tbs=mm / (us * 1e-6) / 1e12, floor_pct=100 * mm / ceiling / (us * 1e-6),
                design_floor_us=design_bytes(t, bv, chunk=chunk) / ceiling * 1e6 if bv else None, **extra)
     ROWS.append(row)
@@ -178,38 +180,44 @@ def bench_ours(gate, ceiling, backend, args):
             return o, st
         return time_loop(step, (x, w, valid), (zeros_o, s))
 
-    us = full(base)
-    record(gate, f"ours, default plan {plan_name(base)}", us, T, base.bv, ceiling, chunk=chunk)
-    if not args.state_stages:
-        other = dataclasses.replace(base, state_hi_lo=not base.state_hi_lo)  # the state's other dot form
-        record(gate, f"ours, {plan_name(other)}", full(other), T, other.bv, ceiling, chunk=chunk)
-    # The layer at the intra kernel's other warp counts (or at other state-kernel stages).
-    variants = ([dataclasses.replace(base, state_stages=st) for st in args.state_stages] if args.state_stages else
-                [dataclasses.replace(base, intra_warps=warps) for warps in (2, 4)])
-    for plan in variants:
-        if plan != base and time.time() - T0 < args.budget:
-            record(gate, f"ours, {plan_name(plan)}", full(plan), T, plan.bv, ceiling, chunk=chunk)
-    if time.time() - T0 < args.budget:  # the default once more: the spread between two timings of one thing
-        record(gate, f"ours, default plan {plan_name(base)} (again)", full(base), T, base.bv, ceiling, chunk=chunk)
+    if not args.passes:  # the layer
+        us = full(base)
+        record(gate, f"ours, default plan {plan_name(base)}", us, T, base.bv, ceiling, chunk=chunk)
+        if not args.state_stages:
+            other = dataclasses.replace(base, state_hi_lo=not base.state_hi_lo)  # the state's other dot form
+            record(gate, f"ours, {plan_name(other)}", full(other), T, other.bv, ceiling, chunk=chunk)
+        # The layer at the intra kernel's other warp counts (or at other state-kernel stages).
+        variants = ([dataclasses.replace(base, state_stages=st) for st in args.state_stages] if args.state_stages else
+                    [dataclasses.replace(base, intra_warps=warps) for warps in (2, 4)])
+        for plan in variants:
+            if plan != base and time.time() - T0 < args.budget:
+                record(gate, f"ours, {plan_name(plan)}", full(plan), T, plan.bv, ceiling, chunk=chunk)
+        if time.time() - T0 < args.budget:  # the default once more: the spread between two timings of one thing
+            record(gate, f"ours, default plan {plan_name(base)} (again)", full(base), T, base.bv, ceiling, chunk=chunk)
     if args.no_sweep:
         return
 
-    def conv_pass(block_t, warps):
+    def conv_pass(block_t, steps, warps, ahead_all):
         def step(a, c):
             x, w = a
-            ys = [kp._conv_pass(xi, si, wi, head=KD, norm=i < 2, interpret=interp, block_t=block_t, num_warps=warps)
+            ys = [kp._conv_pass(xi, si, wi, head=KD, norm=i < 2, interpret=interp, block_t=block_t, n_steps=steps,
+                                num_warps=warps, ahead_all=ahead_all)
                   for i, (xi, si, wi) in enumerate(((x.q, c.conv_q, w.conv_q), (x.k, c.conv_k, w.conv_k),
                                                     (x.v, c.conv_v, w.conv_v)))]
             tick = sum(y[0][0, 0, 0].astype(jnp.float32) * 0 for y in ys).astype(c.conv_q.dtype)
             return c._replace(conv_q=c.conv_q + tick)
         return time_loop(step, (x, w), s)
 
-    for block_t, warps in ((kp.CONV_ROWS, 4), (32, 8), (16, 4), (64, 8), (64, 4)):
+    # (rows a step, steps a program, warps, every tap's window ahead); 1 step: one row block a program, as
+    # before 2026-12-02's second session
+    for block_t, steps, warps, ahead_all in ((kp.CONV_ROWS, kp.CONV_STEPS, 4, False), (16, 1, 4, False),
+                                             (16, 4, 4, True), (16, 8, 4, True), (32, 4, 4, True), (32, 4, 8, True),
+                                             (16, 2, 4, True), (8, 4, 4, True), (32, 1, 8, False)):
         if time.time() - T0 < args.budget:
-            us = conv_pass(block_t, warps)
-            record(gate, f"conv pass alone (q, k, v and the norm factors), {block_t} rows, {warps} warps", us, T,
-                   None, ceiling)
-            log(f"    conv pass: {2 * 3 * B * T * H * KD * 2 / (us * 1e-6) / 1e12:.2f} TB/s over its 403 MB")
+            us = conv_pass(block_t, steps, warps, ahead_all)
+            record(gate, f"conv pass alone (q, k, v, norm factors), {steps} x {block_t} rows, {warps} warps"
+                   + (", all taps ahead" if ahead_all else ""), us, T, None, ceiling,
+                   nbytes=2 * 3 * B * T * H * KD * 2)  # x read, y written
     if time.time() - T0 < args.budget:  # the gated norm after the state kernel (BV < V), alone
         o = jax.random.normal(jax.random.PRNGKey(3), (B, T, H, KD), jnp.bfloat16)
         from pallas_kernels.kda import _gated_norm
@@ -218,13 +226,20 @@ def bench_ours(gate, ceiling, backend, args):
             x, w = a
             y = _gated_norm(c.astype(jnp.float32), x.gate_in.reshape(B, T, H, KD), w.o_norm, 1e-6)
             return y.astype(c.dtype)
-        record(gate, "the gated norm alone (XLA)", time_loop(norm_step, (x, w), o), T, None, ceiling)
-        for rows in (kp.NORM_ROWS, 16, 64):
-            def pass_step(a, c, rows=rows):
+        norm_bytes = 3 * B * T * H * KD * 2  # o and gate read, y written
+        record(gate, "the gated norm alone (XLA)", time_loop(norm_step, (x, w), o), T, None, ceiling, nbytes=norm_bytes)
+        for rows, steps, warps in ((kp.NORM_ROWS, kp.NORM_STEPS, 4), (64, 1, 4), (32, 2, 4), (32, 8, 4),
+                                   (32, 4, 8), (64, 4, 8), (16, 8, 2), (32, 4, 4)):
+            def pass_step(a, c, rows=rows, steps=steps, warps=warps):
                 x, w = a
-                return kp._norm_pass(c, x.gate_in, w.o_norm, eps=1e-6, interpret=interp, block_t=rows)
-            record(gate, f"the gated norm alone (norm pass, {rows} rows)", time_loop(pass_step, (x, w), o), T, None,
-                   ceiling)
+                return kp._norm_pass(c, x.gate_in, w.o_norm, eps=1e-6, interpret=interp, block_t=rows, n_steps=steps,
+                                     num_warps=warps)
+            if time.time() - T0 < args.budget:
+                record(gate, f"the gated norm alone (norm pass, {steps} x {rows} rows, {warps} warps)",
+                       time_loop(pass_step, (x, w), o), T, None, ceiling, nbytes=norm_bytes)
+
+    if args.passes:
+        return
 
     # The two kernels alone (kda_prefill's internals, with the same precisions it uses), on the
     # conv pass's outputs.
@@ -377,14 +392,14 @@ def run_gpu(args):
         if time.time() - T0 > args.budget:
             log("budget spent: timing skipped")
             continue
-        if not args.smoke:  # the peer first: a budget cut then loses our sweep, not the comparison
+        if not (args.smoke or args.passes):  # the peer first: a budget cut then loses our sweep, not the comparison
             bench_fla(gate, ceiling)
         try:
             bench_ours(gate, ceiling, backend, args)
         except Exception as e:  # noqa: BLE001
             log(f"  ours {gate} FAILED: {type(e).__name__}: {str(e)[:600]}")
             log(traceback.format_exc()[-1500:])
-        if not args.smoke:
+        if not (args.smoke or args.passes):
             if time.time() - T0 < args.budget:
                 bench_reference(gate, ceiling, args)
 
@@ -453,6 +468,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="CPU, interpret mode, tiny shapes")
     ap.add_argument("--lower", metavar="DIR", help="CPU: Triton IR of every plan (+ sm_90a compile)")
     ap.add_argument("--no-sweep", action="store_true", help="only the default plan and the peers")
+    ap.add_argument("--passes", action="store_true", help="only the conv and norm passes alone (after the checks)")
     ap.add_argument("--chunk", type=int, help="tokens per chunk (default: kda_prefill.CHUNK)")
     ap.add_argument("--state-stages", type=int, nargs="*", default=[],
                     help="time the layer at these state-kernel stages instead of the intra warp variants")

@@ -23,7 +23,8 @@ for BM 16 / 32 unswapped):
   up    grid (2I/BN, NB), tile t fastest: program (t, j) gathers block j's BM rows of x (masked:
         padding rows are 0), multiplies them by expert e_j's [D, BN] column tile in BK steps
         (cp.async pipelined), pairs gate/up columns in registers, SwiGLU (optional limit),
-        rounds to the activation dtype -> h [NB*BM, I] in slot order (padding rows 0).
+        rounds to the activation dtype -> h [NB*BM, I] in slot order (padding rows 0; plan.half:
+        see below).
   down  grid (D/BN, NB): block j's h rows (contiguous) @ W2_e[:, tile]; the epilogue scales each
         row by its pair's routed weight (fp32) and
           combine "sum"    stores it to out [P + 1, D] fp32 at the pair's row (row P: padding,
@@ -37,6 +38,12 @@ for BM 16 / 32 unswapped):
   Tile t fastest: the N/BN programs of one row block run together, so its A rows come from L2
   after the first tile; sibling blocks of one expert are adjacent, so their second read of a
   weight tile is an L2 hit. Unused blocks (e < 0) exit before any load.
+  plan.half: blocks with at most BM/2 valid rows run at BM/2 rows: the whole program (A loads, K
+  loop, epilogue, stores) at a static row count of BM/2 instead of BM, chosen per block by one
+  scalar load (a block's valid rows are a prefix, so it has at most BM/2 iff slot BM/2 is
+  padding). Half the tensor-core work and h bytes of such a block; its h rows BM/2.. are then not
+  written (padding: down, on the same plan, does not read them). Both sizes are compiled into one
+  kernel, each its own pipelined K loop.
   Quantised weights: per K step of one group G, the [G*b/32, B_N] words are unpacked in
   registers to the exact integers u - z (shift, and-or into the float 2^23, subtract), cast to
   bf16 (exact) and reshaped to the natural [G, B_N] row order (lane i of word w is row w + i*WPG),
@@ -45,7 +52,8 @@ for BM 16 / 32 unswapped):
   (wgmma can take it from registers) and the rows its N.
 Rounding: h is rounded to the activation dtype between the GEMMs (as in moe.block); y once.
 
-FLOPs (useful) 6*P*D*I: up 2*P*D*2I, down 2*P*I*D; the padding adds (NB_used*BM - P)/P of it.
+FLOPs (useful) 6*P*D*I: up 2*P*D*2I, down 2*P*I*D; the padding adds (NB_used*BM - P)/P of it
+(plan.half: a block of at most BM/2 valid rows counts BM/2).
 Bytes: the U distinct experts' weights once, U*3*D*I*2 (bf16) or U*3*D*I*(b + 16/G)/8, x and y
 (M*D*2 each); by design also h (NB_used*BM*I*2, written and read) and, combine "sum", out
 (P*D*4, written and read; "sum16" P*D*2).
@@ -102,6 +110,8 @@ class Plan:
     # are a gather-add-scatter)
     swap: bool = False  # acc^T = W^T A^T: wgmma's M is the tile's N, its N the rows (BM 16 and
     # 32 then run on wgmma too); quantised weights: the dequantised tile stays in registers
+    half: bool = False  # blocks with at most BM/2 valid rows run at BM/2 rows (block_m >= 32):
+    # an expert's last block is often mostly padding (Ling, 4096 tokens, BM 128: ~64 rows of 128)
 
 
 def plan_for(p: int, e: int, quantized: bool) -> Plan:
@@ -169,7 +179,7 @@ def _unpack(words, qm: _QMeta, magic, zero, dtype):
     return (f - (2.0**23 + zero)).astype(dtype)
 
 
-def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, interpret, n_init):
+def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half, interpret, n_init):
     """Program (t, j): block j's rows times expert e_j's column tile t; see the module doc."""
     refs = list(refs)
     a_ref = refs.pop(0)  # up: x [M, D]; down: h [NB*BM, I]
@@ -186,27 +196,28 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, inter
 
     t, j = pl.program_id(0), pl.program_id(1)
     e = blk_ref[j]
-    pair = sorted_ref[pl.ds(j * bm, bm)]  # [BM], P = padding
-    valid = pair < p
 
-    if stage == "up":  # x's rows gathered by token
-        tok = jnp.where(valid, pair // k, 0)[:, None]  # [BM, 1]
+    def block(rows):
+        """The block's first `rows` slots (static: BM, or BM/2 for plan.half): K loop, epilogue, stores."""
+        pair = sorted_ref[pl.ds(j * bm, rows)]  # [rows], P = padding
+        valid = pair < p
 
-        def a_load(k0, size):
-            cols = (k0 + jnp.arange(size, dtype=jnp.int32))[None, :]
-            return pltriton.load(a_ref.at[tok, cols], mask=valid[:, None], other=0.0)
-    else:  # the block's own h rows
-        def a_load(k0, size):
-            return a_ref[pl.ds(j * bm, bm), pl.ds(k0, size)]
+        if stage == "up":  # x's rows gathered by token
+            tok = jnp.where(valid, pair // k, 0)[:, None]  # [rows, 1]
 
-    @pl.when(e >= 0)  # an unused block reads and writes nothing
-    def _():
-        shape = (bn, bm) if swap else (bm, bn)  # swap: acc^T
+            def a_load(k0, size):
+                cols = (k0 + jnp.arange(size, dtype=jnp.int32))[None, :]
+                return pltriton.load(a_ref.at[tok, cols], mask=valid[:, None], other=0.0)
+        else:  # the block's own h rows
+            def a_load(k0, size):
+                return a_ref[pl.ds(j * bm, rows), pl.ds(k0, size)]
+
+        shape = (bn, rows) if swap else (rows, bn)  # swap: acc^T
         if qm is None:
             def body(i, acc):
                 k0 = pl.multiple_of(i * bk, bk)
                 w = w_ref[e, pl.ds(k0, bk), pl.ds(t * bn, bn)]  # [BK, BN]
-                a = a_load(k0, bk)  # [BM, BK]
+                a = a_load(k0, bk)  # [rows, BK]
                 if swap:
                     return acc + jnp.dot(w.T, a.T, preferred_element_type=jnp.float32)
                 return acc + jnp.dot(a, w, preferred_element_type=jnp.float32)
@@ -220,7 +231,7 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, inter
                 words = words_ref[e, t, pl.ds(g * wpg, wpg), :]  # [WPG, B_N]
                 zero = (2.0 ** (qm.bits - 1) if zeros_ref is None
                         else zeros_ref[e, t, g, :].astype(jnp.float32)[None, :])
-                a = a_load(pl.multiple_of(g * g_size, g_size), g_size)  # [BM, G]
+                a = a_load(pl.multiple_of(g * g_size, g_size), g_size)  # [rows, G]
                 v = _unpack(words, qm, magic, zero, a.dtype)  # [G, B_N]
                 scale = scales_ref[e, t, g, :].astype(jnp.float32)  # [B_N]
                 if swap:
@@ -233,27 +244,33 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, inter
             acc = acc.T
 
         if stage == "up":  # interleaved columns: (gate, up) side by side
-            pairs = acc.reshape(bm, bn // 2, 2)
+            pairs = acc.reshape(rows, bn // 2, 2)
             gate = jnp.arange(2, dtype=jnp.int32) == 0  # select + sum: lowers everywhere, exact
             g = jnp.sum(jnp.where(gate, pairs, 0.0), axis=-1)
             u = jnp.sum(jnp.where(gate, 0.0, pairs), axis=-1)
             h = _swiglu(g, u, limit).astype(out_ref.dtype)  # padding rows: x = 0 -> h = 0
-            out_ref[pl.ds(j * bm, bm), pl.ds(t * (bn // 2), bn // 2)] = h
+            out_ref[pl.ds(j * bm, rows), pl.ds(t * (bn // 2), bn // 2)] = h
         else:
-            w = pltriton.load(tw_ref.at[jnp.where(valid, pair, 0)], mask=valid, other=0.0)  # [BM]
+            w = pltriton.load(tw_ref.at[jnp.where(valid, pair, 0)], mask=valid, other=0.0)  # [rows]
             val = acc * w[:, None]  # padding rows: h = 0, w = 0 -> 0
             cols = (t * bn + jnp.arange(bn, dtype=jnp.int32))[None, :]
             if combine != "atomic":  # "sum", "sum16": the pair's own row, in out's dtype
-                rows = jnp.where(valid, pair, p)[:, None]  # padding goes nowhere (masked, row P)
-                pltriton.store(out_ref.at[rows, cols], val.astype(out_ref.dtype), mask=valid[:, None])
+                dst = jnp.where(valid, pair, p)[:, None]  # padding goes nowhere (masked, row P)
+                pltriton.store(out_ref.at[dst, cols], val.astype(out_ref.dtype), mask=valid[:, None])
             else:
                 n_tok = out_ref.shape[0] - 1
-                rows = jnp.where(valid, pair // k, n_tok)[:, None]  # padding: row M (adds 0)
+                dst = jnp.where(valid, pair // k, n_tok)[:, None]  # padding: row M (adds 0)
                 # The interpreter has no masked atomics; unmasked, padding adds 0 to row M. Relaxed:
                 # a sum needs atomicity, not order (Pallas' own atomics fence before each one).
                 mask = None if interpret else jnp.broadcast_to(valid[:, None], val.shape)
-                relaxed_atomic_add(out_ref, (rows, cols), val, mask=mask)
+                relaxed_atomic_add(out_ref, (dst, cols), val, mask=mask)
 
+    @pl.when(e >= 0)  # an unused block reads and writes nothing
+    def _():
+        if half:  # valid rows are a prefix: at most BM/2 of them iff slot BM/2 is padding
+            lax.cond(sorted_ref[j * bm + bm // 2] >= p, lambda: block(bm // 2), lambda: block(bm))
+        else:
+            block(bm)
 
 
 def _gemm(stage, a, block_expert, sorted_pairs, w, *, tw=None, n_blocks, k, p, plan: Plan,
@@ -280,10 +297,12 @@ def _gemm(stage, a, block_expert, sorted_pairs, w, *, tw=None, n_blocks, k, p, p
     inits = [] if init is None else [init]
     kernel = functools.partial(
         _kernel, stage=stage, k=k, p=p, bm=plan.block_m, bk=bk, bn=bn, n_k=n_k, qm=qm, limit=limit,
-        combine=plan.combine, swap=plan.swap, interpret=interpret, n_init=len(inits))
+        combine=plan.combine, swap=plan.swap, half=plan.half, interpret=interpret, n_init=len(inits))
     name = f"grouped_{stage}" + ("" if qm is None else f"_int{qm.bits}") + f"_m{plan.block_m}_n{bn}"
     if plan.swap:
         name += "_swap"
+    if plan.half:
+        name += "_half"
     if stage == "down" and plan.combine == "atomic":
         name += "_atomic"
     return pl.pallas_call(
@@ -301,6 +320,8 @@ def _check_plan(plan: Plan):
     bm = plan.block_m
     if bm < 16 or bm & (bm - 1):
         raise ValueError(f"plan.block_m must be a power of two >= 16, got {bm}")
+    if plan.half and bm < 32:
+        raise ValueError(f"plan.half needs block_m >= 32 (BM/2 >= 16, a dot's smallest side), got {bm}")
     if plan.combine not in COMBINES:
         raise ValueError(f"plan.combine must be one of {COMBINES}, got {plan.combine!r}")
 
@@ -309,7 +330,8 @@ def gate_up(x, sorted_pairs, block_expert, w13, *, k: int, n_blocks: int, plan: 
             swiglu_limit=None, backend="pallas", init=None):
     """Stage 1. h [n_blocks*BM, I] (x's dtype) = swiglu(x[pair // k] @ W13_e), one row per slot
     of the align's layout (`moe_align(ids, E, plan.block_m)`; n_blocks = align_sizes(...).nb);
-    padding rows are 0, rows of unused blocks are not written. x [M, D] in the activation dtype
+    padding rows are 0, except that with plan.half a block whose slot BM/2 is padding writes
+    only its first BM/2 rows; rows of unused blocks are not written. x [M, D] in the activation dtype
     (bf16 for quantised weights)."""
     _check_plan(plan)
     i = (w13.shape[0] if isinstance(w13, QuantizedWeight) else w13.shape[2]) // 2

@@ -315,70 +315,76 @@ def _dot(a, b, precision, *, trans_b: bool = False):
 # ----------------------------------------------------------------------------------------------
 # Kernel 0: the short conv + SiLU (and q's and k's L2-norm factors), one program per row block and head.
 
-CONV_ROWS = 16  # rows per program of the conv pass. Bandwidth-bound, it wants many programs' loads in
-# flight: sm_90a registers a thread at 16 / 32 / 64 / 128 rows of 4 warps 76 / 124 / 168 / 255. H200, T 8192,
-# three projections: 148 µs at 16 rows; 154-250 at 32, 183-186 at 64, 288 at 128 (runs of 2026-12-02)
+CONV_ROWS = 16  # rows per step of the conv pass
+CONV_STEPS = 1  # steps per program: each program streams CONV_ROWS·CONV_STEPS rows of one head. Bandwidth-bound,
+# the pass wants bytes in flight, which live in registers: a step issues the next step's new rows (its last
+# tap's window) before its own maths and stores; the other taps' windows overlap rows already read (L1 hits)
 
 
-def _conv_kernel(x_ref, cs_ref, w_ref, y_ref, *rn_ref, t_len: int, block_t: int, scale: float):
+def _conv_kernel(x_ref, cs_ref, w_ref, y_ref, *rn_ref, t_len: int, block_t: int, n_steps: int, scale: float,
+                 ahead_all: bool):
     """Refs (squeezed blocks): x [T, BC] raw inputs, cs [W-1, BC] the conv state (oldest first),
-    w [BC, W] taps; y [T, BC]; optional rn [T] (BC is one head). Rows t0 .. t0+BT-1:
+    w [BC, W] taps; y [T, BC]; optional rn [T] (BC is one head). The program's rows, BT a step:
     y = SiLU(Σ_j w_j x[t - (W-1-j)]) rounded to the activation dtype (as the model's
     `causal_conv`), and rn = scale / sqrt(Σ y² + 1e-6) over the row (fp32, from the rounded y:
-    the L2 norm's factor, as `l2_normalize`). Tap j of block 0 reaches rows before 0, the conv
-    state's: it gathers, every other block loads plain (possibly unaligned) row ranges."""
+    the L2 norm's factor, as `l2_normalize`). Rows before 0 are the conv state's."""
     f32 = jnp.float32
     act = x_ref.dtype
     n_taps = w_ref.shape[1]
-    i = pl.program_id(1)
-    t0 = i * block_t
-    r = t0 + jnp.arange(block_t, dtype=jnp.int32)  # [BT]
+    first = pl.program_id(1) * (block_t * n_steps)
+    end = jnp.minimum(first + block_t * n_steps, t_len)  # the program's rows: first .. end-1
     cols = jnp.arange(x_ref.shape[1], dtype=jnp.int32)[None, :]
     taps = [w_ref[:, j].astype(f32) for j in range(n_taps)]  # [BC] each
 
-    def plain():
-        y = None
-        for j in range(n_taps):
-            shift = n_taps - 1 - j
-            xs = pltriton.load(x_ref.at[pl.ds(t0 - shift, block_t)], mask=(r - shift < t_len)[:, None],
-                               other=0.0).astype(f32)
-            y = taps[j][None, :] * xs if y is None else y + taps[j][None, :] * xs
-        return y
+    def window(t0, shift, mask=True):
+        """x rows r - shift for the rows r = t0 .. t0+BT-1 [BT, BC] (activation dtype): for
+        r - shift < 0 the conv state's row r - shift + W-1; 0 where mask is False. Clipped indices
+        keep every address in bounds, the masks pick (disjoint: the sum is one of them, exactly)."""
+        rr = t0 + jnp.arange(block_t, dtype=jnp.int32) - shift  # [BT]
+        xs = pltriton.load(x_ref.at[jnp.clip(rr, 0, t_len - 1)[:, None], cols],
+                           mask=(mask & (rr >= 0))[:, None], other=0.0)
+        if shift == 0:
+            return xs
+        cs = pltriton.load(cs_ref.at[jnp.clip(rr + n_taps - 1, 0, n_taps - 2)[:, None], cols],
+                           mask=(mask & (rr < 0))[:, None], other=0.0)
+        return xs + cs.astype(act)
 
-    def with_state():
-        y = None
-        for j in range(n_taps):
-            rr = r - (n_taps - 1 - j)  # [BT], < 0: the conv state's row rr + W-1
-            xs = pltriton.load(x_ref.at[jnp.clip(rr, 0, t_len - 1)[:, None], cols],
-                               mask=((rr >= 0) & (rr < t_len))[:, None], other=0.0).astype(f32)
-            if j < n_taps - 1:
-                cs = pltriton.load(cs_ref.at[jnp.clip(rr + n_taps - 1, 0, n_taps - 2)[:, None], cols],
-                                   mask=(rr < 0)[:, None], other=0.0)
-                xs = xs + cs.astype(act).astype(f32)
-            y = taps[j][None, :] * xs if y is None else y + taps[j][None, :] * xs
-        return y
+    def windows(t0, mask=True):  # every tap's (ahead_all) or the last tap's: the rows t0 .. t0+BT-1 themselves
+        return tuple(window(t0, n_taps - 1 - j, mask) for j in (range(n_taps) if ahead_all else [n_taps - 1]))
 
-    y = lax.cond(i == 0, with_state, plain)
-    y = (y * _sigmoid(y)).astype(act)
-    inside = r < t_len
-    pltriton.store(y_ref.at[pl.ds(t0, block_t)], y, mask=inside[:, None])
-    if rn_ref:
-        y = y.astype(f32)
-        rn = lax.rsqrt(jnp.sum(y * y, axis=1) + 1e-6) * scale  # [BT]
-        pltriton.store(rn_ref[0].at[pl.ds(t0, block_t)], rn, mask=inside)
+    def step(i, wins):
+        t0 = first + i * block_t
+        r = t0 + jnp.arange(block_t, dtype=jnp.int32)
+        ahead = windows(t0 + block_t, r + block_t < end)  # the next step's (none after the last)
+        if not ahead_all:
+            wins = tuple(window(t0, n_taps - 1 - j) for j in range(n_taps - 1)) + wins
+        y = sum(taps[j][None, :] * wins[j].astype(f32) for j in range(n_taps))  # [BT, BC]
+        y = (y * _sigmoid(y)).astype(act)
+        inside = r < end
+        # (stores to row slices: clipped, the masked rows would be duplicate indices, which the
+        # interpreter's masked scatter may write last with the stale value)
+        pltriton.store(y_ref.at[pl.ds(t0, block_t)], y, mask=inside[:, None])
+        if rn_ref:
+            y = y.astype(f32)
+            rn = lax.rsqrt(jnp.sum(y * y, axis=1) + 1e-6) * scale  # [BT]
+            pltriton.store(rn_ref[0].at[pl.ds(t0, block_t)], rn, mask=inside)
+        return ahead
+
+    lax.fori_loop(0, n_steps, step, windows(first, first + jnp.arange(block_t, dtype=jnp.int32) < end))
 
 
 def _conv_pass(x, conv_state, weight, *, head: int, norm: bool, scale: float = 1.0, interpret: bool,
-               block_t: int = CONV_ROWS, num_warps: int = 4):
+               block_t: int = CONV_ROWS, n_steps: int = CONV_STEPS, num_warps: int = 4, ahead_all: bool = False):
     """x [B, T, C] raw, conv_state [B, W-1, C], weight [C, W] -> (y = SiLU(conv) [B, T, C] in x's
     dtype, with norm the L2-norm factors rn [B, C / head, T] fp32 of y's heads times scale, else
-    None); see `_conv_kernel`. One program per block_t rows and head. Bytes: x read once (the
-    taps' overlapping rows hit in cache), y written once: 2·B·T·C·2 at bf16, 134 MB a projection
-    at Ling's T 8192 (rn 1 MB)."""
+    None); see `_conv_kernel`. One program per block_t·n_steps rows and head. Bytes: x read once
+    (the taps' overlapping rows hit in cache), y written once: 2·B·T·C·2 at bf16, 134 MB a
+    projection at Ling's T 8192 (rn 1 MB)."""
     b, t, c = x.shape
     nw = weight.shape[1]
     bt = min(block_t, pl.next_power_of_2(t))
-    kernel = functools.partial(_conv_kernel, t_len=t, block_t=bt, scale=scale)
+    n_steps = max(1, min(n_steps, -(-t // bt)))
+    kernel = functools.partial(_conv_kernel, t_len=t, block_t=bt, n_steps=n_steps, scale=scale, ahead_all=ahead_all)
     out_specs = [pl.BlockSpec((None, t, head), lambda i, j, l: (i, 0, l))]
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
     if norm:
@@ -386,7 +392,7 @@ def _conv_pass(x, conv_state, weight, *, head: int, norm: bool, scale: float = 1
         out_shape.append(jax.ShapeDtypeStruct((b, c // head, t), jnp.float32))
     out = pl.pallas_call(
         kernel,
-        grid=(b, -(-t // bt), c // head),  # column blocks fastest: neighbours cover whole rows
+        grid=(b, -(-t // (bt * n_steps)), c // head),  # heads fastest: neighbours cover whole rows
         in_specs=[pl.BlockSpec((None, t, head), lambda i, j, l: (i, 0, l)),
                   pl.BlockSpec((None, nw - 1, head), lambda i, j, l: (i, 0, l)),
                   pl.BlockSpec((head, nw), lambda i, j, l: (l, 0))],
@@ -786,42 +792,58 @@ def _state(inter, x: KdaInputs, w: KdaWeights, rec, *, chunk, eps, bv, precision
 # ----------------------------------------------------------------------------------------------
 # Kernel 3 (BV < V): the gated RMSNorm over whole V rows, one program per row block and head.
 
-NORM_ROWS = 64  # rows per program of the norm pass. H200, T 8192: 91 µs at 16 or 64 rows (4.5 TB/s), 121 at
-# 32; XLA's fusion of the same 130 (2026-12-02)
+NORM_ROWS = 32  # rows per step of the norm pass
+NORM_STEPS = 4  # steps per program, the next step's loads issued before this step's maths (as the conv pass)
 
 
-def _norm_kernel(o_ref, gate_ref, wn_ref, y_ref, *, t_len: int, block_t: int, eps: float):
+def _norm_kernel(o_ref, gate_ref, wn_ref, y_ref, *, t_len: int, block_t: int, n_steps: int, eps: float):
     """Refs (squeezed blocks): o [T, V] (the state kernel's, activation dtype), gate [T, V], wn [V];
-    y [T, V] = rmsnorm(o) · wn · σ(gate) for rows t0 .. t0+BT-1, in fp32 and rounded once (as
-    `pallas_kernels.kda._gated_norm` of the rounded o)."""
+    y [T, V] = rmsnorm(o) · wn · σ(gate) over the program's rows, BT a step, in fp32 and rounded
+    once (as `pallas_kernels.kda._gated_norm` of the rounded o)."""
     f32 = jnp.float32
-    t0 = pl.program_id(1) * block_t
-    inside = (t0 + jnp.arange(block_t, dtype=jnp.int32) < t_len)[:, None]
-    rows = pl.ds(t0, block_t)
-    o = pltriton.load(o_ref.at[rows], mask=inside, other=0.0).astype(f32)
-    gate = pltriton.load(gate_ref.at[rows], mask=inside, other=0.0).astype(f32)
-    # `_gated_norm`'s maths with `_sigmoid` (two MUFU ops) for its σ, which lowers to a division:
-    # the form timed at 4.5 TB/s
-    o = o * lax.rsqrt(jnp.mean(o * o, axis=1, keepdims=True) + eps)
-    y = o * wn_ref[...].astype(f32)[None, :] * _sigmoid(gate)
-    pltriton.store(y_ref.at[rows], y.astype(y_ref.dtype), mask=inside)
+    first = pl.program_id(1) * (block_t * n_steps)
+    end = jnp.minimum(first + block_t * n_steps, t_len)
+    cols = jnp.arange(o_ref.shape[1], dtype=jnp.int32)[None, :]
+    wn = wn_ref[...].astype(f32)[None, :]
+
+    def rows(t0):  # [BT, 1] clipped row indices (every address in bounds) and [BT, 1] the program's
+        r = t0 + jnp.arange(block_t, dtype=jnp.int32)
+        return jnp.clip(r, 0, t_len - 1)[:, None], (r < end)[:, None]
+
+    def load(t0):
+        idx, mine = rows(t0)
+        return (pltriton.load(o_ref.at[idx, cols], mask=mine, other=0.0),
+                pltriton.load(gate_ref.at[idx, cols], mask=mine, other=0.0))
+
+    def step(i, tiles):
+        t0 = first + i * block_t
+        ahead = load(t0 + block_t)  # the next step's (none after the last: masked)
+        o, gate = (a.astype(f32) for a in tiles)
+        # `_gated_norm`'s maths with `_sigmoid` (two MUFU ops) for its σ, which lowers to a division
+        o = o * lax.rsqrt(jnp.mean(o * o, axis=1, keepdims=True) + eps)
+        y = o * wn * _sigmoid(gate)
+        pltriton.store(y_ref.at[pl.ds(t0, block_t)], y.astype(y_ref.dtype), mask=rows(t0)[1])  # (as the conv pass)
+        return ahead
+
+    lax.fori_loop(0, n_steps, step, load(first))
 
 
-def _norm_pass(o, gate_in, weight, *, eps: float, interpret: bool, block_t: int = NORM_ROWS):
+def _norm_pass(o, gate_in, weight, *, eps: float, interpret: bool, block_t: int = NORM_ROWS,
+               n_steps: int = NORM_STEPS, num_warps: int = 4):
     """o [B, T, H, V], gate_in [B, T, H·V], weight [V] -> the gated norm [B, T, H, V] in o's dtype.
-    Bytes: o and gate read, y written (201 MB at Ling's T 8192; XLA's fusion of the same took
-    116 µs on the H200, 1.7 TB/s)."""
+    Bytes: o and gate read, y written (201 MB at Ling's T 8192)."""
     b, t, h, vd = o.shape
     bt = min(block_t, pl.next_power_of_2(t))
+    n_steps = max(1, min(n_steps, -(-t // bt)))
     return pl.pallas_call(
-        functools.partial(_norm_kernel, t_len=t, block_t=bt, eps=eps),
-        grid=(b, -(-t // bt), h),  # heads fastest: neighbours cover whole rows
+        functools.partial(_norm_kernel, t_len=t, block_t=bt, n_steps=n_steps, eps=eps),
+        grid=(b, -(-t // (bt * n_steps)), h),  # heads fastest: neighbours cover whole rows
         in_specs=[pl.BlockSpec((None, t, None, vd), lambda i, j, l: (i, 0, l, 0)),
                   pl.BlockSpec((None, t, vd), lambda i, j, l: (i, 0, l)),
                   pl.BlockSpec((vd,), lambda i, j, l: (0,))],
         out_specs=pl.BlockSpec((None, t, None, vd), lambda i, j, l: (i, 0, l, 0)),
         out_shape=jax.ShapeDtypeStruct(o.shape, o.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kda_prefill_norm",
     )(o, gate_in, weight)

@@ -45,6 +45,24 @@ def _routing(rng, m, k):
     return jnp.asarray(ids, jnp.int32), jnp.asarray(w)
 
 
+def _half_routing(rng, m, k, bm):
+    """Ragged around BM/2 (the half path's switch): expert 0 in every token (the most rows, several
+    blocks), experts EMPTY never, the others blocks of 1, BM/2, BM/2 + 1 and BM valid rows (as
+    their only or their second block); the last four share the rest. Distinct experts per token."""
+    half = bm // 2
+    counts = np.zeros(E, int)
+    counts[[0, 1, 2, 3, 5, 6, 7]] = m, half, half + 1, bm + half, bm + half + 1, 1, bm
+    rest = m * k - counts.sum()
+    counts[[8, 10, 11, 12]] = rest // 4 + (np.arange(4) < rest % 4)
+    assert rest >= 0 and counts.max() <= m
+    # Expert-major runs of at most M pairs, laid out slot-major: each run wraps at most once, so
+    # it covers distinct tokens.
+    ids = np.repeat(np.arange(E), counts).reshape(k, m).T
+    ids = np.stack([rng.permutation(row) for row in ids[rng.permutation(m)]])
+    w = rng.random((m, k)).astype(np.float32) + 0.1
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(w)
+
+
 def _exact64(x, ids, w, w13, w2, limit):
     """(exact y, S = sum_k |w| (|h| @ |W2|)) in float64, per expert."""
     x64 = np.asarray(x.astype(jnp.float32), np.float64)
@@ -80,6 +98,13 @@ CASES = [
     (70, 2, "bf16", 7.0, None),  # plan_for's choice
     (45, 8, "bf16", None, gg.Plan(32, T(64, 64, 4, 2), T(64, 128, 4, 2), combine="sum16")),  # bf16 pair rows
     (26, 4, "int4", 1.0, gg.Plan(16, T(0, 0, 4, 2), T(0, 0, 4, 2), swap=True, combine="sum16")),
+    # half blocks, on _half_routing
+    (60, 4, "bf16", None, gg.Plan(32, T(64, 64, 4, 2), T(64, 128, 4, 2), combine="sum16", half=True)),
+    (110, 4, "bf16", 0.5, gg.Plan(64, T(64, 128, 4, 2), T(128, 64, 4, 2), swap=True, combine="atomic", half=True)),
+    (200, 5, "bf16", None, gg.Plan(128, T(64, 128, 8, 2), T(64, 128, 8, 2), half=True)),
+    (110, 4, "int4", 2.0, gg.Plan(64, T(0, 0, 4, 2), T(0, 0, 4, 2), swap=True, half=True)),
+    (200, 5, "int8a", None, gg.Plan(128, T(0, 0, 8, 2), T(0, 0, 8, 2), combine="atomic", half=True)),
+    (60, 4, "int4", None, gg.Plan(32, T(0, 0, 4, 2), T(0, 0, 4, 2), swap=True, combine="sum16", half=True)),
 ]
 
 
@@ -89,12 +114,13 @@ def test_grouped_moe_matches_experts_reference(m, k, kind, limit, plan):
     w13, w2 = _weights(rng, kind)
     act = jnp.float32 if kind == "f32" else jnp.bfloat16
     x = jnp.asarray(rng.standard_normal((m, D)), act)
-    ids, w = _routing(rng, m, k)
+    ids, w = _half_routing(rng, m, k, plan.block_m) if plan and plan.half else _routing(rng, m, k)
     assert m * k > GATHER_MAX_PAIRS  # the sizes the MoE block sends here
     y, h, out = gg._run(x, ids, w, w13, w2, swiglu_limit=limit, backend="interpret", plan=plan, poison=True)
     assert y.dtype == x.dtype
 
-    # Every pair written once, padding nowhere; h: padding rows 0, unused blocks untouched (NaN).
+    # Every pair written once, padding nowhere; h: padding rows 0, unused blocks untouched (NaN),
+    # plan.half: so are rows BM/2.. of a block whose slot BM/2 is padding.
     plan = plan or gg.plan_for(m * k, E, kind.startswith("int"))
     p = m * k
     out = np.asarray(out.astype(jnp.float32))
@@ -102,9 +128,16 @@ def test_grouped_moe_matches_experts_reference(m, k, kind, limit, plan):
         assert np.isfinite(out[:p]).all() and np.isnan(out[p]).all()
     sorted_pairs, block_expert = (np.asarray(a) for a in fm.moe_align(ids, E, plan.block_m, backend="reference"))
     used = int(np.sum(block_expert >= 0))
-    h = np.asarray(h.astype(jnp.float32)).reshape(-1, plan.block_m, I)
-    slots = sorted_pairs[: h.shape[0] * plan.block_m].reshape(-1, plan.block_m)
-    assert np.isfinite(h[:used]).all() and np.all(h[:used][slots[:used] == p] == 0)
+    bm = plan.block_m
+    h = np.asarray(h.astype(jnp.float32)).reshape(-1, bm, I)
+    pad = sorted_pairs[: h.shape[0] * bm].reshape(-1, bm)[:used] == p  # [used, BM]
+    unwritten = np.zeros_like(pad)
+    if plan.half:
+        small = pad[:, bm // 2]  # the blocks run at BM/2 rows
+        assert small.any() and not small.all()  # both sizes ran
+        unwritten[small, bm // 2:] = True
+    hu = h[:used]
+    assert np.isfinite(hu[~unwritten]).all() and np.all(hu[pad & ~unwritten] == 0) and np.isnan(hu[unwritten]).all()
     assert np.isnan(h[used:]).all()
     assert not set(EMPTY) & set(block_expert[:used].tolist())
 
@@ -141,6 +174,8 @@ def test_public_entry_reference_and_errors():
         gg.grouped_moe(x, ids, w[:, :1], w13, w2, backend="interpret")
     with pytest.raises(ValueError, match="block_m"):
         gg.grouped_moe(x, ids, w, w13, w2, backend="interpret", plan=gg.Plan(48))
+    with pytest.raises(ValueError, match="half"):
+        gg.grouped_moe(x, ids, w, w13, w2, backend="interpret", plan=gg.Plan(16, half=True))
     with pytest.raises(ValueError, match="block_n"):
         gg.grouped_moe(x, ids, w, w13, w2, backend="interpret", plan=gg.Plan(16, T(64, 96)))
 
