@@ -180,20 +180,19 @@ def bench_ours(gate, ceiling, backend, args):
             return o, st
         return time_loop(step, (x, w, valid), (zeros_o, s))
 
-    if not args.passes:  # the layer
-        us = full(base)
-        record(gate, f"ours, default plan {plan_name(base)}", us, T, base.bv, ceiling, chunk=chunk)
-        if not args.state_stages:
-            other = dataclasses.replace(base, state_hi_lo=not base.state_hi_lo)  # the state's other dot form
-            record(gate, f"ours, {plan_name(other)}", full(other), T, other.bv, ceiling, chunk=chunk)
-        # The layer at the intra kernel's other warp counts (or at other state-kernel stages).
-        variants = ([dataclasses.replace(base, state_stages=st) for st in args.state_stages] if args.state_stages else
-                    [dataclasses.replace(base, intra_warps=warps) for warps in (2, 4)])
-        for plan in variants:
-            if plan != base and time.time() - T0 < args.budget:
-                record(gate, f"ours, {plan_name(plan)}", full(plan), T, plan.bv, ceiling, chunk=chunk)
-        if time.time() - T0 < args.budget:  # the default once more: the spread between two timings of one thing
-            record(gate, f"ours, default plan {plan_name(base)} (again)", full(base), T, base.bv, ceiling, chunk=chunk)
+    us = full(base)
+    record(gate, f"ours, default plan {plan_name(base)}", us, T, base.bv, ceiling, chunk=chunk)
+    if not (args.state_stages or args.quick):
+        other = dataclasses.replace(base, state_hi_lo=not base.state_hi_lo)  # the state's other dot form
+        record(gate, f"ours, {plan_name(other)}", full(other), T, other.bv, ceiling, chunk=chunk)
+    # The layer at the intra kernel's other warp counts (or at other state-kernel stages).
+    variants = ([dataclasses.replace(base, state_stages=st) for st in args.state_stages] if args.state_stages else
+                [] if args.quick else [dataclasses.replace(base, intra_warps=warps) for warps in (2, 4)])
+    for plan in variants:
+        if plan != base and time.time() - T0 < args.budget:
+            record(gate, f"ours, {plan_name(plan)}", full(plan), T, plan.bv, ceiling, chunk=chunk)
+    if time.time() - T0 < args.budget:  # the default once more: the spread between two timings of one thing
+        record(gate, f"ours, default plan {plan_name(base)} (again)", full(base), T, base.bv, ceiling, chunk=chunk)
     if args.no_sweep:
         return
 
@@ -238,9 +237,6 @@ def bench_ours(gate, ceiling, backend, args):
                 record(gate, f"the gated norm alone (norm pass, {steps} x {rows} rows, {warps} warps)",
                        time_loop(pass_step, (x, w), o), T, None, ceiling, nbytes=norm_bytes)
 
-    if args.passes:
-        return
-
     # The two kernels alone (kda_prefill's internals, with the same precisions it uses), on the
     # conv pass's outputs.
     xc, rn = kp._convs(x, w, s, interpret=interp)
@@ -271,8 +267,8 @@ def bench_ours(gate, ceiling, backend, args):
     best_intra, best_state = None, None
     others = [(wp, base.precision) for wp in (2, 4, 8) if wp != base.intra_warps]
     alt = "tf32" if base.precision == "bf16" else "bf16"  # the intra dots' other operand precision
-    for warps, precision in [(base.intra_warps, base.precision)] + others + [(base.intra_warps, alt),
-                                                                             (base.intra_warps, "bf16x3")]:
+    intras = [(base.intra_warps, base.precision)] + others + [(base.intra_warps, alt), (base.intra_warps, "bf16x3")]
+    for warps, precision in intras[:1] if args.quick else intras:
         if time.time() - T0 > args.budget:
             log("  budget spent: intra sweep cut short")
             break
@@ -284,10 +280,10 @@ def bench_ours(gate, ceiling, backend, args):
         except Exception as e:  # noqa: BLE001
             log(f"  intra {warps} warps {precision} FAILED: {type(e).__name__}: {str(e)[:400]}")
     hl = base.state_hi_lo
-    for bv, warps, stages, hi_lo in ((base.bv, base.state_warps, base.state_stages, hl),
-                                     (base.bv, base.state_warps, base.state_stages, not hl),
-                                     (16, 4, 3, hl), (16, 4, 3, not hl), (64, 4, 2, hl), (64, 8, 2, hl),
-                                     (32, 4, 2, hl), (32, 8, 2, hl), (128, 8, 2, hl), (128, 4, 1, hl)):
+    states = ((base.bv, base.state_warps, base.state_stages, hl), (base.bv, base.state_warps, base.state_stages, not hl),
+              (16, 4, 3, hl), (16, 4, 3, not hl), (64, 4, 2, hl), (64, 8, 2, hl), (32, 4, 2, hl), (32, 8, 2, hl),
+              (128, 8, 2, hl), (128, 4, 1, hl))
+    for bv, warps, stages, hi_lo in states[:1] if args.quick else states:
         if bv > KD:  # (--smoke: V is 32)
             continue
         if time.time() - T0 > args.budget:
@@ -302,6 +298,8 @@ def bench_ours(gate, ceiling, backend, args):
                 best_state = (us, bv, warps, stages)
         except Exception as e:  # noqa: BLE001
             log(f"  state BV {bv} {warps} warps {stages} stages {dots} FAILED: {type(e).__name__}: {str(e)[:400]}")
+    if args.quick:
+        return
     if best_intra and best_state and time.time() - T0 < args.budget:
         plan = kp.Plan(bv=best_state[1], intra_warps=best_intra[1], state_warps=best_state[2],
                        state_stages=best_state[3], precision=best_intra[2], state_hi_lo=hl)
@@ -392,14 +390,14 @@ def run_gpu(args):
         if time.time() - T0 > args.budget:
             log("budget spent: timing skipped")
             continue
-        if not (args.smoke or args.passes):  # the peer first: a budget cut then loses our sweep, not the comparison
+        if not (args.smoke or args.quick):  # the peer first: a budget cut then loses our sweep, not the comparison
             bench_fla(gate, ceiling)
         try:
             bench_ours(gate, ceiling, backend, args)
         except Exception as e:  # noqa: BLE001
             log(f"  ours {gate} FAILED: {type(e).__name__}: {str(e)[:600]}")
             log(traceback.format_exc()[-1500:])
-        if not (args.smoke or args.passes):
+        if not (args.smoke or args.quick):
             if time.time() - T0 < args.budget:
                 bench_reference(gate, ceiling, args)
 
@@ -468,7 +466,8 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="CPU, interpret mode, tiny shapes")
     ap.add_argument("--lower", metavar="DIR", help="CPU: Triton IR of every plan (+ sm_90a compile)")
     ap.add_argument("--no-sweep", action="store_true", help="only the default plan and the peers")
-    ap.add_argument("--passes", action="store_true", help="only the conv and norm passes alone (after the checks)")
+    ap.add_argument("--quick", action="store_true", help="no peer; the layer (default plan, twice), the conv and "
+                    "norm pass sweeps, the intra and state kernels alone at the default plan")
     ap.add_argument("--chunk", type=int, help="tokens per chunk (default: kda_prefill.CHUNK)")
     ap.add_argument("--state-stages", type=int, nargs="*", default=[],
                     help="time the layer at these state-kernel stages instead of the intra warp variants")
