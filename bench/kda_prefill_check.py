@@ -16,8 +16,8 @@ kernels depend on it, so nothing is hoisted out of the loop) and o carried from 
 for 2 and 7 iterations; the difference / 5 is one call. Median of 3.
 Rows: ours (default plan, its other state-dot form, its other intra warp counts or, with
 --state-stages, other state-kernel stages, and the default once more for the spread), the kernels
-alone (the conv pass over q, k, v at several row blocks and steps a program; the gated norm as XLA's fusion and as the
-norm pass; intra: grid (B, N, H); state: grid (B, H, V/BV) plus the norm), the sweep of plans
+alone (the conv pass over q, k, v at several row blocks; the gated norm as XLA's fusion and as the
+norm pass at several row steps; intra: grid (B, N, H); state: grid (B, H, V/BV) plus the norm), the sweep of plans
 (intra: warps x precision; state: BV x warps x stages), the best combination, the layer in chunks
 of 64 when C is not (the default before 2026-12-01), the XLA reference, and fla 0.6.0's chunk_kda
 (the peer: L2 norm, gate and beta in kernel; no conv, no gated norm) under a CUDA graph where fla
@@ -196,27 +196,20 @@ def bench_ours(gate, ceiling, backend, args):
     if args.no_sweep:
         return
 
-    def conv_pass(block_t, steps, warps, ahead_all):
+    def conv_pass(block_t, warps):
         def step(a, c):
             x, w = a
-            ys = [kp._conv_pass(xi, si, wi, head=KD, norm=i < 2, interpret=interp, block_t=block_t, n_steps=steps,
-                                num_warps=warps, ahead_all=ahead_all)
+            ys = [kp._conv_pass(xi, si, wi, head=KD, norm=i < 2, interpret=interp, block_t=block_t, num_warps=warps)
                   for i, (xi, si, wi) in enumerate(((x.q, c.conv_q, w.conv_q), (x.k, c.conv_k, w.conv_k),
                                                     (x.v, c.conv_v, w.conv_v)))]
             tick = sum(y[0][0, 0, 0].astype(jnp.float32) * 0 for y in ys).astype(c.conv_q.dtype)
             return c._replace(conv_q=c.conv_q + tick)
         return time_loop(step, (x, w), s)
 
-    # (rows a step, steps a program, warps, every tap's window ahead); 1 step: one row block a program, as
-    # before 2026-12-02's second session
-    for block_t, steps, warps, ahead_all in ((kp.CONV_ROWS, kp.CONV_STEPS, 4, False), (16, 1, 4, False),
-                                             (16, 4, 4, True), (16, 8, 4, True), (32, 4, 4, True), (32, 4, 8, True),
-                                             (16, 2, 4, True), (8, 4, 4, True), (32, 1, 8, False)):
+    for block_t, warps in ((kp.CONV_ROWS, 4), (32, 8), (16, 4), (64, 8), (64, 4)):
         if time.time() - T0 < args.budget:
-            us = conv_pass(block_t, steps, warps, ahead_all)
-            record(gate, f"conv pass alone (q, k, v, norm factors), {steps} x {block_t} rows, {warps} warps"
-                   + (", all taps ahead" if ahead_all else ""), us, T, None, ceiling,
-                   nbytes=2 * 3 * B * T * H * KD * 2)  # x read, y written
+            record(gate, f"conv pass alone (q, k, v and the norm factors), {block_t} rows, {warps} warps",
+                   conv_pass(block_t, warps), T, None, ceiling, nbytes=2 * 3 * B * T * H * KD * 2)  # x read, y written
     if time.time() - T0 < args.budget:  # the gated norm after the state kernel (BV < V), alone
         o = jax.random.normal(jax.random.PRNGKey(3), (B, T, H, KD), jnp.bfloat16)
         from pallas_kernels.kda import _gated_norm

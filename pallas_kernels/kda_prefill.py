@@ -59,8 +59,8 @@ Kernels (Triton lowering), in this order:
          next chunk's loads pipelined (cp.async). The V-blocks of a head run side by side and
          share w/qg/kg/aqk through L2. BV == V fuses the gated norm; else o (activation dtype)
          goes through the norm pass.
-  norm   (BV < V) grid (B, T/NORM_ROWS, H): the gated RMSNorm of whole V rows (XLA's fusion of
-         it ran at 1.7 TB/s; this pass near the copy ceiling).
+  norm   (BV < V) grid (B, T/(NORM_ROWS·NORM_STEPS), H): the gated RMSNorm of whole V rows,
+         each step's loads issued during the step before (XLA's fusion of it ran at 1.7 TB/s).
   The conv states after valid[b] are a gather of W-1 rows (XLA).
 
 Cost at Ling shapes (B 1, T 8192, H 32, K = V = 128, C 64 unless said, bf16), per layer:
@@ -315,76 +315,72 @@ def _dot(a, b, precision, *, trans_b: bool = False):
 # ----------------------------------------------------------------------------------------------
 # Kernel 0: the short conv + SiLU (and q's and k's L2-norm factors), one program per row block and head.
 
-CONV_ROWS = 16  # rows per step of the conv pass
-CONV_STEPS = 1  # steps per program: each program streams CONV_ROWS·CONV_STEPS rows of one head. Bandwidth-bound,
-# the pass wants bytes in flight, which live in registers: a step issues the next step's new rows (its last
-# tap's window) before its own maths and stores; the other taps' windows overlap rows already read (L1 hits)
+CONV_ROWS = 16  # rows per program of the conv pass. Bandwidth-bound, it wants many programs' loads in
+# flight: sm_90a registers a thread at 16 / 32 / 64 / 128 rows of 4 warps 76 / 124 / 168 / 255. H200, T 8192,
+# three projections: 148 µs at 16 rows; 154-250 at 32, 183-186 at 64, 288 at 128 (runs of 2026-12-02). The
+# norm pass's form (programs of several row steps, the next step's tap windows loaded during this one) was
+# slower: 168-310 µs over 2-16 steps of 8-32 rows, against 138-157 for this form in the same runs
 
 
-def _conv_kernel(x_ref, cs_ref, w_ref, y_ref, *rn_ref, t_len: int, block_t: int, n_steps: int, scale: float,
-                 ahead_all: bool):
+def _conv_kernel(x_ref, cs_ref, w_ref, y_ref, *rn_ref, t_len: int, block_t: int, scale: float):
     """Refs (squeezed blocks): x [T, BC] raw inputs, cs [W-1, BC] the conv state (oldest first),
-    w [BC, W] taps; y [T, BC]; optional rn [T] (BC is one head). The program's rows, BT a step:
+    w [BC, W] taps; y [T, BC]; optional rn [T] (BC is one head). Rows t0 .. t0+BT-1:
     y = SiLU(Σ_j w_j x[t - (W-1-j)]) rounded to the activation dtype (as the model's
     `causal_conv`), and rn = scale / sqrt(Σ y² + 1e-6) over the row (fp32, from the rounded y:
-    the L2 norm's factor, as `l2_normalize`). Rows before 0 are the conv state's."""
+    the L2 norm's factor, as `l2_normalize`). Tap j of block 0 reaches rows before 0, the conv
+    state's: it gathers, every other block loads plain (possibly unaligned) row ranges."""
     f32 = jnp.float32
     act = x_ref.dtype
     n_taps = w_ref.shape[1]
-    first = pl.program_id(1) * (block_t * n_steps)
-    end = jnp.minimum(first + block_t * n_steps, t_len)  # the program's rows: first .. end-1
+    i = pl.program_id(1)
+    t0 = i * block_t
+    r = t0 + jnp.arange(block_t, dtype=jnp.int32)  # [BT]
     cols = jnp.arange(x_ref.shape[1], dtype=jnp.int32)[None, :]
     taps = [w_ref[:, j].astype(f32) for j in range(n_taps)]  # [BC] each
 
-    def window(t0, shift, mask=True):
-        """x rows r - shift for the rows r = t0 .. t0+BT-1 [BT, BC] (activation dtype): for
-        r - shift < 0 the conv state's row r - shift + W-1; 0 where mask is False. Clipped indices
-        keep every address in bounds, the masks pick (disjoint: the sum is one of them, exactly)."""
-        rr = t0 + jnp.arange(block_t, dtype=jnp.int32) - shift  # [BT]
-        xs = pltriton.load(x_ref.at[jnp.clip(rr, 0, t_len - 1)[:, None], cols],
-                           mask=(mask & (rr >= 0))[:, None], other=0.0)
-        if shift == 0:
-            return xs
-        cs = pltriton.load(cs_ref.at[jnp.clip(rr + n_taps - 1, 0, n_taps - 2)[:, None], cols],
-                           mask=(mask & (rr < 0))[:, None], other=0.0)
-        return xs + cs.astype(act)
+    def plain():
+        y = None
+        for j in range(n_taps):
+            shift = n_taps - 1 - j
+            xs = pltriton.load(x_ref.at[pl.ds(t0 - shift, block_t)], mask=(r - shift < t_len)[:, None],
+                               other=0.0).astype(f32)
+            y = taps[j][None, :] * xs if y is None else y + taps[j][None, :] * xs
+        return y
 
-    def windows(t0, mask=True):  # every tap's (ahead_all) or the last tap's: the rows t0 .. t0+BT-1 themselves
-        return tuple(window(t0, n_taps - 1 - j, mask) for j in (range(n_taps) if ahead_all else [n_taps - 1]))
+    def with_state():
+        y = None
+        for j in range(n_taps):
+            rr = r - (n_taps - 1 - j)  # [BT], < 0: the conv state's row rr + W-1
+            xs = pltriton.load(x_ref.at[jnp.clip(rr, 0, t_len - 1)[:, None], cols],
+                               mask=((rr >= 0) & (rr < t_len))[:, None], other=0.0).astype(f32)
+            if j < n_taps - 1:
+                cs = pltriton.load(cs_ref.at[jnp.clip(rr + n_taps - 1, 0, n_taps - 2)[:, None], cols],
+                                   mask=(rr < 0)[:, None], other=0.0)
+                xs = xs + cs.astype(act).astype(f32)
+            y = taps[j][None, :] * xs if y is None else y + taps[j][None, :] * xs
+        return y
 
-    def step(i, wins):
-        t0 = first + i * block_t
-        r = t0 + jnp.arange(block_t, dtype=jnp.int32)
-        ahead = windows(t0 + block_t, r + block_t < end)  # the next step's (none after the last)
-        if not ahead_all:
-            wins = tuple(window(t0, n_taps - 1 - j) for j in range(n_taps - 1)) + wins
-        y = sum(taps[j][None, :] * wins[j].astype(f32) for j in range(n_taps))  # [BT, BC]
-        y = (y * _sigmoid(y)).astype(act)
-        inside = r < end
-        # (stores to row slices: clipped, the masked rows would be duplicate indices, which the
-        # interpreter's masked scatter may write last with the stale value)
-        pltriton.store(y_ref.at[pl.ds(t0, block_t)], y, mask=inside[:, None])
-        if rn_ref:
-            y = y.astype(f32)
-            rn = lax.rsqrt(jnp.sum(y * y, axis=1) + 1e-6) * scale  # [BT]
-            pltriton.store(rn_ref[0].at[pl.ds(t0, block_t)], rn, mask=inside)
-        return ahead
-
-    lax.fori_loop(0, n_steps, step, windows(first, first + jnp.arange(block_t, dtype=jnp.int32) < end))
+    y = lax.cond(i == 0, with_state, plain)
+    y = (y * _sigmoid(y)).astype(act)
+    inside = r < t_len
+    pltriton.store(y_ref.at[pl.ds(t0, block_t)], y, mask=inside[:, None])
+    if rn_ref:
+        y = y.astype(f32)
+        rn = lax.rsqrt(jnp.sum(y * y, axis=1) + 1e-6) * scale  # [BT]
+        pltriton.store(rn_ref[0].at[pl.ds(t0, block_t)], rn, mask=inside)
 
 
 def _conv_pass(x, conv_state, weight, *, head: int, norm: bool, scale: float = 1.0, interpret: bool,
-               block_t: int = CONV_ROWS, n_steps: int = CONV_STEPS, num_warps: int = 4, ahead_all: bool = False):
+               block_t: int = CONV_ROWS, num_warps: int = 4):
     """x [B, T, C] raw, conv_state [B, W-1, C], weight [C, W] -> (y = SiLU(conv) [B, T, C] in x's
     dtype, with norm the L2-norm factors rn [B, C / head, T] fp32 of y's heads times scale, else
-    None); see `_conv_kernel`. One program per block_t·n_steps rows and head. Bytes: x read once
-    (the taps' overlapping rows hit in cache), y written once: 2·B·T·C·2 at bf16, 134 MB a
-    projection at Ling's T 8192 (rn 1 MB)."""
+    None); see `_conv_kernel`. One program per block_t rows and head. Bytes: x read once (the
+    taps' overlapping rows hit in cache), y written once: 2·B·T·C·2 at bf16, 134 MB a projection
+    at Ling's T 8192 (rn 1 MB)."""
     b, t, c = x.shape
     nw = weight.shape[1]
     bt = min(block_t, pl.next_power_of_2(t))
-    n_steps = max(1, min(n_steps, -(-t // bt)))
-    kernel = functools.partial(_conv_kernel, t_len=t, block_t=bt, n_steps=n_steps, scale=scale, ahead_all=ahead_all)
+    kernel = functools.partial(_conv_kernel, t_len=t, block_t=bt, scale=scale)
     out_specs = [pl.BlockSpec((None, t, head), lambda i, j, l: (i, 0, l))]
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
     if norm:
@@ -392,7 +388,7 @@ def _conv_pass(x, conv_state, weight, *, head: int, norm: bool, scale: float = 1
         out_shape.append(jax.ShapeDtypeStruct((b, c // head, t), jnp.float32))
     out = pl.pallas_call(
         kernel,
-        grid=(b, -(-t // (bt * n_steps)), c // head),  # heads fastest: neighbours cover whole rows
+        grid=(b, -(-t // bt), c // head),  # column blocks fastest: neighbours cover whole rows
         in_specs=[pl.BlockSpec((None, t, head), lambda i, j, l: (i, 0, l)),
                   pl.BlockSpec((None, nw - 1, head), lambda i, j, l: (i, 0, l)),
                   pl.BlockSpec((head, nw), lambda i, j, l: (l, 0))],
@@ -790,10 +786,13 @@ def _state(inter, x: KdaInputs, w: KdaWeights, rec, *, chunk, eps, bv, precision
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernel 3 (BV < V): the gated RMSNorm over whole V rows, one program per row block and head.
+# Kernel 3 (BV < V): the gated RMSNorm over whole V rows, one program per NORM_STEPS row blocks and head.
 
 NORM_ROWS = 32  # rows per step of the norm pass
-NORM_STEPS = 4  # steps per program, the next step's loads issued before this step's maths (as the conv pass)
+NORM_STEPS = 4  # steps per program, the next step's loads issued before this step's maths: bytes in flight
+# that one-step programs lack. H200, T 8192, 201 MB, two runs (2026-12-02): 61.5 and 81.1 / 138.5 µs at 4
+# steps of 32 rows, against 129.2 and 97.9 at one step of 64 (the form before; 91 in an earlier run): the
+# spread of this short kernel between timings is as large as the gain
 
 
 def _norm_kernel(o_ref, gate_ref, wn_ref, y_ref, *, t_len: int, block_t: int, n_steps: int, eps: float):
@@ -822,7 +821,9 @@ def _norm_kernel(o_ref, gate_ref, wn_ref, y_ref, *, t_len: int, block_t: int, n_
         # `_gated_norm`'s maths with `_sigmoid` (two MUFU ops) for its σ, which lowers to a division
         o = o * lax.rsqrt(jnp.mean(o * o, axis=1, keepdims=True) + eps)
         y = o * wn * _sigmoid(gate)
-        pltriton.store(y_ref.at[pl.ds(t0, block_t)], y.astype(y_ref.dtype), mask=rows(t0)[1])  # (as the conv pass)
+        # A row slice, not the clipped indices: masked rows would repeat row T-1, and the
+        # interpreter's masked scatter may write its stale value last
+        pltriton.store(y_ref.at[pl.ds(t0, block_t)], y.astype(y_ref.dtype), mask=rows(t0)[1])
         return ahead
 
     lax.fori_loop(0, n_steps, step, load(first))

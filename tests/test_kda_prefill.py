@@ -123,20 +123,17 @@ def test_conv_and_norm_passes(t, dtype):
     want, _ = kp.causal_conv(x.q, s.conv_q, w.conv_q)
     o = x.v.reshape(2, t, H, K)
     want_o = kda._gated_norm(o.astype(jnp.float32), x.gate_in.reshape(2, t, H, K), w.o_norm, 1e-6)
-    # The defaults, and programs of 2 steps of 8 rows: the taps cross program edges, steps run past T
-    for rows, steps in ((kp.CONV_ROWS, kp.CONV_STEPS), (8, 2)):
-        at = f"{msg}, {steps} steps of {rows} rows"
-        y, rn = kp._conv_pass(x.q, s.conv_q, w.conv_q, head=K, norm=True, scale=0.5, interpret=True,
-                              block_t=rows, n_steps=steps)
-        tol = 1e-6 if dtype == jnp.float32 else 2.0**-8  # one rounding to the activation dtype apart at most
-        _close(y, want, tol, "conv " + at)
-        norms = np.linalg.norm(np.asarray(y, np.float64).reshape(2, t, H, K), axis=-1)  # eps 1e-6: negligible
-        np.testing.assert_allclose(np.asarray(rn), 0.5 / norms.transpose(0, 2, 1), rtol=1e-5,
-                                   err_msg="norm factors " + at)  # [B, H, T], of the rounded y
-        assert kp._conv_pass(x.v, s.conv_v, w.conv_v, head=K, norm=False, interpret=True, block_t=rows,
-                             n_steps=steps)[1] is None
+    y, rn = kp._conv_pass(x.q, s.conv_q, w.conv_q, head=K, norm=True, scale=0.5, interpret=True)
+    tol = 1e-6 if dtype == jnp.float32 else 2.0**-8  # one rounding to the activation dtype apart at most
+    _close(y, want, tol, "conv " + msg)
+    norms = np.linalg.norm(np.asarray(y, np.float64).reshape(2, t, H, K), axis=-1)  # eps 1e-6: negligible
+    want_rn = 0.5 / norms.transpose(0, 2, 1)  # [B, H, T]
+    np.testing.assert_allclose(np.asarray(rn), want_rn, rtol=1e-5, err_msg="norm factors " + msg)
+    assert kp._conv_pass(x.v, s.conv_v, w.conv_v, head=K, norm=False, interpret=True)[1] is None
+    # The norm pass at its defaults, and programs of 2 steps of 8 rows (steps past T, programs past T)
+    for rows, steps in ((kp.NORM_ROWS, kp.NORM_STEPS), (8, 2)):
         got = kp._norm_pass(o, x.gate_in, w.o_norm, eps=1e-6, interpret=True, block_t=rows, n_steps=steps)
-        _close(got, want_o, 1e-5 if dtype == jnp.float32 else 2.0**-7, "gated norm " + at)
+        _close(got, want_o, 1e-5 if dtype == jnp.float32 else 2.0**-7, f"gated norm {msg}, {steps} steps of {rows} rows")
 
 
 @pytest.mark.parametrize("gate", ["safe", "softplus"])
