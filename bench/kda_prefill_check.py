@@ -17,14 +17,15 @@ for 2 and 7 iterations; the difference / 5 is one call. Median of 3.
 Rows: ours (default plan, its other state-dot form, its other intra warp counts or, with
 --state-stages, other state-kernel stages, and the default once more for the spread), the kernels
 alone (the conv pass over q, k, v at several row blocks; the gated norm as XLA's fusion and as the
-norm pass at several row steps; intra: grid (B, N, H); state: grid (B, H, V/BV) plus the norm), the sweep of plans
-(intra: warps x precision; state: BV x warps x stages), the best combination, the layer in chunks
-of 64 when C is not (the default before 2026-12-01), the XLA reference, and fla 0.6.0's chunk_kda
+norm pass at several row steps, the default last once more; intra: grid (B, N, H); state: grid
+(B, H, V/BV) plus the norm), the sweep of plans (intra: warps x precision; state: BV x warps x
+stages), the best combination, the layer in chunks of 64 when C is not (the default before 2026-12-01), the XLA reference, and fla 0.6.0's chunk_kda
 (the peer: L2 norm, gate and beta in kernel; no conv, no gated norm) under a CUDA graph where fla
 imports (carry it as a wheel: ../shared/tools/device-wheels.sh).
 Figures: µs per layer; TB/s over the bytes that must move (q, k, v, g_in, gate_in in, o out,
-b_in, state in/out: ~408 MB; the conv and norm passes alone: their own, 403 and 201 MB) and the share of the floor at the copy bandwidth measured in the same
-run; the design floor adds the intermediates (~1.15 GB). A table is printed last.
+b_in, state in/out: ~408 MB; the conv and norm passes alone: their own, 403 and 201 MB) and the
+share of the floor at the copy bandwidth measured in the same run; the design floor adds the
+intermediates (~1.15 GB). A table is printed last.
 """
 
 from __future__ import annotations
@@ -273,8 +274,8 @@ def bench_ours(gate, ceiling, backend, args):
         except Exception as e:  # noqa: BLE001
             log(f"  intra {warps} warps {precision} FAILED: {type(e).__name__}: {str(e)[:400]}")
     hl = base.state_hi_lo
-    states = ((base.bv, base.state_warps, base.state_stages, hl), (base.bv, base.state_warps, base.state_stages, not hl),
-              (16, 4, 3, hl), (16, 4, 3, not hl), (64, 4, 2, hl), (64, 8, 2, hl), (32, 4, 2, hl), (32, 8, 2, hl),
+    states = ((base.bv, base.state_warps, base.state_stages, hl),
+              (base.bv, base.state_warps, base.state_stages, not hl), (16, 4, 3, hl), (16, 4, 3, not hl), (64, 4, 2, hl), (64, 8, 2, hl), (32, 4, 2, hl), (32, 8, 2, hl),
               (128, 8, 2, hl), (128, 4, 1, hl))
     for bv, warps, stages, hi_lo in states[:1] if args.quick else states:
         if bv > KD:  # (--smoke: V is 32)

@@ -133,7 +133,8 @@ def test_conv_and_norm_passes(t, dtype):
     # The norm pass at its defaults, and programs of 2 steps of 8 rows (steps past T, programs past T)
     for rows, steps in ((kp.NORM_ROWS, kp.NORM_STEPS), (8, 2)):
         got = kp._norm_pass(o, x.gate_in, w.o_norm, eps=1e-6, interpret=True, block_t=rows, n_steps=steps)
-        _close(got, want_o, 1e-5 if dtype == jnp.float32 else 2.0**-7, f"gated norm {msg}, {steps} steps of {rows} rows")
+        _close(got, want_o, 1e-5 if dtype == jnp.float32 else 2.0**-7,
+               f"gated norm {msg}, {steps} steps of {rows} rows")
 
 
 @pytest.mark.parametrize("gate", ["safe", "softplus"])
