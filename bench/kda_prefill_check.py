@@ -19,7 +19,8 @@ Rows: ours (default plan, its other state-dot form, its other intra warp counts 
 alone (the conv pass over q, k, v at several row blocks; the gated norm as XLA's fusion and as the
 norm pass at several row steps, the default last once more; intra: grid (B, N, H); state: grid
 (B, H, V/BV) plus the norm), the sweep of plans (intra: warps x precision; state: BV x warps x
-stages), the best combination, the layer in chunks of 64 when C is not (the default before 2026-12-01), the XLA reference, and fla 0.6.0's chunk_kda
+stages), the best combination, the layer in chunks of 64 when C is not (the default before
+2026-12-01), the XLA reference, and fla 0.6.0's chunk_kda
 (the peer: L2 norm, gate and beta in kernel; no conv, no gated norm) under a CUDA graph where fla
 imports (carry it as a wheel: ../shared/tools/device-wheels.sh).
 Figures: µs per layer; TB/s over the bytes that must move (q, k, v, g_in, gate_in in, o out,
@@ -275,8 +276,8 @@ def bench_ours(gate, ceiling, backend, args):
             log(f"  intra {warps} warps {precision} FAILED: {type(e).__name__}: {str(e)[:400]}")
     hl = base.state_hi_lo
     states = ((base.bv, base.state_warps, base.state_stages, hl),
-              (base.bv, base.state_warps, base.state_stages, not hl), (16, 4, 3, hl), (16, 4, 3, not hl), (64, 4, 2, hl), (64, 8, 2, hl), (32, 4, 2, hl), (32, 8, 2, hl),
-              (128, 8, 2, hl), (128, 4, 1, hl))
+              (base.bv, base.state_warps, base.state_stages, not hl), (16, 4, 3, hl), (16, 4, 3, not hl),
+              (64, 4, 2, hl), (64, 8, 2, hl), (32, 4, 2, hl), (32, 8, 2, hl), (128, 8, 2, hl), (128, 4, 1, hl))
     for bv, warps, stages, hi_lo in states[:1] if args.quick else states:
         if bv > KD:  # (--smoke: V is 32)
             continue
