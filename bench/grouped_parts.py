@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import copy_ceiling_tbs, queued_us, random_experts  # noqa: E402  (bench/common.py)
+from common import copy_ceiling_tbs, device_trace, queued_us, random_experts  # noqa: E402  (bench/common.py)
 
 E, K, D, I = 512, 8, 2560, 768
 
@@ -29,6 +29,8 @@ E, K, D, I = 512, 8, 2560, 768
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--m", type=int, default=4096, help="tokens (default 4096)")
+    ap.add_argument("--trace", action="store_true", help="also each whole call's device span and kernels "
+                    "from the profiler (10 calls each)")
     args = ap.parse_args()
     import jax
     import jax.numpy as jnp
@@ -60,6 +62,9 @@ def main():
     ref = None
     wholes = [(c, dataclasses.replace(plan, combine=c)) for c in gg.COMBINES]
     wholes.append((f"{plan.combine}, half={flip.half}", flip))
+    up4 = gg.Tile(64, 128, 4, 3)  # gate/up's fastest tile alone in the run of 2026-12-02 (third session)
+    wholes.append((f"{plan.combine}, up {up4}", dataclasses.replace(plan, up=up4)))
+    spans = []
     for label, p in wholes:
         f = jax.jit(lambda x, i, s, a, b, p=p: gg.grouped_moe(x, i, s, a, b, plan=p))
         y = f(x, ids, tw, w13, w2).astype(jnp.float32)
@@ -67,6 +72,10 @@ def main():
         print(f"{label}: rel. err. vs sum {float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)):.1e}")
         us = t(f"whole ({label})", f, x, ids, tw, w13, w2)
         print(f"   {flop / us / 1e6:.1f} TFLOP/s, {wbytes / us / 1e6:.2f} TB/s over the weights")
+        if args.trace:
+            tr = device_trace(lambda f=f: f(x, ids, tw, w13, w2), 10, os.environ.get("OUT", "bench_out"),
+                              label=f"whole ({label})")
+            spans.append((f"whole ({label}), device span", tr["span_us"]))
     align = jax.jit(lambda i: moe_align(i.reshape(-1), E, plan.block_m))
     t("align", align, ids)
     sp, be = align(ids)
@@ -93,6 +102,8 @@ def main():
         t(f"XLA sum over the k pair rows ({jnp.dtype(dt).name})",
           jax.jit(lambda o: jnp.sum(o[:m * K].astype(jnp.float32).reshape(m, K, D), axis=1).astype(jnp.bfloat16)), out)
     print(f"\ngrouped GEMM parts, M = {m}, plan {plan}")
+    for label, us in spans:
+        print(f"  {label:40s} {us:9.1f} µs  {flop / us / 1e6:.1f} TFLOP/s")
     for label, us in rows:
         print(f"  {label:40s} {us:9.1f} µs")
 

@@ -42,7 +42,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import capture_triton, compile_report, kernel_name, rel_err, time_torch_graph  # noqa: E402
+from common import capture_triton, compile_report, device_trace, kernel_name, rel_err, time_torch_graph  # noqa: E402
 
 B, T, H, KD, W = 1, 8192, 32, 128, 4
 T_CHECK = 1024
@@ -184,6 +184,25 @@ def bench_ours(gate, ceiling, backend, args):
 
     us = full(base)
     record(gate, f"ours, default plan {plan_name(base)}", us, T, base.bv, ceiling, chunk=chunk)
+    if args.trace:  # device spans from the profiler, the default and each --plan twice, interleaved
+        def layer_of(plan):
+            f = jax.jit(lambda x, w, s, v: kp.kda_prefill(x, w, s, v, gate=gate, plan=plan, chunk=chunk,
+                                                          backend=backend))
+            return lambda: f(x, w, s, valid)
+        traced = [base] + [dataclasses.replace(base, **parse_plan(spec)) for spec in args.plan]
+        for again in ("", " (again)"):
+            for plan in traced:
+                if time.time() - T0 < args.budget:
+                    tr = device_trace(layer_of(plan), 10, os.environ.get("OUT", "bench_out"), log,
+                                      label=plan_name(plan) + again)
+                    if tr["span_us"]:
+                        record(gate, f"ours, device span (profiler), {plan_name(plan)}{again}", tr["span_us"], T,
+                               plan.bv, ceiling, chunk=chunk, kernels=tr["kernels"])
+    for spec in args.plan:  # the layer at other plans (--plan), each twice, interleaved with the default
+        plan = dataclasses.replace(base, **parse_plan(spec))
+        for again in ("", " (again)"):
+            if time.time() - T0 < args.budget:
+                record(gate, f"ours, {plan_name(plan)}{again}", full(plan), T, plan.bv, ceiling, chunk=chunk)
     if not (args.state_stages or args.quick):
         other = dataclasses.replace(base, state_hi_lo=not base.state_hi_lo)  # the state's other dot form
         record(gate, f"ours, {plan_name(other)}", full(other), T, other.bv, ceiling, chunk=chunk)
@@ -201,14 +220,11 @@ def bench_ours(gate, ceiling, backend, args):
     def conv_pass(block_t, warps):
         def step(a, c):
             x, w = a
-            ys = [kp._conv_pass(xi, si, wi, head=KD, norm=i < 2, interpret=interp, block_t=block_t, num_warps=warps)
-                  for i, (xi, si, wi) in enumerate(((x.q, c.conv_q, w.conv_q), (x.k, c.conv_k, w.conv_k),
-                                                    (x.v, c.conv_v, w.conv_v)))]
-            tick = sum(y[0][0, 0, 0].astype(jnp.float32) * 0 for y in ys).astype(c.conv_q.dtype)
-            return c._replace(conv_q=c.conv_q + tick)
+            xc, _, conv = kp._convs(x, w, c, valid, interpret=interp, block_t=block_t, num_warps=warps)
+            return c._replace(conv_q=conv[0] + (xc.v[0, 0, 0] * 0).astype(c.conv_q.dtype))
         return time_loop(step, (x, w), s)
 
-    for block_t, warps in ((kp.CONV_ROWS, 4), (32, 8), (16, 4), (64, 8), (64, 4)):
+    for block_t, warps in ((kp.CONV_ROWS, 4), (16, 2), (8, 2), (32, 8), (16, 4)):
         if time.time() - T0 < args.budget:
             record(gate, f"conv pass alone (q, k, v and the norm factors), {block_t} rows, {warps} warps",
                    conv_pass(block_t, warps), T, None, ceiling, nbytes=2 * 3 * B * T * H * KD * 2)  # x read, y written
@@ -234,7 +250,7 @@ def bench_ours(gate, ceiling, backend, args):
 
     # The two kernels alone (kda_prefill's internals, with the same precisions it uses), on the
     # conv pass's outputs.
-    xc, rn = kp._convs(x, w, s, interpret=interp)
+    xc, rn, _ = kp._convs(x, w, s, valid, interpret=interp)
 
     def intra(warps, precision):
         def step(a, c):
@@ -303,6 +319,15 @@ def bench_ours(gate, ceiling, backend, args):
     if chunk != 64 and time.time() - T0 < args.budget:  # the default before 2026-12-01
         plan = dataclasses.replace(base, intra_warps=8)
         record(gate, f"ours, chunks of 64 {plan_name(plan)}", full(plan, 64), T, plan.bv, ceiling, chunk=64)
+
+
+def parse_plan(spec: str) -> dict:
+    """'bv=16,state_stages=4' -> {'bv': 16, 'state_stages': 4}: Plan fields, ints, bools or strings."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        key, _, val = item.partition("=")
+        out[key] = int(val) if val.lstrip("-").isdigit() else {"true": True, "false": False}.get(val.lower(), val)
+    return out
 
 
 def plan_name(p):
@@ -463,6 +488,11 @@ def main():
     ap.add_argument("--no-sweep", action="store_true", help="only the default plan and the peers")
     ap.add_argument("--quick", action="store_true", help="no peer; the layer (default plan, twice), the conv and "
                     "norm pass sweeps, the intra and state kernels alone at the default plan")
+    ap.add_argument("--plan", action="append", default=[], metavar="SPEC",
+                    help="time the layer at the default plan with these Plan fields replaced, e.g. "
+                    "bv=16,state_stages=2 (twice each; repeatable)")
+    ap.add_argument("--trace", action="store_true", help="the layer's device span and kernels from the profiler "
+                    "(10 calls), at the default plan and each --plan, twice")
     ap.add_argument("--chunk", type=int, help="tokens per chunk (default: kda_prefill.CHUNK)")
     ap.add_argument("--state-stages", type=int, nargs="*", default=[],
                     help="time the layer at these state-kernel stages instead of the intra warp variants")

@@ -45,9 +45,11 @@ dtype and q's and k's L2-norm factors rnq, rnk [B, H, T] fp32; w, qg, kg [B, H, 
 u [B, H, Tp, V], aqk [B, H, Tp, C] in the activation dtype; gc = e^{G_C} [B, H, N, K] fp32.
 
 Kernels (Triton lowering), in this order:
-  conv   (one launch each for q, k and v) grid (B, T/CONV_ROWS, H): conv + SiLU of a row block
-         of one head, the W-1 rows before it from the previous block or, for block 0, the conv
-         state (a gather under lax.cond); q and k also store each row's L2-norm factor.
+  conv   one launch for q, k and v, grid (B, T/CONV_ROWS, 3H): conv + SiLU of a row block of one
+         head, the W-1 rows before it from the previous block or, for block 0, the conv state (a
+         gather under lax.cond); q and k also store each row's L2-norm factor, and the block
+         holding row valid-1 the conv state after it. (Three launches and three XLA gathers of
+         the states took 163 + 5.6 µs, one launch 160, H200 profiler, 2026-12-02.)
          Bandwidth-bound, with registers for many programs an SM: inside the intra kernel the
          conv's taps cost ~1.6k of ~6.4k instructions a thread and its registers kept the kernel
          at 4 warps (H200, 8192 tokens, one run: the layer 1168 -> 1017 µs with the pass, 2026-12-02).
@@ -98,6 +100,10 @@ Cost at Ling shapes (B 1, T 8192, H 32, K = V = 128, C 64 unless said, bf16), pe
   intra kernel at 2 warps, the norm in a Pallas pass: conv 148-250 µs, intra 464-553 µs, state +
   norm 379-407 µs (bench/RESULTS.md 2026-12-02); the layer 1007-1021 µs over three timings on two
   machines (fla 960 in the same runs); o / state rel. err at T = 8192 unchanged.
+  2026-12-02, third session, device spans from the profiler (bench/kda_prefill_check.py --trace:
+  first kernel's start to last kernel's end; the loop timer above adds its loop's ~20-45 µs an
+  iteration): three conv launches 1006-1007 µs, the one-launch pass 986 µs (intra 447, state 323,
+  conv 160, norm 54; fla 960 in the same run).
 """
 
 from __future__ import annotations
@@ -322,21 +328,23 @@ CONV_ROWS = 16  # rows per program of the conv pass. Bandwidth-bound, it wants m
 # slower: 168-310 µs over 2-16 steps of 8-32 rows, against 138-157 for this form in the same runs
 
 
-def _conv_kernel(x_ref, cs_ref, w_ref, y_ref, *rn_ref, t_len: int, block_t: int, scale: float):
-    """Refs (squeezed blocks): x [T, BC] raw inputs, cs [W-1, BC] the conv state (oldest first),
-    w [BC, W] taps; y [T, BC]; optional rn [T] (BC is one head). Rows t0 .. t0+BT-1:
-    y = SiLU(Σ_j w_j x[t - (W-1-j)]) rounded to the activation dtype (as the model's
-    `causal_conv`), and rn = scale / sqrt(Σ y² + 1e-6) over the row (fp32, from the rounded y:
-    the L2 norm's factor, as `l2_normalize`). Tap j of block 0 reaches rows before 0, the conv
-    state's: it gathers, every other block loads plain (possibly unaligned) row ranges."""
+def _conv_rows(x_ref, cs_ref, w_ref, y_ref, rn_ref, s_ref, valid, i, *, t_len: int, block_t: int, scale: float):
+    """One projection's part of `_conv_kernel` (refs as there, rn_ref None for v) in row block i."""
     f32 = jnp.float32
     act = x_ref.dtype
     n_taps = w_ref.shape[1]
-    i = pl.program_id(1)
     t0 = i * block_t
     r = t0 + jnp.arange(block_t, dtype=jnp.int32)  # [BT]
     cols = jnp.arange(x_ref.shape[1], dtype=jnp.int32)[None, :]
     taps = [w_ref[:, j].astype(f32) for j in range(n_taps)]  # [BC] each
+
+    def window(rr):
+        """Raw inputs of rows rr [R] (< 0: the conv state's row rr + W-1), fp32 [R, BC]."""
+        xs = pltriton.load(x_ref.at[jnp.clip(rr, 0, t_len - 1)[:, None], cols],
+                           mask=((rr >= 0) & (rr < t_len))[:, None], other=0.0).astype(f32)
+        cs = pltriton.load(cs_ref.at[jnp.clip(rr + n_taps - 1, 0, n_taps - 2)[:, None], cols],
+                           mask=(rr < 0)[:, None], other=0.0)
+        return xs + cs.astype(act).astype(f32)
 
     def plain():
         y = None
@@ -350,13 +358,8 @@ def _conv_kernel(x_ref, cs_ref, w_ref, y_ref, *rn_ref, t_len: int, block_t: int,
     def with_state():
         y = None
         for j in range(n_taps):
-            rr = r - (n_taps - 1 - j)  # [BT], < 0: the conv state's row rr + W-1
-            xs = pltriton.load(x_ref.at[jnp.clip(rr, 0, t_len - 1)[:, None], cols],
-                               mask=((rr >= 0) & (rr < t_len))[:, None], other=0.0).astype(f32)
-            if j < n_taps - 1:
-                cs = pltriton.load(cs_ref.at[jnp.clip(rr + n_taps - 1, 0, n_taps - 2)[:, None], cols],
-                                   mask=(rr < 0)[:, None], other=0.0)
-                xs = xs + cs.astype(act).astype(f32)
+            xs = window(r - (n_taps - 1 - j)) if j < n_taps - 1 else pltriton.load(
+                x_ref.at[pl.ds(t0, block_t)], mask=(r < t_len)[:, None], other=0.0).astype(f32)
             y = taps[j][None, :] * xs if y is None else y + taps[j][None, :] * xs
         return y
 
@@ -364,53 +367,79 @@ def _conv_kernel(x_ref, cs_ref, w_ref, y_ref, *rn_ref, t_len: int, block_t: int,
     y = (y * _sigmoid(y)).astype(act)
     inside = r < t_len
     pltriton.store(y_ref.at[pl.ds(t0, block_t)], y, mask=inside[:, None])
-    if rn_ref:
+    if rn_ref is not None:
         y = y.astype(f32)
         rn = lax.rsqrt(jnp.sum(y * y, axis=1) + 1e-6) * scale  # [BT]
-        pltriton.store(rn_ref[0].at[pl.ds(t0, block_t)], rn, mask=inside)
+        pltriton.store(rn_ref.at[pl.ds(t0, block_t)], rn, mask=inside)
+
+    # The conv state after the valid tokens: raw rows valid-(W-1) .. valid-1, written by the block
+    # holding row valid-1 (block 0 when valid is 0: the old state, unchanged).
+    @pl.when(i == jnp.maximum(valid - 1, 0) // block_t)
+    def _():
+        n_rows = n_taps - 1
+        # W-1 rows padded to a power of two by repeating the last: the repeats store the same value to
+        # the same row, unmasked (a masked duplicate could land its stale value last in interpret mode)
+        k = jnp.minimum(jnp.arange(pl.next_power_of_2(n_rows), dtype=jnp.int32), n_rows - 1)
+        pltriton.store(s_ref.at[k[:, None], cols], window(valid - n_rows + k).astype(s_ref.dtype))
 
 
-def _conv_pass(x, conv_state, weight, *, head: int, norm: bool, scale: float = 1.0, interpret: bool,
-               block_t: int = CONV_ROWS, num_warps: int = 4):
-    """x [B, T, C] raw, conv_state [B, W-1, C], weight [C, W] -> (y = SiLU(conv) [B, T, C] in x's
-    dtype, with norm the L2-norm factors rn [B, C / head, T] fp32 of y's heads times scale, else
-    None); see `_conv_kernel`. One program per block_t rows and head. Bytes: x read once (the
-    taps' overlapping rows hit in cache), y written once: 2·B·T·C·2 at bf16, 134 MB a projection
-    at Ling's T 8192 (rn 1 MB)."""
-    b, t, c = x.shape
-    nw = weight.shape[1]
+def _conv_kernel(valid_ref, xq, xk, xv, csq, csk, csv, wq, wk, wv, yq, yk, yv, rnq, rnk, sq, sk, sv, *,
+                 t_len: int, block_t: int, n_heads: int, scale: float):
+    """Refs (squeezed blocks) of one head of q, k and v: x [T, BC] raw inputs, cs [W-1, BC] the conv
+    state (oldest first), w [BC, W] taps; y [T, BC]; rn [T] (q and k); s [W-1, BC] the conv state
+    after valid. Column block l < H is q's head l, then k's, then v's. Rows t0 .. t0+BT-1:
+    y = SiLU(Σ_j w_j x[t - (W-1-j)]) rounded to the activation dtype (as the model's
+    `causal_conv`), and rn = scale / sqrt(Σ y² + 1e-6) over the row (fp32, from the rounded y:
+    the L2 norm's factor, as `l2_normalize`; q's scale K^-1/2, k's 1). Tap j of block 0 reaches
+    rows before 0, the conv state's: it gathers, every other block loads plain (possibly
+    unaligned) row ranges."""
+    # program ids read here, outside the switch's branches (interpret mode substitutes them only at top level)
+    rows = functools.partial(_conv_rows, valid=valid_ref[...], i=pl.program_id(1), t_len=t_len, block_t=block_t)
+    lax.switch(pl.program_id(2) // n_heads, [
+        lambda: rows(xq, csq, wq, yq, rnq, sq, scale=scale),
+        lambda: rows(xk, csk, wk, yk, rnk, sk, scale=1.0),
+        lambda: rows(xv, csv, wv, yv, None, sv, scale=1.0)])
+
+
+def _convs(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, interpret: bool, block_t: int = CONV_ROWS,
+           num_warps: int = 4):
+    """The conv pass over q, k and v in one launch, grid (B, T / block_t, 3H): (x with q, k, v
+    replaced by SiLU(conv) in their dtype, (rnq, rnk) [B, H, T] the L2-norm factors of q's rows
+    (times K^-1/2) and k's, the conv states after valid [B, W-1, C] of q, k, v in the states'
+    dtype); see `_conv_kernel`. Bytes: x read once (the taps' overlapping rows hit in cache), y
+    written once: 2·B·T·C·2 a projection at bf16, 134 MB at Ling's T 8192 (rn 1 MB)."""
+    b, t, _ = x.q.shape
+    h = x.b_in.shape[2]
+    kd, vd = x.q.shape[2] // h, x.v.shape[2] // h
+    nw = w.conv_q.shape[1]
     bt = min(block_t, pl.next_power_of_2(t))
-    kernel = functools.partial(_conv_kernel, t_len=t, block_t=bt, scale=scale)
-    out_specs = [pl.BlockSpec((None, t, head), lambda i, j, l: (i, 0, l))]
-    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
-    if norm:
-        out_specs.append(pl.BlockSpec((None, None, t), lambda i, j, l: (i, l, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((b, c // head, t), jnp.float32))
+
+    def col(which):  # projection `which`'s head for column block l (clamped: other projections' programs)
+        return lambda l: jnp.clip(l - which * h, 0, h - 1)
+
+    def specs(which, head):
+        c = col(which)
+        return dict(x=pl.BlockSpec((None, t, head), lambda i, j, l: (i, 0, c(l))),
+                    cs=pl.BlockSpec((None, nw - 1, head), lambda i, j, l: (i, 0, c(l))),
+                    w=pl.BlockSpec((head, nw), lambda i, j, l: (c(l), 0)),
+                    rn=pl.BlockSpec((None, None, t), lambda i, j, l: (i, c(l), 0)))
+
+    sp = [specs(0, kd), specs(1, kd), specs(2, vd)]
+    xs, cs, ws = (x.q, x.k, x.v), (state.conv_q, state.conv_k, state.conv_v), (w.conv_q, w.conv_k, w.conv_v)
     out = pl.pallas_call(
-        kernel,
-        grid=(b, -(-t // bt), c // head),  # column blocks fastest: neighbours cover whole rows
-        in_specs=[pl.BlockSpec((None, t, head), lambda i, j, l: (i, 0, l)),
-                  pl.BlockSpec((None, nw - 1, head), lambda i, j, l: (i, 0, l)),
-                  pl.BlockSpec((head, nw), lambda i, j, l: (l, 0))],
-        out_specs=out_specs,
-        out_shape=out_shape,
+        functools.partial(_conv_kernel, t_len=t, block_t=bt, n_heads=h, scale=kd**-0.5),
+        grid=(b, -(-t // bt), 3 * h),  # column blocks fastest: neighbours cover whole rows
+        in_specs=[pl.BlockSpec((None,), lambda i, j, l: (i,))] + [s[k] for k in ("x", "cs", "w") for s in sp],
+        out_specs=[s["x"] for s in sp] + [sp[0]["rn"], sp[1]["rn"]] + [s["cs"] for s in sp],
+        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in xs]
+        + [jax.ShapeDtypeStruct((b, h, t), jnp.float32)] * 2
+        + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in cs],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kda_prefill_conv",
-    )(x, conv_state, weight)
-    return out if norm else (out[0], None)
-
-
-def _convs(x: KdaInputs, w: KdaWeights, state: KdaState, *, interpret: bool):
-    """The conv pass over q, k and v: (x with q, k, v replaced by SiLU(conv), (rnq, rnk) [B, H, T]
-    the L2-norm factors of q's rows (times K^-1/2) and k's)."""
-    h = x.b_in.shape[2]
-    kd, vd = x.q.shape[2] // h, x.v.shape[2] // h
-    conv = functools.partial(_conv_pass, interpret=interpret)
-    q, rnq = conv(x.q, state.conv_q, w.conv_q, head=kd, norm=True, scale=kd**-0.5)
-    k, rnk = conv(x.k, state.conv_k, w.conv_k, head=kd, norm=True)
-    v, _ = conv(x.v, state.conv_v, w.conv_v, head=vd, norm=False)
-    return x._replace(q=q, k=k, v=v), (rnq, rnk)
+    )(valid, *xs, *cs, *ws)
+    q, k, v, rnq, rnk, *conv = out
+    return x._replace(q=q, k=k, v=v), (rnq, rnk), conv
 
 
 # ----------------------------------------------------------------------------------------------
@@ -640,7 +669,7 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, rnq_ref, rnk_ref
 def _intra(x: KdaInputs, w: KdaWeights, rn, valid, *, chunk, gate, lower_bound, precision, inv_precision,
            num_warps, interpret):
     """The intra kernel over x, whose q, k, v are the conv pass's outputs, and rn = (rnq, rnk)
-    [B, H, T] their norm factors (`_conv_pass`)."""
+    [B, H, T] their norm factors (`_convs`)."""
     b, t, c = x.q.shape
     h = x.b_in.shape[2]
     kd, vd = c // h, x.v.shape[2] // h
@@ -850,16 +879,6 @@ def _norm_pass(o, gate_in, weight, *, eps: float, interpret: bool, block_t: int 
     )(o, gate_in, weight)
 
 
-def _conv_state_after_valid(x, conv_state, valid):
-    """The conv state after valid[b] new tokens: rows valid-(W-1) .. valid-1 of [conv state | x]
-    [B, W-1, C] in the conv state's dtype (as `conv_state_after` of the window). A gather."""
-    nw1 = conv_state.shape[1]
-    idx = valid[:, None] + jnp.arange(nw1, dtype=jnp.int32)[None, :] - nw1  # [B, W-1], < 0: conv state
-    from_x = jnp.take_along_axis(x, jnp.clip(idx, 0, x.shape[1] - 1)[:, :, None], axis=1)
-    from_cs = jnp.take_along_axis(conv_state.astype(x.dtype), jnp.clip(idx + nw1, 0, nw1 - 1)[:, :, None], axis=1)
-    return jnp.where((idx >= 0)[:, :, None], from_x, from_cs).astype(conv_state.dtype)
-
-
 @functools.partial(jax.jit, static_argnames=("gate", "eps", "lower_bound", "chunk", "plan", "interpret"))
 def _prefill_pallas(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate, eps, lower_bound, chunk, plan,
                     interpret):
@@ -867,14 +886,12 @@ def _prefill_pallas(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate
     # dots, except "bf16", whose operand rounding is explicit (so interpret tests exercise it).
     precision = lax.Precision.HIGHEST if interpret and plan.precision != "bf16" else PRECISIONS[plan.precision]
     inv_precision = PRECISIONS[INV_PRECISION]
-    xc, rn = _convs(x, w, state, interpret=interpret)
+    xc, rn, conv = _convs(x, w, state, valid, interpret=interpret)
     inter = _intra(xc, w, rn, valid, chunk=chunk, gate=gate, lower_bound=lower_bound, precision=precision,
                    inv_precision=inv_precision, num_warps=plan.intra_warps, interpret=interpret)
     o, rec = _state(inter, x, w, state.recurrent, chunk=chunk, eps=eps, bv=plan.bv, precision=precision,
                     num_warps=plan.state_warps, num_stages=plan.state_stages, interpret=interpret,
                     hi_lo=plan.state_hi_lo)
-    conv = (_conv_state_after_valid(a, s, valid) for a, s in ((x.q, state.conv_q), (x.k, state.conv_k),
-                                                              (x.v, state.conv_v)))
     return o, KdaState(*conv, rec)
 
 

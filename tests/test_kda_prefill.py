@@ -113,24 +113,37 @@ def test_interpret_matches_reference(t, gate, chunk, bv, dtype, hi_lo):
 
 @pytest.mark.parametrize("t,dtype", [(1, jnp.float32), (37, jnp.bfloat16), (64, jnp.float32)])
 def test_conv_and_norm_passes(t, dtype):
-    """The conv pass (rows past a block edge, the conv state reached by block 0, T not a multiple
-    of its rows) against the model's `causal_conv` and `l2_normalize`, and the norm pass against
-    `kda._gated_norm` of the rounded o; outputs start as NaN in interpret mode, so every element
-    checked was written."""
+    """The conv pass over q, k and v in one launch (rows past a block edge, the conv state reached
+    by block 0, T not a multiple of its rows, ragged valid lengths down to 0 and 1: the conv state
+    after them partly the old one) against the model's `causal_conv`, `l2_normalize` and
+    `conv_state_after`, and the norm pass against `kda._gated_norm` of the rounded o; outputs start
+    as NaN in interpret mode, so every element checked was written."""
     seed = _seed()
-    x, w, s = make_inputs(seed, b=2, t=t, dtype=dtype, h=H, kd=K)
+    b = 4
+    x, w, s = make_inputs(seed, b=b, t=t, dtype=dtype, h=H, kd=K)
+    valid = jnp.asarray([t, (t + 1) // 2, 0, 1])
     msg = f"T={t} {jnp.dtype(dtype).name} seed {seed}"
-    want, _ = kp.causal_conv(x.q, s.conv_q, w.conv_q)
-    o = x.v.reshape(2, t, H, K)
-    want_o = kda._gated_norm(o.astype(jnp.float32), x.gate_in.reshape(2, t, H, K), w.o_norm, 1e-6)
-    y, rn = kp._conv_pass(x.q, s.conv_q, w.conv_q, head=K, norm=True, scale=0.5, interpret=True)
     tol = 1e-6 if dtype == jnp.float32 else 2.0**-8  # one rounding to the activation dtype apart at most
-    _close(y, want, tol, "conv " + msg)
-    norms = np.linalg.norm(np.asarray(y, np.float64).reshape(2, t, H, K), axis=-1)  # eps 1e-6: negligible
-    want_rn = 0.5 / norms.transpose(0, 2, 1)  # [B, H, T]
-    np.testing.assert_allclose(np.asarray(rn), want_rn, rtol=1e-5, err_msg="norm factors " + msg)
-    assert kp._conv_pass(x.v, s.conv_v, w.conv_v, head=K, norm=False, interpret=True)[1] is None
+    projections = (("q", x.q, s.conv_q, w.conv_q, K**-0.5), ("k", x.k, s.conv_k, w.conv_k, 1.0),
+                   ("v", x.v, s.conv_v, w.conv_v, None))
+    for block_t in (kp.CONV_ROWS, 8):
+        xc, rn, conv = kp._convs(x, w, s, valid, interpret=True, block_t=block_t)
+        for (name, xin, cs, wt, scale), got, got_rn, got_state in zip(projections, (xc.q, xc.k, xc.v),
+                                                                      rn + (None,), conv):
+            m = f"{name} {msg}, {block_t} rows"
+            want, window = kp.causal_conv(xin, cs, wt)
+            _close(got, want, tol, "conv " + m)
+            if scale is not None:
+                norms = np.linalg.norm(np.asarray(got, np.float64).reshape(b, t, H, K), axis=-1)  # eps: negligible
+                np.testing.assert_allclose(np.asarray(got_rn), scale / norms.transpose(0, 2, 1), rtol=1e-5,
+                                           err_msg="norm factors " + m)
+            want_state = kp.conv_state_after(window, valid, cs.shape[1])
+            assert got_state.dtype == want_state.dtype, m
+            np.testing.assert_array_equal(np.asarray(got_state, np.float32), np.asarray(want_state, np.float32),
+                                          err_msg="conv state " + m)
     # The norm pass at its defaults, and programs of 2 steps of 8 rows (steps past T, programs past T)
+    o = x.v.reshape(b, t, H, K)
+    want_o = kda._gated_norm(o.astype(jnp.float32), x.gate_in.reshape(b, t, H, K), w.o_norm, 1e-6)
     for rows, steps in ((kp.NORM_ROWS, kp.NORM_STEPS), (8, 2)):
         got = kp._norm_pass(o, x.gate_in, w.o_norm, eps=1e-6, interpret=True, block_t=rows, n_steps=steps)
         _close(got, want_o, 1e-5 if dtype == jnp.float32 else 2.0**-7,
@@ -197,7 +210,7 @@ def test_lowers_for_gpu(gate):
         return kp.kda_prefill(x, w, s, valid, gate=gate, backend="pallas")
 
     text = jax.jit(run).trace(x, w, s, sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-    kernels = 5 + (kp.default_plan(d, bf).bv < d)  # conv pass x 3, intra, state, (norm pass)
+    kernels = 3 + (kp.default_plan(d, bf).bv < d)  # conv pass, intra, state, (norm pass)
     assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == kernels
 
 
