@@ -14,7 +14,7 @@ chunked form at HIGHEST precision) at T 1024 and at T 8192, o and final state.
 Timing: device side. A fori_loop of n calls in one dispatch, the state (recurrent and conv: both
 kernels depend on it, so nothing is hoisted out of the loop) and o carried from call to call, run
 for 2 and 7 iterations; the difference / 5 is one call. Median of 3.
---trace: the layer's device span from the JAX profiler instead (`common.device_trace`: first
+--trace: also the layer's device span from the JAX profiler (`common.device_trace`: first
 kernel's start to last kernel's end, 10 calls, each kernel's µs), which leaves out the loop's own
 cost (~20-45 µs an iteration on the H200, 2026-12-02) and is the figure to set beside fla's graph.
 Rows: ours (default plan, its other state-dot form, its other intra warp counts or, with
