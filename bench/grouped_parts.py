@@ -3,8 +3,9 @@
     python3 bench/grouped_parts.py [--m 4096]       (GPU; prints a table last)
 
 Ling's MoE layer (E 512, top-8, D 2560, I 768), bf16, `grouped_gemm.plan_for`'s plan, one uniform
-random routing: the whole call with each combine ("sum", "sum16", "atomic") and with the plan's
-half flag flipped (`Plan.half`: blocks of at most BM/2 valid rows run at BM/2), then the align, the
+random routing: the whole call with each combine ("sum", "sum16", "atomic"), with the plan's
+half flag flipped (`Plan.half`: blocks of at most BM/2 valid rows run at BM/2) and with a 4-warp up
+tile (with --trace also each one's device span and kernels from the profiler), then the align, the
 gate/up GEMM (the plan's tile, its half flag flipped, then a few other tiles), the down GEMM (each
 combine, the half flag flipped, then a few other down tiles) and the XLA sum over the k pair rows
 (fp32 and bf16), each in its own jit, timed as bench/common.queued_us (a part shorter than the
