@@ -187,22 +187,21 @@ def bench_ours(gate, ceiling, backend, args):
 
     us = full(base)
     record(gate, f"ours, default plan {plan_name(base)}", us, T, base.bv, ceiling, chunk=chunk)
+    extra_plans = [dataclasses.replace(base, **parse_plan(spec)) for spec in args.plan]  # --plan
     if args.trace:  # device spans from the profiler, the default and each --plan twice, interleaved
         def layer_of(plan):
             f = jax.jit(lambda x, w, s, v: kp.kda_prefill(x, w, s, v, gate=gate, plan=plan, chunk=chunk,
                                                           backend=backend))
             return lambda: f(x, w, s, valid)
-        traced = [base] + [dataclasses.replace(base, **parse_plan(spec)) for spec in args.plan]
         for again in ("", " (again)"):
-            for plan in traced:
+            for plan in [base] + extra_plans:
                 if time.time() - T0 < args.budget:
                     tr = device_trace(layer_of(plan), 10, os.environ.get("OUT", "bench_out"), log,
                                       label=plan_name(plan) + again)
                     if tr["span_us"]:
                         record(gate, f"ours, device span (profiler), {plan_name(plan)}{again}", tr["span_us"], T,
                                plan.bv, ceiling, chunk=chunk, kernels=tr["kernels"])
-    for spec in args.plan:  # the layer at other plans (--plan), each twice, interleaved with the default
-        plan = dataclasses.replace(base, **parse_plan(spec))
+    for plan in extra_plans:  # the layer at the --plan plans on the loop timer, each twice
         for again in ("", " (again)"):
             if time.time() - T0 < args.budget:
                 record(gate, f"ours, {plan_name(plan)}{again}", full(plan), T, plan.bv, ceiling, chunk=chunk)
