@@ -23,9 +23,10 @@ for BM 16 / 32 unswapped):
   up    grid (2I/BN, NB), tile t fastest: program (t, j) gathers block j's BM rows of x (masked:
         padding rows are 0), multiplies them by expert e_j's [D, BN] column tile in BK steps
         (cp.async pipelined), pairs gate/up columns in registers, SwiGLU (optional limit),
-        rounds to the activation dtype -> h [NB*BM, I] in slot order (padding rows 0; plan.half:
-        see below).
-  down  grid (D/BN, NB): block j's h rows (contiguous) @ W2_e[:, tile]; the epilogue scales each
+        rounds to the activation dtype -> h [NB*BM, I] in slot order, pair rows only (a masked
+        store: padding rows are neither written here nor read by down; ~24 MB each way at Ling's
+        4096 tokens, where ncu counted the down GEMM's reads at 2.07 GB).
+  down  grid (D/BN, NB): block j's h rows (contiguous, masked) @ W2_e[:, tile]; the epilogue scales each
         row by its pair's routed weight (fp32) and
           combine "sum"    stores it to out [P + 1, D] fp32 at the pair's row (row P: padding,
                            masked), then one XLA fusion sums the k rows of each token;
@@ -41,9 +42,8 @@ for BM 16 / 32 unswapped):
   plan.half: blocks with at most BM/2 valid rows run at BM/2 rows: the whole program (A loads, K
   loop, epilogue, stores) at a static row count of BM/2 instead of BM, chosen per block by one
   scalar load (a block's valid rows are a prefix, so it has at most BM/2 iff slot BM/2 is
-  padding). Half the tensor-core work and h bytes of such a block; its h rows BM/2.. are then not
-  written (padding: down, on the same plan, does not read them). Both sizes are compiled into one
-  kernel, each its own pipelined K loop.
+  padding). Half the tensor-core work of such a block. Both sizes are compiled into one kernel,
+  each its own pipelined K loop.
   Quantised weights: per K step of one group G, the [G*b/32, B_N] words are unpacked in
   registers to the exact integers u - z (shift, and-or into the float 2^23, subtract), cast to
   bf16 (exact) and reshaped to the natural [G, B_N] row order (lane i of word w is row w + i*WPG),
@@ -210,9 +210,10 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half,
             def a_load(k0, size):
                 cols = (k0 + jnp.arange(size, dtype=jnp.int32))[None, :]
                 return pltriton.load(a_ref.at[tok, cols], mask=valid[:, None], other=0.0)
-        else:  # the block's own h rows
+        else:  # the block's own h rows; padding rows were never written, and are not read
             def a_load(k0, size):
-                return a_ref[pl.ds(j * bm, rows), pl.ds(k0, size)]
+                return pltriton.load(a_ref.at[pl.ds(j * bm, rows), pl.ds(k0, size)], mask=valid[:, None],
+                                     other=0.0)
 
         shape = (bn, rows) if swap else (rows, bn)  # swap: acc^T
         if qm is None:
@@ -250,11 +251,13 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half,
             gate = jnp.arange(2, dtype=jnp.int32) == 0  # select + sum: lowers everywhere, exact
             g = jnp.sum(jnp.where(gate, pairs, 0.0), axis=-1)
             u = jnp.sum(jnp.where(gate, 0.0, pairs), axis=-1)
-            h = _swiglu(g, u, limit).astype(out_ref.dtype)  # padding rows: x = 0 -> h = 0
-            out_ref[pl.ds(j * bm, rows), pl.ds(t * (bn // 2), bn // 2)] = h
+            h = _swiglu(g, u, limit).astype(out_ref.dtype)
+            # Pair rows only: an expert's last block is ~half padding at Ling's 64 rows an expert.
+            pltriton.store(out_ref.at[pl.ds(j * bm, rows), pl.ds(t * (bn // 2), bn // 2)], h,
+                           mask=valid[:, None])
         else:
             w = pltriton.load(tw_ref.at[jnp.where(valid, pair, 0)], mask=valid, other=0.0)  # [rows]
-            val = acc * w[:, None]  # padding rows: h = 0, w = 0 -> 0
+            val = acc * w[:, None]  # padding rows: h read as 0, w = 0 -> 0
             cols = (t * bn + jnp.arange(bn, dtype=jnp.int32))[None, :]
             if combine != "atomic":  # "sum", "sum16": the pair's own row, in out's dtype
                 dst = jnp.where(valid, pair, p)[:, None]  # padding goes nowhere (masked, row P)
@@ -332,9 +335,8 @@ def gate_up(x, sorted_pairs, block_expert, w13, *, k: int, n_blocks: int, plan: 
             swiglu_limit=None, backend="pallas", init=None):
     """Stage 1. h [n_blocks*BM, I] (x's dtype) = swiglu(x[pair // k] @ W13_e), one row per slot
     of the align's layout (`moe_align(ids, E, plan.block_m)`; n_blocks = align_sizes(...).nb);
-    padding rows are 0, except that with plan.half a block whose slot BM/2 is padding writes
-    only its first BM/2 rows; rows of unused blocks are not written. x [M, D] in the activation dtype
-    (bf16 for quantised weights)."""
+    only the rows of pairs are written (padding slots and unused blocks keep init's values; down
+    does not read them). x [M, D] in the activation dtype (bf16 for quantised weights)."""
     _check_plan(plan)
     i = (w13.shape[0] if isinstance(w13, QuantizedWeight) else w13.shape[2]) // 2
     out_shape = jax.ShapeDtypeStruct((n_blocks * plan.block_m, i), x.dtype)
