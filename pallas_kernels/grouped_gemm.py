@@ -55,12 +55,12 @@ Rounding: h is rounded to the activation dtype between the GEMMs (as in moe.bloc
 FLOPs (useful) 6*P*D*I: up 2*P*D*2I, down 2*P*I*D; the padding adds (NB_used*BM - P)/P of it
 (plan.half: a block of at most BM/2 valid rows counts BM/2).
 Bytes: the U distinct experts' weights once, U*3*D*I*2 (bf16) or U*3*D*I*(b + 16/G)/8, x and y
-(M*D*2 each); by design also h (NB_used*BM*I*2, written and read) and, combine "sum", out
+(M*D*2 each); by design also h (P*I*2, the pairs' rows, written and read) and, combine "sum", out
 (P*D*4, written and read; "sum16" P*D*2).
 Ling (E 512, top-8, D 2560, I 768) at M = 4096 tokens, P = 32768, U = 512 (every expert):
   386.5 GFLOP useful (0.39 ms at the H200's 989 TFLOP/s dense bf16);
-  bf16 weights 6.04 GB -> 1.40 ms at 4.3 TB/s: the floor (x + y add 0.04 GB); h ~0.15 GB and the
-  "sum" combine's out 0.67 GB more -> ~1.6 ms as designed; 250 TFLOP/s (issue 11) is 1.55 ms.
+  bf16 weights 6.04 GB -> 1.40 ms at 4.3 TB/s: the floor (x + y add 0.04 GB); h 0.10 GB and the
+  "sum" combine's out 0.67 GB ("sum16": 0.34) more -> ~1.6 ms as designed; 250 TFLOP/s (issue 11) is 1.55 ms.
   int4 G128 weights 1.56 GB -> 0.36 ms: the compute floor 0.39 ms binds.
 Not yet measured on the GPU: `plan_for` is a guess; bench/grouped_gemm.py sweeps it. Every plan
 it times compiles for sm_90a offline (triton 3.6 from jax 0.11.2's Triton IR, 2026-11-30): no
