@@ -60,7 +60,8 @@ Bytes: the U distinct experts' weights once, U*3*D*I*2 (bf16) or U*3*D*I*(b + 16
 Ling (E 512, top-8, D 2560, I 768) at M = 4096 tokens, P = 32768, U = 512 (every expert):
   386.5 GFLOP useful (0.39 ms at the H200's 989 TFLOP/s dense bf16);
   bf16 weights 6.04 GB -> 1.40 ms at 4.3 TB/s: the floor (x + y add 0.04 GB); h 0.10 GB and the
-  "sum" combine's out 0.67 GB ("sum16": 0.34) more -> ~1.6 ms as designed; 250 TFLOP/s (issue 11) is 1.55 ms.
+  "sum" combine's out 0.67 GB ("sum16": 0.34) more -> ~1.6 ms as designed; 250 TFLOP/s (issue
+  11) is 1.55 ms.
   int4 G128 weights 1.56 GB -> 0.36 ms: the compute floor 0.39 ms binds.
 Not yet measured on the GPU: `plan_for` is a guess; bench/grouped_gemm.py sweeps it. Every plan
 it times compiles for sm_90a offline (triton 3.6 from jax 0.11.2's Triton IR, 2026-11-30): no
