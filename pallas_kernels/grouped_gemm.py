@@ -336,8 +336,8 @@ def gate_up(x, sorted_pairs, block_expert, w13, *, k: int, n_blocks: int, plan: 
             swiglu_limit=None, backend="pallas", init=None):
     """Stage 1. h [n_blocks*BM, I] (x's dtype) = swiglu(x[pair // k] @ W13_e), one row per slot
     of the align's layout (`moe_align(ids, E, plan.block_m)`; n_blocks = align_sizes(...).nb);
-    only the rows of pairs are written (padding slots and unused blocks keep init's values; down
-    does not read them). x [M, D] in the activation dtype (bf16 for quantised weights)."""
+    only the rows of pairs are written (padding slots and unused blocks keep init's values, or
+    are left unset without init; down does not read them). x [M, D] in the activation dtype (bf16 for quantised weights)."""
     _check_plan(plan)
     i = (w13.shape[0] if isinstance(w13, QuantizedWeight) else w13.shape[2]) // 2
     out_shape = jax.ShapeDtypeStruct((n_blocks * plan.block_m, i), x.dtype)
