@@ -38,7 +38,9 @@ for BM 16 / 32 unswapped):
         y is rounded once to x's dtype.
   Tile t fastest: the N/BN programs of one row block run together, so its A rows come from L2
   after the first tile; sibling blocks of one expert are adjacent, so their second read of a
-  weight tile is an L2 hit. Unused blocks (e < 0) exit before any load.
+  weight tile is an L2 hit. Unused blocks (e < 0) exit before any weight load. A program asks
+  for its expert, its slots, its half flag and (down) its routed weights at once, before the K
+  loop: none of those addresses waits on another load (down: 541 -> 533 µs at 4096 tokens).
   plan.half: blocks with at most BM/2 valid rows run at BM/2 rows: the whole program (A loads, K
   loop, epilogue, stores) at a static row count of BM/2 instead of BM, chosen per block by one
   scalar load (a block's valid rows are a prefix, so it has at most BM/2 iff slot BM/2 is
@@ -198,12 +200,18 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half,
     out_ref = refs.pop(0)  # up: h; down: out [P + 1, D] ("sum") or y32 [M + 1, D] ("atomic")
 
     t, j = pl.program_id(0), pl.program_id(1)
+    # A program's first loads, issued together: no address below depends on another load, so
+    # their latencies overlap instead of adding up before the first weight tile is asked for.
     e = blk_ref[j]
+    pairs_bm = sorted_ref[pl.ds(j * bm, bm)]  # [BM], P = padding
+    small = (sorted_ref[j * bm + bm // 2] >= p) if half else None  # see plan.half below
 
     def block(rows):
         """The block's first `rows` slots (static: BM, or BM/2 for plan.half): K loop, epilogue, stores."""
-        pair = sorted_ref[pl.ds(j * bm, rows)]  # [rows], P = padding
+        pair = pairs_bm if rows == bm else sorted_ref[pl.ds(j * bm, rows)]  # [rows] (a reload: L1)
         valid = pair < p
+        if stage == "down":  # the routed weights: asked for now, used after the K loop
+            tw = pltriton.load(tw_ref.at[jnp.where(valid, pair, 0)], mask=valid, other=0.0)  # [rows]
 
         if stage == "up":  # x's rows gathered by token
             tok = jnp.where(valid, pair // k, 0)[:, None]  # [rows, 1]
@@ -257,8 +265,7 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half,
             pltriton.store(out_ref.at[pl.ds(j * bm, rows), pl.ds(t * (bn // 2), bn // 2)], h,
                            mask=valid[:, None])
         else:
-            w = pltriton.load(tw_ref.at[jnp.where(valid, pair, 0)], mask=valid, other=0.0)  # [rows]
-            val = acc * w[:, None]  # padding rows: h read as 0, w = 0 -> 0
+            val = acc * tw[:, None]  # padding rows: h read as 0, w = 0 -> 0
             cols = (t * bn + jnp.arange(bn, dtype=jnp.int32))[None, :]
             if combine != "atomic":  # "sum", "sum16": the pair's own row, in out's dtype
                 dst = jnp.where(valid, pair, p)[:, None]  # padding goes nowhere (masked, row P)
@@ -271,10 +278,10 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half,
                 mask = None if interpret else jnp.broadcast_to(valid[:, None], val.shape)
                 relaxed_atomic_add(out_ref, (dst, cols), val, mask=mask)
 
-    @pl.when(e >= 0)  # an unused block reads and writes nothing
+    @pl.when(e >= 0)  # an unused block reads its slots only, and writes nothing
     def _():
         if half:  # valid rows are a prefix: at most BM/2 of them iff slot BM/2 is padding
-            lax.cond(sorted_ref[j * bm + bm // 2] >= p, lambda: block(bm // 2), lambda: block(bm))
+            lax.cond(small, lambda: block(bm // 2), lambda: block(bm))
         else:
             block(bm)
 
