@@ -208,7 +208,8 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half,
 
     def block(rows):
         """The block's first `rows` slots (static: BM, or BM/2 for plan.half): K loop, epilogue, stores."""
-        pair = pairs_bm if rows == bm else sorted_ref[pl.ds(j * bm, rows)]  # [rows] (a reload: L1)
+        # [rows]; at BM/2 a reload of the lines just loaded
+        pair = pairs_bm if rows == bm else sorted_ref[pl.ds(j * bm, rows)]
         valid = pair < p
         if stage == "down":  # the routed weights: asked for now, used after the K loop
             tw = pltriton.load(tw_ref.at[jnp.where(valid, pair, 0)], mask=valid, other=0.0)  # [rows]
@@ -265,7 +266,7 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half,
             pltriton.store(out_ref.at[pl.ds(j * bm, rows), pl.ds(t * (bn // 2), bn // 2)], h,
                            mask=valid[:, None])
         else:
-            val = acc * tw[:, None]  # padding rows: h read as 0, w = 0 -> 0
+            val = acc * tw[:, None]  # padding rows: h read as 0, tw = 0 -> 0
             cols = (t * bn + jnp.arange(bn, dtype=jnp.int32))[None, :]
             if combine != "atomic":  # "sum", "sum16": the pair's own row, in out's dtype
                 dst = jnp.where(valid, pair, p)[:, None]  # padding goes nowhere (masked, row P)
