@@ -65,9 +65,9 @@ Ling (E 512, top-8, D 2560, I 768) at M = 4096 tokens, P = 32768, U = 512 (every
   "sum" combine's out 0.67 GB ("sum16": 0.34) more -> ~1.6 ms as designed; 250 TFLOP/s (issue
   11) is 1.55 ms.
   int4 G128 weights 1.56 GB -> 0.36 ms: the compute floor 0.39 ms binds.
-Not yet measured on the GPU: `plan_for` is a guess; bench/grouped_gemm.py sweeps it. Every plan
-it times compiles for sm_90a offline (triton 3.6 from jax 0.11.2's Triton IR, 2026-11-30): no
-spills, <= 144 KB shared memory, HGMMA (BM 64/128 or swap) or HMMA, LDGSTS (cp.async) loads, the
+`plan_for`'s bf16 plans are the H200 sweeps' winners (its docstring; bench/RESULTS.md), its
+quantised plans are not measured; bench/grouped_gemm.py sweeps them. Every plan it times
+compiles for sm_90a offline (triton 3.6 from jax 0.11.2's Triton IR, 2026-11-30): no spills, <= 144 KB shared memory, HGMMA (BM 64/128 or swap) or HMMA, LDGSTS (cp.async) loads, the
 swapped int4 dot reads the dequantised tile from registers, "atomic" adds 4 floats per ATOMG.
 """
 
@@ -345,7 +345,8 @@ def gate_up(x, sorted_pairs, block_expert, w13, *, k: int, n_blocks: int, plan: 
     """Stage 1. h [n_blocks*BM, I] (x's dtype) = swiglu(x[pair // k] @ W13_e), one row per slot
     of the align's layout (`moe_align(ids, E, plan.block_m)`; n_blocks = align_sizes(...).nb);
     only the rows of pairs are written (padding slots and unused blocks keep init's values, or
-    are left unset without init; down does not read them). x [M, D] in the activation dtype (bf16 for quantised weights)."""
+    are left unset without init; down does not read them). x [M, D] in the activation dtype
+    (bf16 for quantised weights)."""
     _check_plan(plan)
     i = (w13.shape[0] if isinstance(w13, QuantizedWeight) else w13.shape[2]) // 2
     out_shape = jax.ShapeDtypeStruct((n_blocks * plan.block_m, i), x.dtype)
