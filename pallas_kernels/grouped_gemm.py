@@ -66,9 +66,10 @@ Ling (E 512, top-8, D 2560, I 768) at M = 4096 tokens, P = 32768, U = 512 (every
   11) is 1.55 ms.
   int4 G128 weights 1.56 GB -> 0.36 ms: the compute floor 0.39 ms binds.
 `plan_for`'s bf16 plans are the H200 sweeps' winners (its docstring; bench/RESULTS.md), its
-quantised plans are not measured; bench/grouped_gemm.py sweeps them. Every plan it times
-compiles for sm_90a offline (triton 3.6 from jax 0.11.2's Triton IR, 2026-11-30): no spills, <= 144 KB shared memory, HGMMA (BM 64/128 or swap) or HMMA, LDGSTS (cp.async) loads, the
-swapped int4 dot reads the dequantised tile from registers, "atomic" adds 4 floats per ATOMG.
+quantised plans are not measured; bench/grouped_gemm.py sweeps them. Every plan it times compiles
+for sm_90a offline (triton 3.6 from jax 0.11.2's Triton IR, 2026-11-30): no spills, <= 144 KB
+shared memory, HGMMA (BM 64/128 or swap) or HMMA, LDGSTS (cp.async) loads, the swapped int4 dot
+reads the dequantised tile from registers, "atomic" adds 4 floats per ATOMG.
 """
 
 from __future__ import annotations
