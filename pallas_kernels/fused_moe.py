@@ -17,9 +17,9 @@ Layouts (x @ W orientation, every stacked weight passed whole, never sliced in f
 Pairs. p = m*k + slot is the (token, slot) pair index, P = M*k.
 
 Align (one Pallas launch for P <= 64, `_align_kernel`; beyond, `_align_blocked`: two Pallas
-launches around XLA cumsums, no sort; the reference backend's `_align_jnp` is a stable argsort,
-the same outputs): pairs ordered by expert, stable in p, each expert's run padded to a multiple
-of BM rows:
+launches, no sort; the reference backend's `_align_jnp` is a stable argsort, the same outputs,
+except that on the GPU the blocked align orders an expert's pairs by the order in which their
+blocks of pairs ran): pairs ordered by expert, each expert's run padded to a multiple of BM rows:
   sorted_pairs [S] int32  pair at each padded slot, P where the slot is padding (S > NB*BM),
   block_expert [NBP] int32 expert of block j (slots [j*BM, (j+1)*BM)), -1 for an unused block.
 NB = n + (P - n) // BM with n = min(P, E) bounds the blocks any routing needs (NBP = next pow2).
@@ -73,6 +73,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.backend import resolve
 from pallas_kernels.qmatvec import _lanes
 from pallas_kernels.quant import QuantizedWeight, _quantize, check_config, dequantize
+from pallas_kernels.relaxed_atomic import relaxed_atomic_add
 
 MAX_ALIGN_PAIRS = 64  # the pair-axis align kernel's limit: [64, 64] comparisons stay in registers
 MAX_FUSED_M = 64  # decode / verify sizes; larger M runs the same kernels with a bigger block
@@ -242,78 +243,109 @@ def _align_kernel(ids_ref, sorted_ref, blk_ref, *, s: AlignSizes, n_experts: int
         blk_ref[...] = jnp.where(owned > 0, expert, -1)
 
 
-def _hist_kernel(ids_ref, hist_ref, *, pb: int, eb: int):
-    """Program b: hist[b, e] = pairs of block b (pairs [b*PB, (b+1)*PB)) routed to expert e, for
-    e in [0, E_pad); E_pad columns in chunks of EB ([PB, EB] comparisons in registers). Padding
-    and skipped pairs (id >= E) land in columns >= E or in none."""
-    ids = ids_ref[pl.ds(pl.program_id(0) * pb, pb)]  # [PB]
-    for e0 in range(0, hist_ref.shape[0], eb):
-        e = e0 + jnp.arange(eb, dtype=jnp.int32)
-        hist_ref[pl.ds(e0, eb)] = jnp.sum((ids[:, None] == e[None, :]).astype(jnp.int32), axis=0)
-
-
-def _place_kernel(ids_ref, base_ref, _, sorted_ref, *, pb: int, cb: int, n_experts: int):
-    """Program b: each valid pair of block b goes to slot base[b, e] + its rank among the earlier
-    pairs of block b with the same expert e ([PB, CB] comparisons a step). Padding pairs carry
-    id E, so they are invalid like skipped ones."""
+def _rank_kernel(ids_ref, _, off_ref, rep_ref, cnt_ref, *, p: int, pb: int, cb: int, n_experts: int,
+                 interpret: bool):
+    """Program b, pairs [b*PB, (b+1)*PB): each pair's rank among the block's earlier pairs of its
+    expert and the block's first such pair (its lead), from [PB, CB] comparisons a step; each lead
+    reserves its expert's pairs of the block with one atomic add on cnt (returning the expert's
+    pairs in the blocks that reserved before). off: the lead's reservation, or the rank."""
     b = pl.program_id(0)
     q = b * pb + jnp.arange(pb, dtype=jnp.int32)  # [PB] pair indices
-    ids = ids_ref[pl.ds(b * pb, pb)]
-    valid = ids < n_experts
+    ids = pltriton.load(ids_ref.at[pl.ds(b * pb, pb)], mask=q < p, other=n_experts)
     within = jnp.zeros((pb,), jnp.int32)
+    n_same = jnp.zeros((pb,), jnp.int32)
+    rep = q
     for c0 in range(0, pb, cb):  # columns: the block's pairs c0 .. c0 + CB
         qc = b * pb + c0 + jnp.arange(cb, dtype=jnp.int32)
-        ic = ids_ref[pl.ds(b * pb + c0, cb)]
-        hit = (ic[None, :] == ids[:, None]) & (qc[None, :] < q[:, None])
-        within = within + jnp.sum(hit.astype(jnp.int32), axis=1)
-    e = jnp.where(valid, ids, 0)
-    base = pltriton.load(base_ref.at[b, e], mask=valid, other=0)  # [PB]
-    # Masked-off lanes point at the last slot, never a pair's (interpret mode may write them back)
-    pltriton.store(sorted_ref.at[jnp.where(valid, base + within, sorted_ref.shape[0] - 1)], q, mask=valid)
+        ic = pltriton.load(ids_ref.at[pl.ds(b * pb + c0, cb)], mask=qc < p, other=n_experts)
+        same = ic[None, :] == ids[:, None]  # [PB, CB]
+        within = within + jnp.sum((same & (qc[None, :] < q[:, None])).astype(jnp.int32), axis=1)
+        n_same = n_same + jnp.sum(same.astype(jnp.int32), axis=1)
+        rep = jnp.minimum(rep, jnp.min(jnp.where(same, qc[None, :], q[:, None]), axis=1))
+    lead = (ids < n_experts) & (within == 0)
+    # The interpreter has no masked atomics: its other lanes add 0 to the spare counter cnt[E]
+    old = relaxed_atomic_add(cnt_ref, (jnp.where(lead, ids, n_experts),), jnp.where(lead, n_same, 0),
+                             mask=None if interpret else lead)
+    off_ref[pl.ds(b * pb, pb)] = jnp.where(lead, old, within)
+    rep_ref[pl.ds(b * pb, pb)] = rep
+
+
+def _place_kernel(ids_ref, off_ref, rep_ref, cnt_ref, sorted_ref, blk_ref, first_ref, *, p: int, pb: int,
+                  jb: int, e_pow: int, n_experts: int, bm: int, interpret: bool):
+    """Program b: from the experts' counts (complete: the rank launch has ended), each expert's
+    first slot (exclusive cumsum of its padded blocks, recomputed by every program: [E] in
+    registers); then block_expert and the padding of blocks [b*JB, (b+1)*JB), and the slot of
+    each valid pair of block b: its expert's first slot + its lead's reservation + its rank."""
+    b = pl.program_id(0)
+    ev = jnp.arange(e_pow, dtype=jnp.int32)
+    cnt = pltriton.load(cnt_ref.at[pl.ds(0, e_pow)], mask=ev < n_experts, other=0)  # [E_pow]
+    nblk = (cnt + bm - 1) // bm
+    bend = jnp.cumsum(nblk)  # [E_pow] one past each expert's last block
+    first = (bend - nblk) * bm
+    # A register vector cannot be gathered: this program's copy of `first`, read back by index
+    # (its own row: no other program writes it; the barrier orders the threads' stores and loads).
+    first_ref[b, :] = first
+    if not interpret:
+        pltriton.debug_barrier()
+
+    j = b * jb + jnp.arange(jb, dtype=jnp.int32)  # [JB] blocks
+    used = j < jnp.sum(nblk)
+    e_j = jnp.where(used, jnp.sum((bend[None, :] <= j[:, None]).astype(jnp.int32), axis=1), -1)
+    pltriton.store(blk_ref.at[pl.ds(b * jb, jb)], e_j, mask=j < blk_ref.shape[0])
+    ec = jnp.where(used, e_j, 0)
+    first_j = pltriton.load(first_ref.at[b, ec], mask=used, other=0)  # [JB]
+    cnt_j = pltriton.load(cnt_ref.at[ec], mask=used, other=0)
+    slot = j[:, None] * bm + jnp.arange(bm, dtype=jnp.int32)[None, :]  # [JB, BM]
+    pad = (~used[:, None]) | (slot - first_j[:, None] >= cnt_j[:, None])
+    n_slots = sorted_ref.shape[0]
+    pad = (pad & (slot < n_slots)).reshape(jb * bm)
+    pltriton.store(sorted_ref.at[pl.ds(b * jb * bm, jb * bm)], jnp.full((jb * bm,), p, jnp.int32), mask=pad)
+
+    @pl.when(b * pb < p)  # programs past the pairs only place blocks
+    def _():
+        q = b * pb + jnp.arange(pb, dtype=jnp.int32)  # [PB] pairs
+        ids = pltriton.load(ids_ref.at[pl.ds(b * pb, pb)], mask=q < p, other=n_experts)
+        valid = ids < n_experts  # padding and skipped pairs (id >= E): in no block
+        off = off_ref[pl.ds(b * pb, pb)]
+        rep = rep_ref[pl.ds(b * pb, pb)]
+        reserved = pltriton.load(off_ref.at[rep], mask=valid & (rep != q), other=0)  # the lead's; a lead: 0
+        e = jnp.where(valid, ids, 0)
+        dst = pltriton.load(first_ref.at[b, e], mask=valid, other=0) + reserved + off
+        # Unmasked: the other lanes write P to the last slot, which is padding (S > NB*BM), so every
+        # write there agrees (the interpreter's masked scatter would write back a stale value)
+        pltriton.store(sorted_ref.at[jnp.where(valid, dst, n_slots - 1)], jnp.where(valid, q, p))
 
 
 def _align_blocked(ids, s: AlignSizes, n_experts: int, interpret: bool):
-    """The same outputs as `_align_jnp` (stable in p) for any P without a sort: pairs in blocks of
-    PB; (1) a Pallas histogram of each block's experts [NBk, E_pad]; (2) XLA: per expert, the pairs
-    in earlier blocks (cumsum over blocks) plus the expert's first slot (cumsum of its padded block
-    counts); (3) a Pallas launch that writes each pair to that base + its rank within its block.
-    H200 (bench/fused_moe.py --align-only): 23 / 25 / 33 / 26 / 29 µs at 128 / 512 / 16k / 32k /
-    65k pairs, where the argsort path took 49 / 36 / 78 / 100 / 79 (2026-12-01)."""
+    """The layout for any P without a sort, in two Pallas launches over blocks of PB pairs:
+    (1) ranks within each block, and each block's pairs of an expert reserved with one atomic add
+    on the expert's count; (2) from the counts, each expert's first slot, block_expert, the
+    padding, and each pair's slot. An expert's pairs come in the order their blocks reserved:
+    stable in p where the blocks run in order (interpret mode: `_align_jnp`'s output exactly), in
+    any block order on the GPU. Every consumer reads a block's rows independently, so y does
+    not depend on that order. H200 (4096 tokens x 8, BM 128): see bench/RESULTS.md."""
     p, bm = s.p, s.bm
-    pb = 64 if p <= 8192 else 256  # programs: at most ~256 at 65k pairs
+    pb, jb = 64, 8  # pairs a rank program; blocks (of BM slots) a place program
     nbk = -(-p // pb)
-    eb = 64
-    e_pad = -(-n_experts // eb) * eb
-    # sm_90a (triton 3.6): place at PB 256 and CB 32 takes 60 registers with 8 warps and no spills
-    # (CB 64: 7 KB spilled at 4 warps)
-    params = pltriton.CompilerParams(num_warps=8 if pb > 64 else 4, num_stages=1)
-    ids = jnp.pad(ids, (0, nbk * pb - p), constant_values=n_experts)  # [NBk*PB]; padding: id E, in no block
-    hist = pl.pallas_call(
-        functools.partial(_hist_kernel, pb=pb, eb=eb),
+    n_place = max(nbk, -(-max(s.n_slots // bm, s.nbp) // jb))  # every pair, every slot and block
+    e_pow = _pow2(n_experts)
+    params = pltriton.CompilerParams(num_warps=4, num_stages=1)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    off, rep, cnt = pl.pallas_call(
+        functools.partial(_rank_kernel, p=p, pb=pb, cb=32, n_experts=n_experts, interpret=interpret),
         grid=(nbk,),
-        in_specs=[pl.BlockSpec((nbk * pb,), lambda b: (0,))],
-        out_specs=pl.BlockSpec((None, e_pad), lambda b: (b, 0)),
-        out_shape=jax.ShapeDtypeStruct((nbk, e_pad), jnp.int32),
-        compiler_params=params, interpret=interpret, name="moe_align_hist",
-    )(ids)[:, :n_experts]  # [NBk, E]
-    before = jnp.cumsum(hist, axis=0) - hist  # [NBk, E] pairs of e in earlier blocks
-    counts = jnp.sum(hist, axis=0)  # [E]
-    nblk = (counts + bm - 1) // bm
-    bend = jnp.cumsum(nblk)  # [E] one past each expert's last block
-    base = before + ((bend - nblk) * bm)[None, :]  # [NBk, E] slot of block b's first pair of e
-    sorted_pairs = pl.pallas_call(
-        functools.partial(_place_kernel, pb=pb, cb=32, n_experts=n_experts),
-        grid=(nbk,),
-        in_specs=[pl.BlockSpec((nbk * pb,), lambda b: (0,)), pl.BlockSpec((nbk, n_experts), lambda b: (0, 0)),
-                  pl.BlockSpec((s.n_slots,), lambda b: (0,))],
-        out_specs=pl.BlockSpec((s.n_slots,), lambda b: (0,)),
-        out_shape=jax.ShapeDtypeStruct((s.n_slots,), jnp.int32),
-        input_output_aliases={2: 0},  # slots no pair takes keep P (padding)
+        out_shape=(i32(nbk * pb), i32(nbk * pb), i32(e_pow + 1)),
+        input_output_aliases={1: 2},  # counts from 0; cnt[E]: the rank kernel's spare (E <= E_pow)
+        compiler_params=params, interpret=interpret, name="moe_align_rank",
+    )(ids, jnp.zeros((e_pow + 1,), jnp.int32))
+    sorted_pairs, block_expert, _ = pl.pallas_call(
+        functools.partial(_place_kernel, p=p, pb=pb, jb=jb, e_pow=e_pow, n_experts=n_experts, bm=bm,
+                          interpret=interpret),
+        grid=(n_place,),
+        out_shape=(i32(s.n_slots), i32(s.nbp), i32(n_place, e_pow)),
         compiler_params=params, interpret=interpret, name="moe_align_place",
-    )(ids, base, jnp.full((s.n_slots,), p, jnp.int32))
-    j = jnp.arange(s.nbp, dtype=jnp.int32)
-    expert = jnp.searchsorted(bend, j, side="right", method="compare_all").astype(jnp.int32)
-    return sorted_pairs, jnp.where(j < bend[-1], expert, -1)
+    )(ids, off, rep, cnt)
+    return sorted_pairs, block_expert
 
 
 def _align_jnp(ids, s: AlignSizes, n_experts: int):

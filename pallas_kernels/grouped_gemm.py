@@ -10,7 +10,8 @@ tensor cores. XLA's `lax.ragged_dot` computes every expert against every row (29
 at 4096 tokens on the H200); this reads each expert's weights once per row block.
 
 Layout. Pairs p = m*k + slot. `fused_moe.moe_align` (blocked path beyond 64 pairs) sorts them by
-expert, stable, each expert's run padded to BM rows, one expert per block:
+expert (within an expert, in any order: rows are independent), each expert's run padded to BM
+rows, one expert per block:
   sorted_pairs [S] int32 (P = padding), block_expert [NBP] int32 (-1: unused block);
   NB = n + (P - n) // BM, n = min(P, E), bounds the blocks of any routing.
 Weights as in fused_moe: w13 [E, D, 2I] with gate/up INTERLEAVED by column (2j gate, 2j+1 up:
@@ -127,7 +128,10 @@ def plan_for(p: int, e: int, quantized: bool) -> Plan:
     ("sum16") at 4096 tokens: 1613 µs against "sum"'s 1738 (512 and 16384 tokens: ties), so bf16
     weights take it; the quantised plans keep "sum" (not measured). Half blocks at BM 128 (bf16,
     4096 tokens, one run 2026-12-02): the call 1604 µs against 1637, gate/up 983 against 1046; the
-    quantised BM 128 plan does not take them (not measured)."""
+    quantised BM 128 plan does not take them (not measured). The down GEMM's K (I = 768) is short:
+    steps of 32 at 6 stages keep 5 × 8 KB of weights in flight in the same shared memory as 3 steps
+    of 64 (2 × 16 KB): down 530 -> 521 µs at 4096 tokens (2026-12-03); gate/up lost with them (971
+    -> 985: its K = 2560 runs long enough for 2 steps of 64)."""
     r = p / e
     if quantized:
         if r <= 24:
@@ -139,7 +143,7 @@ def plan_for(p: int, e: int, quantized: bool) -> Plan:
         return Plan(16, Tile(64, 128, 4, 5), Tile(64, 128, 4, 5), combine="sum16")
     if r <= 48:
         return Plan(32, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4), combine="sum16")
-    return Plan(128, Tile(64, 128, 8, 3), Tile(64, 128, 8, 3), combine="sum16", half=True)
+    return Plan(128, Tile(64, 128, 8, 3), Tile(32, 128, 8, 6), combine="sum16", half=True)
 
 
 # ---------------------------------------------------------------------------------- reference

@@ -171,8 +171,9 @@ def test_align_kernel(m, k, bm, kind):
 @pytest.mark.parametrize("m,k,bm,kind", [(9, 8, 16, "skewed"), (64, 8, 16, "skewed"), (100, 6, 64, "skewed"),
                                          (1100, 8, 16, "random"), (1100, 8, 64, "one")])
 def test_align_beyond_the_kernel(m, k, bm, kind):
-    """The blocked align (histogram + place launches; blocks of 64 pairs up to 8192, 256 beyond):
-    the layout, and equal to the argsort path, with skipped pairs (id E) among them."""
+    """The blocked align (rank + place launches over blocks of 64 pairs): the layout, and equal to
+    the argsort path (interpret mode runs the blocks in order), with skipped pairs (id E) among
+    them."""
     ids, _ = _routing(np.random.default_rng([m, k]), m, k, kind)
     ids = ids.at[m // 2, 0].set(E)
     assert m * k > fm.MAX_ALIGN_PAIRS
