@@ -128,10 +128,10 @@ def plan_for(p: int, e: int, quantized: bool) -> Plan:
     ("sum16") at 4096 tokens: 1613 µs against "sum"'s 1738 (512 and 16384 tokens: ties), so bf16
     weights take it; the quantised plans keep "sum" (not measured). Half blocks at BM 128 (bf16,
     4096 tokens, one run 2026-12-02): the call 1604 µs against 1637, gate/up 983 against 1046; the
-    quantised BM 128 plan does not take them (not measured). The down GEMM's K (I = 768) is short:
-    steps of 32 at 6 stages keep 5 × 8 KB of weights in flight in the same shared memory as 3 steps
-    of 64 (2 × 16 KB): down 530 -> 521 µs at 4096 tokens (2026-12-03); gate/up lost with them (971
-    -> 985: its K = 2560 runs long enough for 2 steps of 64)."""
+    quantised BM 128 plan does not take them (not measured). The down GEMM takes K steps of 32 at 6
+    stages (5 × 8 KB of weights in flight in the shared memory of 3 steps of 64, 2 × 16 KB): 521-526
+    against 527-533 µs at 4096 tokens, in three runs (2026-12-03); the up GEMM lost with them (985
+    against 971 µs); steps of 16, and BN 64, lost on both GEMMs; 7 stages tie 6."""
     r = p / e
     if quantized:
         if r <= 24:

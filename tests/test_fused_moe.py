@@ -184,6 +184,20 @@ def test_align_beyond_the_kernel(m, k, bm, kind):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_blocked_align_with_a_power_of_two_of_experts():
+    """E = 16 = E_pow: the rank launch's spare counter is the extra entry past the experts'."""
+    e = 16
+    rng = np.random.default_rng(3)
+    ids = np.stack([rng.choice(e, 6, replace=False, p=np.r_[[5.0] * 4, [1.0] * 12] / 32) for _ in range(50)])
+    ids[7, 2] = e  # a skipped pair
+    ids = jnp.asarray(ids, jnp.int32)
+    for bm in (16, 64):
+        got = fm.moe_align(ids, e, bm, backend="interpret")
+        want = fm.moe_align(ids, e, bm, backend="reference")
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # ------------------------------------------------------------------------------------- format
 def test_quantize_experts_stacks_per_expert_quantisation():
     rng = np.random.default_rng(3)

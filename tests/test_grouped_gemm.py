@@ -249,3 +249,47 @@ def test_skipped_pairs_add_nothing(m, k, plan):
         got = routed_experts(x[:mm], ids_skip[:mm], w[:mm], w13, w2, backend="reference", skips=True)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want[:mm], np.float32),
                                    rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("combine", ["sum16", "atomic"])
+def test_any_order_within_an_expert_gives_the_same_y(combine):
+    """On the GPU the blocked align orders an expert's pairs by when their blocks of pairs ran;
+    the GEMMs must not care. Each expert's pairs shuffled among its valid slots (padding stays
+    last, so the half flag is unchanged): the same h rows per pair and the same y, bit for bit."""
+    rng = np.random.default_rng(21)
+    m, k = 60, 4
+    plan = gg.Plan(32, T(64, 64, 4, 2), T(64, 128, 4, 2), combine=combine, half=True)
+    w13, w2 = _weights(rng, "bf16")
+    x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
+    ids, w = _half_routing(rng, m, k, plan.block_m)
+    p, nb = m * k, fm.align_sizes(m * k, E, plan.block_m).nb
+    sp, be = fm.moe_align(ids.reshape(-1), E, plan.block_m, backend="interpret")
+    sp_np, be_np = np.asarray(sp).copy(), np.asarray(be)
+    used = int(np.sum(be_np >= 0))
+    rows = sp_np[: used * plan.block_m].reshape(used, plan.block_m)
+    for e in np.unique(be_np[:used]):
+        run = rows[be_np[:used] == e].reshape(-1)  # a copy: the expert's slots, pairs first
+        n = int(np.sum(run < p))
+        run[:n] = rng.permutation(run[:n])
+        rows[be_np[:used] == e] = run.reshape(-1, plan.block_m)
+    shuffled = sp_np.copy()
+    shuffled[: used * plan.block_m] = rows.reshape(-1)
+    assert not np.array_equal(shuffled, np.asarray(sp))
+
+    def run_gemms(sorted_pairs):
+        h = gg.gate_up(x, sorted_pairs, be, w13, k=k, n_blocks=nb, plan=plan, backend="interpret")
+        out = gg.down(h, sorted_pairs, be, w, w2, n_blocks=nb, plan=plan, backend="interpret")
+        slot_of = np.full(p, -1)
+        live = np.asarray(sorted_pairs)[: nb * plan.block_m]
+        slot_of[live[live < p]] = np.flatnonzero(live < p)
+        h_pairs = np.asarray(h.astype(jnp.float32))[slot_of]  # [P, I] by pair
+        y = out[:m] if combine == "atomic" else jnp.sum(out[:p].astype(jnp.float32).reshape(m, k, D), axis=1)
+        return h_pairs, np.asarray(y)
+
+    h0, y0 = run_gemms(sp)
+    h1, y1 = run_gemms(jnp.asarray(shuffled))
+    np.testing.assert_array_equal(h1, h0)
+    if combine == "atomic":  # fp32 atomics: the adds' order follows the slots (the last bits may differ)
+        np.testing.assert_allclose(y1, y0, rtol=1e-6, atol=1e-6)
+    else:
+        np.testing.assert_array_equal(y1, y0)
