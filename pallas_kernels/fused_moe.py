@@ -327,7 +327,7 @@ def _align_blocked(ids, s: AlignSizes, n_experts: int, interpret: bool):
     p, bm = s.p, s.bm
     pb, jb = 64, 8  # pairs a rank program; blocks (of BM slots) a place program
     nbk = -(-p // pb)
-    n_place = max(nbk, -(-max(s.n_slots // bm, s.nbp) // jb))  # every pair, every slot and block
+    n_place = max(nbk, -(-max(-(-s.n_slots // bm), s.nbp) // jb))  # every pair, every slot and block
     e_pow = _pow2(n_experts)
     params = pltriton.CompilerParams(num_warps=4, num_stages=1)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)

@@ -169,7 +169,8 @@ def test_align_kernel(m, k, bm, kind):
 
 
 @pytest.mark.parametrize("m,k,bm,kind", [(9, 8, 16, "skewed"), (64, 8, 16, "skewed"), (100, 6, 64, "skewed"),
-                                         (1100, 8, 16, "random"), (1100, 8, 64, "one")])
+                                         (1100, 8, 16, "random"), (1100, 8, 64, "one"),
+                                         (20, 4, 256, "random")])  # S not a multiple of BM
 def test_align_beyond_the_kernel(m, k, bm, kind):
     """The blocked align (rank + place launches over blocks of 64 pairs): the layout, and equal to
     the argsort path (interpret mode runs the blocks in order), with skipped pairs (id E) among
