@@ -50,9 +50,9 @@ writes each pair to its slot: rank r in the expert's run (in one phase, a prefil
 after the expert's d_e decode pairs), in the hot run if r < ceil(d_e / BM_h)*BM_h (two phases:
 decode pairs only), else in the cold run. Pairs of an expert land in the order their atomics
 ran, not in p order (as in fused_moe's blocked align on the GPU): any order serves, rows being
-independent and the combine a sum. A claim past a phase's align and zero tiles waits, once per program, for the
-phase's last place tile, then reads n_hot (phase 0) and n_blocks (the last phase), and so where
-the next segments start and the queue's length.
+independent and the combine a sum. A claim past a phase's align and zero tiles waits, once per
+program, for the phase's last place tile, then reads n_hot (phase 0) and n_blocks (the last
+phase), and so where the next segments start and the queue's length.
 
 Grid and claims. A persistent grid of G programs (`Plan.programs`, default PROGRAMS_PER_SM = 2 a
 SM: 264 on the H200; where two do not fit an SM the second waits and finds the queue empty).
