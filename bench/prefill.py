@@ -209,7 +209,7 @@ class Bench:
                 except Exception as exc:  # noqa: BLE001
                     log(f"  torch._grouped_mm peer failed: {type(exc).__name__}: {str(exc)[:300]}")
             tf = flop / us / 1e6
-            log(f"gemm M={m}: {us:.1f} µs, {tf:.0f} TFLOP/s, err {err:.1e}; torch._grouped_mm "
+            log(f"gemm M={m}: {us:.1f} µs, {tf:.1f} TFLOP/s, err {err:.1e}; torch._grouped_mm "
                 f"{fmt_us(peer)}{f' (ours {peer / us:.2f}x)' if peer else ''}")
             row("gemm", f"grouped_moe M={m}", us=us, tflops=tf, peer="torch._grouped_mm", peer_us=peer,
                 target=(tf >= 250) if m == 4096 and not self.tiny else None)
@@ -600,7 +600,7 @@ def table():
             extra.append(f"{r['layers']} layers; floor (full) {r['floor_us'] / 1e3:.0f} ms")
         if r.get("target") is not None:
             extra.append("target MET" if r["target"] else "target MISSED")
-        tf = "" if r.get("tflops") is None else f"{r['tflops']:.0f}"
+        tf = "" if r.get("tflops") is None else f"{r['tflops']:.1f}"
         peer_s = "" if peer is None else f"{r.get('peer', '')} {fmt_us(peer)}"
         ratio = "" if not (peer and us) else f"{peer / us:.2f}"
         lines.append(f"{r['part']:<5} {r['what'][:34]:<34} {fmt_us(us):>10} {tf:>8} {peer_s:>22} {ratio:>6}  "
