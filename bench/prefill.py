@@ -7,7 +7,10 @@ Parts (each checked against its reference in the same run before it is timed):
   gemm  the MoE grouped GEMM (pallas_kernels.grouped_gemm.grouped_moe: align + up GEMM/SwiGLU + down
         GEMM/weights + combine), E 512, top-8, D 2560, I 768, bf16, uniform random routing, at 512,
         4096 and 16384 tokens; TFLOP/s over 6·M·k·D·I; the peer torch._grouped_mm on the same routing
-        (bench/grouped_gemm.py's `torch_grouped_mm_us`). Target >= 250 TFLOP/s at 4096 tokens.
+        (bench/grouped_gemm.py's `torch_grouped_mm_us`). Ceilings from the same run: its bytes (the
+        used experts' weights once, x, y, h and the bf16 pair rows written and read) over the copy
+        ceiling, and the experts' weights streamed by XLA's dense dot (cuBLAS) at 64 rows, the rate
+        a GEMM reaches for those bytes here. Target >= 250 TFLOP/s at 4096 tokens.
   kda   KDA prefill at 8192 tokens, B 1, H 32, K = V 128, bf16 activations, fp32 state, one layer
         between its projections (conv + delta rule + gated norm): `pallas_kernels.kda_prefill`
         against the jnp chunked form under jit (ling/kda.py) and fla's Triton `chunk_kda` (delta rule
@@ -42,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)  # the other benchmarks' helpers
 
-from common import queued_us  # noqa: E402  (bench/common.py)
+from common import copy_ceiling_tbs, queued_us  # noqa: E402  (bench/common.py)
 
 T0 = time.time()
 DENSE_TFLOPS = 790.0  # bf16 8192³ GEMM through torch on the H200 (769-798 TFLOP/s, device notes)
@@ -150,6 +153,18 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def gemm_bytes(ids, *, e: int, d: int, inter: int) -> int:
+    """Bytes the grouped GEMM must move for this routing (ids [M, k] host array), bf16, plan_for's
+    "sum16" combine: each used expert's weights once, x and y, h's pair rows written and read, the
+    bf16 pair rows written and read (pallas_kernels/grouped_gemm.py, Bytes)."""
+    import numpy as np
+
+    m, k = ids.shape
+    p = m * k
+    used = int(np.unique(ids[ids < e]).size)
+    return 2 * (used * 3 * d * inter + 2 * m * d + 2 * p * inter + 2 * p * d)
+
+
 def fmt_us(us):
     return "-" if us is None else (f"{us / 1e3:.2f} ms" if us >= 1e4 else f"{us:.1f} µs")
 
@@ -185,6 +200,10 @@ class Bench:
         w2 = jax.random.normal(k2, (e, inter, d), jnp.bfloat16) * 0.05
         ours = jax.jit(lambda x, i, s, a, b: gg.grouped_moe(x, i, s, a, b, backend=self.backend))
         ref = jax.jit(lambda x, i, s, a, b: gg.reference(x, i, s, a, b))
+        ceiling = copy_ceiling_tbs(1 << (20 if self.tiny else 30))
+        stream = self.weight_stream_us(w13, w2)
+        log(f"copy ceiling {ceiling:.2f} TB/s; the experts' weights through XLA's dense dot at 64 rows "
+            f"(cuBLAS on the GPU; [64, D] @ [D, E*2I] and [64, I] @ [I, E*D]): {stream:.1f} µs")
         for m in sizes:
             if self.left() < 0:
                 log(f"budget spent: gemm M={m} skipped")
@@ -209,10 +228,30 @@ class Bench:
                 except Exception as exc:  # noqa: BLE001
                     log(f"  torch._grouped_mm peer failed: {type(exc).__name__}: {str(exc)[:300]}")
             tf = flop / us / 1e6
+            floor = gemm_bytes(np.asarray(ids), e=e, d=d, inter=inter) / ceiling / 1e6
             log(f"gemm M={m}: {us:.1f} µs, {tf:.1f} TFLOP/s, err {err:.1e}; torch._grouped_mm "
-                f"{fmt_us(peer)}{f' (ours {peer / us:.2f}x)' if peer else ''}")
+                f"{fmt_us(peer)}{f' (ours {peer / us:.2f}x)' if peer else ''}; its bytes at the copy ceiling "
+                f"{floor:.1f} µs ({floor / us:.2f} of ours); the weights through XLA's dot {stream:.1f} µs "
+                f"({stream / us:.2f} of ours)")
             row("gemm", f"grouped_moe M={m}", us=us, tflops=tf, peer="torch._grouped_mm", peer_us=peer,
-                target=(tf >= 250) if m == 4096 and not self.tiny else None)
+                target=(tf >= 250) if m == 4096 and not self.tiny else None,
+                note=f"bytes floor {floor / us:.2f}, XLA-dot weights {stream / us:.2f} of ours")
+
+    def weight_stream_us(self, w13, w2):
+        """µs for XLA's dense dot (cuBLAS on the GPU) to stream the experts' weights at 64 rows: the
+        rate any GEMM reaches for these bytes on this GPU, measured beside ours. The weights are
+        laid out as one [D, E*2I] and one [I, E*D] matrix (a transposed copy, made once)."""
+        import jax
+        import jax.numpy as jnp
+
+        e, d, n13 = w13.shape
+        b13 = w13.transpose(1, 0, 2).reshape(d, e * n13)
+        b2 = w2.transpose(1, 0, 2).reshape(w2.shape[1], e * d)
+        a13 = jax.random.normal(jax.random.PRNGKey(7), (64, d), w13.dtype)
+        a2 = jax.random.normal(jax.random.PRNGKey(8), (64, w2.shape[1]), w2.dtype)
+        us = device_us(jax.jit(lambda a13, b13, a2, b2: (a13 @ b13, a2 @ b2)), a13, b13, a2, b2, reps=self.reps)
+        del b13, b2
+        return us
 
     # ------------------------------------------------------------------------------ (b) kda
     def kda(self):
@@ -598,6 +637,8 @@ def table():
                          f"floor {r['floor_us'] / 1e3:.0f} ms ({r['floor_us'] / r['full_us']:.2f} of it)")
         elif r.get("floor_us") is not None:
             extra.append(f"{r['layers']} layers; floor (full) {r['floor_us'] / 1e3:.0f} ms")
+        if r.get("note"):
+            extra.append(r["note"])
         if r.get("target") is not None:
             extra.append("target MET" if r["target"] else "target MISSED")
         tf = "" if r.get("tflops") is None else f"{r['tflops']:.1f}"

@@ -64,7 +64,12 @@ Ling (E 512, top-8, D 2560, I 768) at M = 4096 tokens, P = 32768, U = 512 (every
   386.5 GFLOP useful (0.39 ms at the H200's 989 TFLOP/s dense bf16);
   bf16 weights 6.04 GB -> 1.40 ms at 4.3 TB/s: the floor (x + y add 0.04 GB); h 0.10 GB and the
   "sum" combine's out 0.67 GB ("sum16": 0.34) more -> ~1.6 ms as designed; 250 TFLOP/s (issue
-  11) is 1.55 ms.
+  11) is 1.55 ms. Measured (H200, "sum16", 2026-12-03): 1543-1586 µs by machine, and on each
+  machine cuBLAS streaming only the weights (dense dots at 64 rows) takes 0.93 of it; a TMA +
+  wgmma Mosaic GPU kernel streams them no faster than cuBLAS. x's rows come back from DRAM for
+  each of a token's k blocks (~43 µs: the weight stream turns L2 over long before a token's next
+  expert); keeping them would need an L2 policy on the pipelined loads, which neither the Triton
+  lowering (cp.async drops the hint) nor Mosaic GPU's TMA copy can express.
   int4 G128 weights 1.56 GB -> 0.36 ms: the compute floor 0.39 ms binds.
 `plan_for`'s bf16 plans are the H200 sweeps' winners (its docstring; bench/RESULTS.md), its
 quantised plans are not measured; bench/grouped_gemm.py sweeps them. Every plan it times compiles
