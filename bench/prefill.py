@@ -9,8 +9,8 @@ Parts (each checked against its reference in the same run before it is timed):
         4096 and 16384 tokens; TFLOP/s over 6·M·k·D·I; the peer torch._grouped_mm on the same routing
         (bench/grouped_gemm.py's `torch_grouped_mm_us`). Ceilings from the same run: its bytes (the
         used experts' weights once, x, y, h and the bf16 pair rows written and read) over the copy
-        ceiling, and the experts' weights streamed by XLA's dense dot (cuBLAS) at 64 rows, the rate
-        a GEMM reaches for those bytes here. Target >= 250 TFLOP/s at 4096 tokens.
+        ceiling, and the experts' weights streamed by XLA's dense dot (cuBLAS) at 64 rows (a TMA
+        kernel streamed them no faster, bench/RESULTS.md). Target >= 250 TFLOP/s at 4096 tokens.
   kda   KDA prefill at 8192 tokens, B 1, H 32, K = V 128, bf16 activations, fp32 state, one layer
         between its projections (conv + delta rule + gated norm): `pallas_kernels.kda_prefill`
         against the jnp chunked form under jit (ling/kda.py) and fla's Triton `chunk_kda` (delta rule
@@ -238,8 +238,8 @@ class Bench:
                 note=f"bytes floor {floor / us:.2f}, XLA-dot weights {stream / us:.2f} of ours")
 
     def weight_stream_us(self, w13, w2):
-        """µs for XLA's dense dot (cuBLAS on the GPU) to stream the experts' weights at 64 rows: the
-        rate any GEMM reaches for these bytes on this GPU, measured beside ours. The weights are
+        """µs for XLA's dense dot (cuBLAS on the GPU) to stream the experts' weights at 64 rows,
+        measured beside ours: what a vendor GEMM takes for these bytes on this GPU. The weights are
         laid out as one [D, E*2I] and one [I, E*D] matrix (a transposed copy, made once)."""
         import jax
         import jax.numpy as jnp
