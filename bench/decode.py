@@ -214,7 +214,7 @@ def main():
         return jax.jit(run)
 
     def draft_part(m, slots):
-        drafts, _, _ = nextn_chain(m, slots, s)
+        drafts, _, _ = nextn_chain(m, slots, s, sampling=False)
         return drafts.sum().astype(jnp.float32)
 
     def distinct_tokens(slots):  # S+1 different tokens: they route like a real verify, not all alike

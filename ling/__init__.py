@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ling import config as ling_config
 from ling.config import ConfigError, ModelConfig, load_config, preset
 from ling.model import LingModel, apply
 from ling.state import State, init_state
@@ -28,8 +29,9 @@ def _dtype(dtype):
 
 def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, progress: bool = True,
          quantize: str | None = None, group_size: int = 128, quantize_lm_head: bool = False,
-         quantize_experts: bool = False, ep_size: int = 1) -> LingModel:
-    """A preset name gives random weights; a hub directory (config.json + safetensors) or a
+         quantize_experts: bool = False, ep_size: int = 1, num_layers: int | None = None) -> LingModel:
+    """A preset name gives random weights (num_layers: only its first decoder layers, the NEXTN
+    layer kept, so that a cut of a large preset fits one device for benchmarks); a hub directory (config.json + safetensors) or a
     converted directory (`python -m ling.convert`) gives the checkpoint's weights.
     quantize ("int8", "int4", "int2") stores the projections grouped low-bit (`ling.quantize`),
     and with quantize_experts (int4 / int8) the routed experts in the fused MoE kernel's format;
@@ -37,8 +39,12 @@ def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, 
     ep_size > 1 shards the routed experts over that many devices (`moe.parallel`)."""
     if quantize_experts and quantize is None:
         raise ValueError("quantize_experts needs quantize (int4 or int8): the experts take its bits")
+    if num_layers is not None and os.fspath(path_or_preset) not in ling_config.PRESETS:
+        raise ValueError(f"num_layers cuts a preset's random model; {os.fspath(path_or_preset)!r} is a checkpoint "
+                         f"(presets: {', '.join(sorted(ling_config.PRESETS))})")
     model = _load(path_or_preset, dtype=dtype, seed=seed, progress=progress, quantize=quantize,
-                  group_size=group_size, quantize_lm_head=quantize_lm_head, quantize_experts=quantize_experts)
+                  group_size=group_size, quantize_lm_head=quantize_lm_head, quantize_experts=quantize_experts,
+                  num_layers=num_layers)
     if ep_size > 1:
         from moe.parallel import make_mesh, shard_model
 
@@ -47,7 +53,7 @@ def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, 
 
 
 def _load(path_or_preset, *, dtype, seed, progress, quantize, group_size, quantize_lm_head,
-          quantize_experts) -> LingModel:
+          quantize_experts, num_layers=None) -> LingModel:
     from ling import checkpoint
     from ling.quantize import bits_of, quantize_model
 
@@ -61,6 +67,8 @@ def _load(path_or_preset, *, dtype, seed, progress, quantize, group_size, quanti
                            experts=quantize_experts)
         return model
     cfg = load_config(p)
+    if num_layers is not None:
+        cfg = cfg.first_layers(num_layers)
     if os.path.isdir(p):
         model = checkpoint.load_hub(p, cfg, dtype=dtype, progress=progress)
     else:

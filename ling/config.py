@@ -99,6 +99,17 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
+    def first_layers(self, n: int) -> "ModelConfig":
+        """The model cut to its first n decoder layers (the NEXTN layer kept): a preset that fits
+        one device for benchmarks. The per-layer SwiGLU limits keep their layers and the NEXTN entry."""
+        if not 1 <= n <= self.num_hidden_layers:
+            raise ConfigError(f"num_hidden_layers: cannot cut {self.num_hidden_layers} layers to {n} "
+                              f"(1..{self.num_hidden_layers})")
+        cut = lambda limits: limits[:n] + limits[self.num_hidden_layers:] if limits else limits  # noqa: E731
+        return self.replace(num_hidden_layers=n, layer_types=self.layer_types[:n], mlp_types=self.mlp_types[:n],
+                            expert_swiglu_limits=cut(self.expert_swiglu_limits),
+                            shared_swiglu_limits=cut(self.shared_swiglu_limits))
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -137,10 +137,10 @@ class SharingRecorder:
             self.union.append(np.asarray(union)[:, b])
             self.inter.append(np.asarray(inter)[:, b])
 
-    def drafter(self, model, slots, num_steps: int):
+    def drafter(self, model, slots, num_steps: int, *, sampling: bool):
         from spec.engine import nextn_chain
 
-        drafts, q, cache = nextn_chain(model, slots, num_steps)
+        drafts, q, cache = nextn_chain(model, slots, num_steps, sampling=sampling)
         verify = jnp.concatenate([slots.last_token[:, None], drafts], axis=1)  # [B, S+1]
         copy = nnx.merge(*nnx.split(model))
         taps = tap_moe(copy)

@@ -11,9 +11,9 @@ The attention is computed in two parts, each with its own log-sum-exp, and merge
   o = (e^{lse_c} o_c + e^{lse_p} o_p) / (e^{lse_c} + e^{lse_p})
 The chunk part is then what fused flash-attention kernels do natively: cuDNN's causal mask is
 aligned at the top left and cannot be shifted per sequence, so one call over [prefix | chunk]
-keys could not express "query t sees lengths[b] + t + 1 keys". The prefix part loops over blocks
-of cache positions up to max(lengths) (a run-time trip count: the first chunk of a prompt runs
-none) and expands each block's latents to keys and values as it goes. Nothing forms [T, T] or
+keys could not express "query t sees lengths[b] + t + 1 keys". The prefix part loops over the
+cache in blocks (a static trip count, ceil(L / block): no host round trip) and expands each
+block's latents to keys and values as it goes. Nothing forms [T, T] or
 [T, L] scores, and nothing expands the whole cache.
 
 Implementations (`prefill_attention`, backend from pallas_kernels.backend):
@@ -105,8 +105,10 @@ def _expand(c, w_uk, w_uv, dt):
 
 def _prefix_blocks(cache_latent, cache_rope, w_uk, w_uv, lengths, o, lse, *, dt, block, attend):
     """Merges the prefix (cache rows < lengths[b]) into (o, lse), `block` positions per step for
-    ceil(max(lengths) / block) steps. attend(k_nope, k_rope, v, kv_len [B]) -> (o, lse) of the T
-    queries over the block's first kv_len[b] keys."""
+    ceil(L / block) steps: a static trip count, since one read from lengths would be a host round
+    trip on XLA:GPU (the loop's predicate copied to the host every step). Blocks past every slot's
+    length add nothing (their lse is -inf). attend(k_nope, k_rope, v, kv_len [B]) -> (o, lse) of
+    the T queries over the block's first kv_len[b] keys."""
     l_max = cache_latent.shape[1]
     bs = min(block, l_max)
 
@@ -119,8 +121,7 @@ def _prefix_blocks(cache_latent, cache_rope, w_uk, w_uv, lengths, o, lse, *, dt,
         k_nope, v = _expand(c, w_uk, w_uv, dt)
         return merge(*carry, *attend(k_nope, kr, v, kv_len))
 
-    n = (jnp.max(lengths) + bs - 1) // bs
-    return lax.fori_loop(0, n, body, (o, lse))
+    return lax.fori_loop(0, -(-l_max // bs), body, (o, lse))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
     python -m serve.run [--model DIR_OR_PRESET] [--host 127.0.0.1] [--port 30000]
                         [--speculative-num-steps N] [--max-batch B] [--max-seq-len L] [--api-key KEY]
                         [--quantize int8|int4|int2 [--quantize-experts]] [--dtype bfloat16|float32] [--prefill-chunk C]
-                        [--tile-model PATH --tpot-slo-ms MS]
+                        [--tile-model PATH --tpot-slo-ms MS] [--num-layers N]
 
 With no --model it serves serve/default_model: ling-small, a 15 M-parameter Ling-architecture model
 trained by `python -m ling.train` on the Python standard library's sources, and its tokenizer. Start-up loads the tokenizer and the model and compiles the prefill chunk and the
@@ -73,12 +73,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--compile-cache", default=DEFAULT_CACHE, help="JAX persistent compilation cache directory "
                     f"(default {DEFAULT_CACHE}; '' turns it off)")
     ap.add_argument("--seed", type=int, default=0, help="weight seed for a preset (random weights)")
+    ap.add_argument("--num-layers", type=int, default=None, help="with a preset: only its first N decoder layers "
+                    "(and the NEXTN layer), random weights, so that a cut of a large model fits for benchmarks "
+                    "(python -m serve.bench)")
     args = ap.parse_args(argv)
     if (args.tile_model is None) != (args.tpot_slo_ms is None):
         ap.error("--tile-model and --tpot-slo-ms go together")
     if args.tpot_slo_ms is not None and args.tpot_slo_ms <= 0:
         ap.error(f"--tpot-slo-ms must be positive, got {args.tpot_slo_ms}")
-    for name, low in (("max_batch", 1), ("prefill_chunk", 1), ("max_seq_len", 2), ("speculative_num_steps", 0)):
+    for name, low in (("max_batch", 1), ("prefill_chunk", 1), ("max_seq_len", 2), ("speculative_num_steps", 0),
+                      ("num_layers", 1)):
         v = getattr(args, name)
         if v is not None and v < low:
             ap.error(f"--{name.replace('_', '-')} must be at least {low}, got {v}")
@@ -101,7 +105,8 @@ def _load_model(args):
     import ling
 
     return ling.load(args.model, dtype=args.dtype, seed=args.seed, quantize=args.quantize,
-                     group_size=args.group_size, quantize_experts=args.quantize_experts, ep_size=args.ep_size)
+                     group_size=args.group_size, quantize_experts=args.quantize_experts, ep_size=args.ep_size,
+                     num_layers=args.num_layers)
 
 
 def chunk_sizer(args, cfg):

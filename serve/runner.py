@@ -32,22 +32,33 @@ class Runner:
                                num_steps=max(speculative_steps, 1))
         self.prefiller = ChunkPrefiller(model)
         self._owners = collections.deque()  # owners of the dispatched, not yet read steps
+        # Each slot's temperature as last set by a prefill chunk: the host's copy, from which it
+        # picks the all-greedy or the sampling variant of a step without asking the device.
+        self._temperature = np.zeros(max_batch, np.float32)
 
     def prefill(self, chunk: PrefillChunk):
         """Dispatches one prefill chunk; returns the device array of first tokens [B] (-1 where the
         prompt does not end), to be read after the next step is dispatched."""
         from spec.sampling import SamplingParams
 
+        from spec.sampling import any_sampling
+
         params = SamplingParams.make(self.max_batch, chunk.temperature, chunk.top_k, chunk.top_p, chunk.seed)
+        start = np.asarray(chunk.start, bool)
+        self._temperature[start] = np.asarray(chunk.temperature, np.float32)[start]
         self.stepper.slots, first = self.prefiller(
             self.stepper.slots, start=chunk.start, params=params, max_new=chunk.max_new, eos=chunk.eos,
-            tokens=chunk.tokens, next_tokens=chunk.next_tokens, valid=chunk.valid, ends=chunk.ends)
+            tokens=chunk.tokens, next_tokens=chunk.next_tokens, valid=chunk.valid, ends=chunk.ends,
+            sampling=any_sampling(self._temperature, chunk.ends))
         return first
 
     def step(self, owners: list) -> StepResult | None:
         """Dispatches a decode (or speculative) step for the slots; returns the previous step's result."""
+        from spec.sampling import any_sampling
+
         self._owners.append(owners)
-        return self._result(self.stepper.step())
+        live = np.array([r is not None for r in owners])
+        return self._result(self.stepper.step(sampling=any_sampling(self._temperature, live)))
 
     def drain(self) -> StepResult | None:
         """The last dispatched step's result (None if every step was read)."""
@@ -66,6 +77,7 @@ class Runner:
             pass
         self._owners.clear()
         self.stepper.slots = self._new_slots()
+        self._temperature[:] = 0
 
     def _new_slots(self):
         import jax
@@ -95,17 +107,24 @@ class Runner:
         return np.asarray(first)
 
     def warmup_prefill(self, chunk_size: int) -> None:
-        """Compiles the prefill chunk (with JAX's persistent cache, a restart loads it instead) by
-        prefilling one token into slot 0 with max_tokens 1, which leaves the slot done."""
+        """Compiles the prefill chunk, all-greedy and sampling (with JAX's persistent cache, a
+        restart loads them instead), by prefilling one token into slot 0 with max_tokens 1, which
+        leaves the slot done."""
         b, one = self.max_batch, np.eye(self.max_batch, dtype=bool)[0]
-        chunk = PrefillChunk(start=one, tokens=np.zeros((b, chunk_size), np.int32),
-                             next_tokens=np.zeros((b, chunk_size), np.int32), valid=one.astype(np.int32), ends=one,
-                             owners=[None] * b, temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),
-                             top_p=np.ones(b, np.float32), seed=np.zeros(b, np.uint32), max_new=np.ones(b, np.int32),
-                             eos=np.full(b, -1, np.int32))
-        self.read_first(self.prefill(chunk))
+        for temperature in (0.0, 1.0):
+            chunk = PrefillChunk(start=one, tokens=np.zeros((b, chunk_size), np.int32),
+                                 next_tokens=np.zeros((b, chunk_size), np.int32), valid=one.astype(np.int32),
+                                 ends=one, owners=[None] * b, temperature=np.full(b, temperature, np.float32),
+                                 top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),
+                                 seed=np.zeros(b, np.uint32), max_new=np.ones(b, np.int32),
+                                 eos=np.full(b, -1, np.int32))
+            self.read_first(self.prefill(chunk))
+        self._temperature[:] = 0
 
     def warmup_step(self) -> None:
-        """Compiles the decode (or speculative) step; every slot is done, so nothing changes."""
-        self.step([None] * self.max_batch)
+        """Compiles the decode (or speculative) step, all-greedy and sampling; every slot is done,
+        so nothing changes."""
+        for sampling in (False, True):
+            self._owners.append([None] * self.max_batch)
+            self._result(self.stepper.step(sampling=sampling))
         self.drain()

@@ -24,7 +24,7 @@ from flax import struct
 
 from ling.model import LingModel
 from ling.state import KDAState, State, commit, init_state
-from spec.sampling import SamplingParams, key_for, probs_if_sampling, sample
+from spec.sampling import SamplingParams, key_for, probs, sample
 
 # RNG purposes: one stream per use, so no two draws share a key.
 _SAMPLE, _DRAFT, _ACCEPT, _BONUS = 0, 100, 200, 300
@@ -91,28 +91,31 @@ def _last(x, n):
     return jnp.take_along_axis(x, idx, axis=1)[:, 0]
 
 
-def prefill_chunk(model: LingModel, slots: Slots, tokens, next_tokens, valid, ends) -> Slots:
+def prefill_chunk(model: LingModel, slots: Slots, tokens, next_tokens, valid, ends, *, sampling: bool) -> Slots:
     """One chunk of the prompts: tokens [B, C], next_tokens [B, C] (each token's successor in its
     prompt), valid [B] real tokens in this chunk (0 leaves a slot untouched), ends [B] whether a
-    slot's prompt ends in this chunk: those sample their first token."""
+    slot's prompt ends in this chunk: those sample their first token. sampling (static): whether
+    any of them samples (False: all greedy, the cheaper program)."""
     lengths = slots.model.lengths
     _, hidden, state = model(tokens, slots.model, valid=valid, form="prefill", logits=False)
     if model.nextn is not None:  # NEXTN pairs (h_i, token_{i+1}); the final pair waits for the sampled token
         _, _, cache = model.draft(hidden, next_tokens, state.nextn, lengths, form="prefill", logits=False)
         state = state.replace(nextn=cache)
     last_hidden = _last(hidden, valid)  # [B, D]
-    first, _ = sample(model.logits(last_hidden), slots.params, key_for(slots.params, slots.n_out, _SAMPLE))
+    first, _ = sample(model.logits(last_hidden), slots.params, key_for(slots.params, slots.n_out, _SAMPLE),
+                      sampling=sampling)
     slots = slots.replace(model=state, last_hidden=jnp.where(ends[:, None], last_hidden, slots.last_hidden),
                           last_token=jnp.where(ends, first, slots.last_token))
     return _emit(slots, first[:, None], jnp.ones_like(valid), ends & ~slots.done)
 
 
-def decode_step(model: LingModel, slots: Slots) -> Slots:
-    """One token per live slot: the target over last_token, then sample."""
+def decode_step(model: LingModel, slots: Slots, *, sampling: bool) -> Slots:
+    """One token per live slot: the target over last_token, then sample (sampling: as in
+    `prefill_chunk`, over the live slots)."""
     live = ~slots.done
     logits, hidden, state = model(slots.last_token[:, None], slots.model, valid=live.astype(jnp.int32),
                                   form="decode")
-    nxt, _ = sample(logits[:, 0], slots.params, key_for(slots.params, slots.n_out, _SAMPLE))
+    nxt, _ = sample(logits[:, 0], slots.params, key_for(slots.params, slots.n_out, _SAMPLE), sampling=sampling)
     slots = slots.replace(model=state, last_token=jnp.where(live, nxt, slots.last_token),
                           last_hidden=jnp.where(live[:, None], hidden[:, 0], slots.last_hidden))
     before = slots.n_out
@@ -120,32 +123,37 @@ def decode_step(model: LingModel, slots: Slots) -> Slots:
     return slots.replace(steps=slots.steps + live, produced=slots.produced + slots.n_out - before)
 
 
-Drafter = Callable[[LingModel, Slots, int], tuple]
+Drafter = Callable[..., tuple]  # (model, slots, num_steps, *, sampling) -> (drafts, q, nextn cache)
 
 
-def nextn_chain(model: LingModel, slots: Slots, num_steps: int):
+def nextn_chain(model: LingModel, slots: Slots, num_steps: int, *, sampling: bool):
     """num_steps chained NEXTN steps from (last_hidden, last_token). Returns (drafts [B, S] int32,
-    draft probabilities [B, S, V] (for rejection sampling), the NEXTN cache)."""
+    draft probabilities [B, S, V] for rejection sampling (None when not sampling), the NEXTN cache)."""
     h, tok = slots.last_hidden[:, None], slots.last_token[:, None]
     cache, pos = slots.model.nextn, slots.model.lengths - 1
     drafts, qs = [], []
     for j in range(num_steps):
         logits, h, cache = model.draft(h, tok, cache, pos + j, form="decode")
-        d, q = sample(logits[:, 0], slots.params, key_for(slots.params, slots.n_out, _DRAFT + j))
+        d, q = sample(logits[:, 0], slots.params, key_for(slots.params, slots.n_out, _DRAFT + j), sampling=sampling)
         tok = d[:, None]
         drafts.append(d)
         qs.append(q)
-    return jnp.stack(drafts, 1), jnp.stack(qs, 1), cache
+    return jnp.stack(drafts, 1), (jnp.stack(qs, 1) if sampling else None), cache
 
 
-def accept(logits, drafts, q, params: SamplingParams, keys_accept, keys_bonus):
+def accept(logits, drafts, q, params: SamplingParams, keys_accept, keys_bonus, *, sampling: bool = True):
     """logits [B, S+1, V] of the verify pass, drafts [B, S], draft probabilities q [B, S, V].
     Returns (accepted [B] in 0..S, bonus [B]): greedy slots accept while the draft equals the
     target's argmax; sampled slots accept d_j with probability min(1, p_j(d_j) / q_j(d_j)) and draw
-    the bonus from the residual max(p - q, 0), or from p after a full acceptance."""
+    the bonus from the residual max(p - q, 0), or from p after a full acceptance.
+    sampling False (static: every slot greedy): the greedy rule alone; q and the keys are unused."""
     b, s = drafts.shape
-    greedy_ok = drafts == jnp.argmax(logits[:, :s], axis=-1)
-    p = probs_if_sampling(logits, params)  # [B, S+1, V]
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, S+1]
+    greedy_ok = drafts == argmax[:, :s]
+    greedy_accepted = jnp.sum(jnp.cumprod(greedy_ok, axis=1), axis=1).astype(jnp.int32)
+    if not sampling:
+        return greedy_accepted, jnp.take_along_axis(argmax, greedy_accepted[:, None], axis=1)[:, 0]
+    p = probs(logits, params)  # [B, S+1, V]
     p_d = jnp.take_along_axis(p[:, :s], drafts[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     u = jax.vmap(lambda k: jax.random.uniform(k, (s,)))(keys_accept)
@@ -157,19 +165,21 @@ def accept(logits, drafts, q, params: SamplingParams, keys_accept, keys_bonus):
     residual = jnp.maximum(p_a - q_a, 0.0)  # q is padded with zeros at S: a full acceptance draws from p
     residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_a)
     drawn = jax.vmap(lambda k, r: jax.random.categorical(k, jnp.log(r)))(keys_bonus, residual)
-    target_argmax = jnp.argmax(jnp.take_along_axis(logits, accepted[:, None, None], axis=1)[:, 0], axis=-1)
+    target_argmax = jnp.take_along_axis(argmax, accepted[:, None], axis=1)[:, 0]
     bonus = jnp.where(params.greedy, target_argmax, drawn).astype(jnp.int32)
     return accepted, bonus
 
 
-def spec_step(model: LingModel, slots: Slots, num_steps: int, drafter: Drafter = nextn_chain) -> Slots:
-    """One draft -> verify -> accept -> commit -> extend step for every live slot."""
+def spec_step(model: LingModel, slots: Slots, num_steps: int, drafter: Drafter = nextn_chain, *,
+              sampling: bool) -> Slots:
+    """One draft -> verify -> accept -> commit -> extend step for every live slot (sampling: as in
+    `prefill_chunk`, over the live slots)."""
     live = ~slots.done
-    drafts, q, cache = drafter(model, slots, num_steps)
+    drafts, q, cache = drafter(model, slots, num_steps, sampling=sampling)
     verify_tokens = jnp.concatenate([slots.last_token[:, None], drafts], axis=1)  # [B, S+1]
     logits, hidden, pending = model(verify_tokens, slots.model, form="verify")
     accepted, bonus = accept(logits, drafts, q, slots.params, key_for(slots.params, slots.n_out, _ACCEPT),
-                             key_for(slots.params, slots.n_out, _BONUS))
+                             key_for(slots.params, slots.n_out, _BONUS), sampling=sampling)
     kept = jnp.where(live, accepted + 1, 0)  # last_token and the accepted drafts enter the state
     state = commit(pending, kept)
     if model.nextn is not None:

@@ -13,7 +13,7 @@ from flax import nnx
 
 from ling.model import LingModel
 from spec.engine import Drafter, Slots, decode_step, new_slots, nextn_chain, prefill_chunk, reset, spec_step
-from spec.sampling import SamplingParams
+from spec.sampling import SamplingParams, any_sampling
 
 PREFILL_CHUNK = 256
 MAX_PREFILL_CHUNK = 8192
@@ -47,6 +47,7 @@ def prefill(model: LingModel, slots: Slots, prompts, which, params: SamplingPara
     tokens, next_tokens, lens = _pad_prompts(prompts, chunk)
     which = np.asarray(which, bool)
     lens = np.where(which, lens, 0)
+    sampling = any_sampling(jax.device_get(params.temperature), which)
     graphdef, params_ = nnx.split(model)
     slots = _reset(slots, jnp.asarray(which), params, jnp.asarray(max_new, jnp.int32), jnp.asarray(eos, jnp.int32))
     n_chunks = tokens.shape[1] // chunk
@@ -55,28 +56,36 @@ def prefill(model: LingModel, slots: Slots, prompts, which, params: SamplingPara
         valid = np.clip(lens - c * chunk, 0, chunk).astype(np.int32)
         ends = (lens > c * chunk) & (lens <= (c + 1) * chunk)
         slots = _prefill_chunk(graphdef, params_, slots, jnp.asarray(tokens[:, sl]), jnp.asarray(next_tokens[:, sl]),
-                               jnp.asarray(valid), jnp.asarray(ends))
+                               jnp.asarray(valid), jnp.asarray(ends), sampling=sampling)
     return slots
 
 
 _reset = jax.jit(reset, donate_argnums=0)
 
 
-@functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="slots")
-def _prefill_chunk(graphdef, params, slots, tokens, next_tokens, valid, ends):
-    return prefill_chunk(nnx.merge(graphdef, params), slots, tokens, next_tokens, valid, ends)
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames="slots")
+def _prefill_chunk(graphdef, params, slots, tokens, next_tokens, valid, ends, *, sampling):
+    return prefill_chunk(nnx.merge(graphdef, params), slots, tokens, next_tokens, valid, ends, sampling=sampling)
 
 
-def _step_fn(speculative: bool, num_steps: int, drafter: Drafter | None = None):
+def _step_fn(speculative: bool, num_steps: int, sampling: bool, drafter: Drafter | None = None):
+    """The step as a function of (model, slots); sampling is static (see `spec.engine.prefill_chunk`)."""
     if speculative:
-        return lambda model, slots: spec_step(model, slots, num_steps, drafter or nextn_chain)
-    return decode_step
+        return lambda model, slots: spec_step(model, slots, num_steps, drafter or nextn_chain, sampling=sampling)
+    return lambda model, slots: decode_step(model, slots, sampling=sampling)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "speculative", "num_steps", "max_iters", "drafter"),
+def live_sampling(slots: Slots) -> bool:
+    """Whether any live slot samples: reads the slots' temperatures and done flags (a host sync)."""
+    temperature, done = jax.device_get((slots.params.temperature, slots.done))
+    return any_sampling(temperature, ~done)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "speculative", "num_steps", "max_iters", "drafter",
+                                             "sampling"),
                    donate_argnames="slots")
-def _run(graphdef, params, slots, *, speculative, num_steps, max_iters, drafter=None):
-    step = _step_fn(speculative, num_steps, drafter)
+def _run(graphdef, params, slots, *, speculative, num_steps, max_iters, sampling, drafter=None):
+    step = _step_fn(speculative, num_steps, sampling, drafter)
 
     def body(carry):
         i, s = carry
@@ -95,7 +104,7 @@ def decode(model: LingModel, slots: Slots, *, speculative: bool, num_steps: int 
     compiled `lax.while_loop`; nothing returns to the host in between."""
     graphdef, params = nnx.split(model)
     return _run(graphdef, params, slots, speculative=speculative, num_steps=num_steps, max_iters=max_iters,
-                drafter=drafter)
+                sampling=live_sampling(slots), drafter=drafter)
 
 
 def check_model(model: LingModel, speculative: bool):
@@ -146,26 +155,49 @@ class Stepper:
     """Steps the slots one compiled step at a time, dispatching step k+1 before it reads step k's
     results (JAX dispatch is asynchronous, so the device never waits for the host between steps).
     `step()` returns the previous step's new tokens: a list per slot (empty for idle slots) and the
-    done flags [B], as host values — one step late."""
+    done flags [B], as host values — one step late.
+
+    The step is compiled in two variants, all-greedy and sampling (`spec.engine.prefill_chunk`);
+    `step(sampling=...)` picks one from what the host knows of its slots. Left out, `self.sampling`
+    is used: set at construction from the slots (one read), kept by the owner when it changes.
+
+    The weights and the slots cross the jit boundary as flat lists of arrays, which jit flattens
+    in C++: nnx's State and flax dataclasses flatten in Python, about a millisecond a step for a
+    16-layer model, which is host time the device waits for once a step is shorter than it."""
 
     def __init__(self, model: LingModel, slots: Slots, *, speculative: bool = True, num_steps: int = 5):
         check_model(model, speculative)
-        self.graphdef, self.params = nnx.split(model)
-        self.slots = slots
+        graphdef, params = nnx.split(model)
+        self._params, param_def = jax.tree_util.tree_flatten(params)
+        self._slots, self._slot_def = jax.tree_util.tree_flatten(slots)
+        self.sampling = live_sampling(slots)
         self.width = num_steps + 1 if speculative else 1
-        step = _step_fn(speculative, num_steps)
+        slot_def = self._slot_def
 
-        def run(params, s):
+        def run(param_leaves, slot_leaves, sampling):
+            s = jax.tree_util.tree_unflatten(slot_def, slot_leaves)
+            model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(param_def, param_leaves))
             before = s.n_out
-            s = step(nnx.merge(self.graphdef, params), s)
+            s = _step_fn(speculative, num_steps, sampling)(model, s)
             idx = jnp.minimum(before[:, None] + jnp.arange(self.width)[None], s.out.shape[1] - 1)
             new = jnp.take_along_axis(s.out, idx, axis=1)
             # One packed report [B, width + 2]: a fresh buffer, so donating the slots never frees it.
             report = jnp.concatenate([new, (s.n_out - before)[:, None], s.done[:, None].astype(jnp.int32)], axis=1)
-            return s, report
+            return jax.tree_util.tree_leaves(s), report
 
-        self._step = jax.jit(run, donate_argnums=1)
+        self._step = jax.jit(run, donate_argnums=1, static_argnums=2)
         self._pending = None
+
+    @property
+    def slots(self) -> Slots:
+        return jax.tree_util.tree_unflatten(self._slot_def, self._slots)
+
+    @slots.setter
+    def slots(self, slots: Slots) -> None:
+        leaves, treedef = jax.tree_util.tree_flatten(slots)
+        if treedef != self._slot_def:
+            raise ValueError("the new slots differ in structure from the ones the step was built for")
+        self._slots = leaves
 
     def _unpack(self, report):
         if report is None:
@@ -174,8 +206,9 @@ class Stepper:
         tokens = [r[b, : r[b, self.width]].tolist() for b in range(r.shape[0])]
         return tokens, r[:, self.width + 1].astype(bool)
 
-    def step(self):
-        self.slots, report = self._step(self.params, self.slots)
+    def step(self, sampling: bool | None = None):
+        sampling = self.sampling if sampling is None else sampling
+        self._slots, report = self._step(self._params, self._slots, bool(sampling))
         previous, self._pending = self._pending, report
         return self._unpack(previous)
 
@@ -186,7 +219,7 @@ class Stepper:
 
 
 def prefill_step(model: LingModel, slots: Slots, start, params: SamplingParams, max_new, eos, tokens, next_tokens,
-                 valid, ends):
+                 valid, ends, *, sampling: bool):
     """One prefill chunk that decode steps may be interleaved with (the server's scheduler).
 
     start [B] bool: slots reset for a new request first (params, max_new, eos are taken for them
@@ -195,11 +228,12 @@ def prefill_step(model: LingModel, slots: Slots, start, params: SamplingParams, 
     A slot whose prompt has not ended stays done, so interleaved decode/speculative steps skip it;
     its last_hidden / last_token hold the pair (h_{p-1}, token_p) of its last prefilled position,
     so the NEXTN entry that a speculative step rewrites at p-1 for a done slot keeps its true value.
+    sampling (static): whether any slot in `ends` samples its first token.
     Returns (slots, first [B]): the sampled first token of the slots in `ends`, -1 elsewhere — a
     fresh buffer the host can read after dispatching the next step."""
     slots = reset(slots, start, params, max_new, eos)
     slots = slots.replace(done=(slots.done | start) & ~ends)
-    slots = prefill_chunk(model, slots, tokens, next_tokens, valid, valid > 0)
+    slots = prefill_chunk(model, slots, tokens, next_tokens, valid, valid > 0, sampling=sampling)
     mid = (valid > 0) & ~ends
     slots = slots.replace(last_token=jnp.where(mid, _last_of(next_tokens, valid), slots.last_token))
     return slots, jnp.where(ends, slots.out[:, 0], -1)
@@ -210,22 +244,25 @@ def _last_of(x, n):
     return jnp.take_along_axis(x, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="slots")
-def _prefill_step(graphdef, params, slots, start, sampling, max_new, eos, tokens, next_tokens, valid, ends):
-    return prefill_step(nnx.merge(graphdef, params), slots, start, sampling, max_new, eos, tokens, next_tokens,
-                        valid, ends)
-
-
 class ChunkPrefiller:
-    """`prefill_step` compiled once for the slots' shapes; the arguments are host arrays ([B] and
-    [B, C]). The slots are donated: pass the Stepper's current slots and put the result back."""
+    """`prefill_step` compiled once for the slots' shapes (and each `sampling` variant); the
+    arguments are host arrays ([B] and [B, C]). The slots are donated: pass the Stepper's current
+    slots and put the result back. The weights cross the jit boundary as a flat list (`Stepper`)."""
 
     def __init__(self, model: LingModel):
-        self.graphdef, self.params = nnx.split(model)
+        graphdef, params = nnx.split(model)
+        self._params, param_def = jax.tree_util.tree_flatten(params)
+
+        def run(param_leaves, slots, start, sampling_params, max_new, eos, tokens, next_tokens, valid, ends, sampling):
+            model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(param_def, param_leaves))
+            return prefill_step(model, slots, start, sampling_params, max_new, eos, tokens, next_tokens, valid, ends,
+                                sampling=sampling)
+
+        self._call = jax.jit(run, donate_argnums=1, static_argnums=10)
 
     def __call__(self, slots: Slots, *, start, params: SamplingParams, max_new, eos, tokens, next_tokens, valid,
-                 ends):
+                 ends, sampling: bool):
         i32 = lambda a: jnp.asarray(np.asarray(a, np.int32))
         b = lambda a: jnp.asarray(np.asarray(a, bool))
-        return _prefill_step(self.graphdef, self.params, slots, b(start), params, i32(max_new), i32(eos),
-                             i32(tokens), i32(next_tokens), i32(valid), b(ends))
+        return self._call(self._params, slots, b(start), params, i32(max_new), i32(eos), i32(tokens), i32(next_tokens),
+                          i32(valid), b(ends), bool(sampling))

@@ -58,14 +58,20 @@ def key_for(p: SamplingParams, counter, purpose: int):
     return jax.vmap(one)(p.seed, counter.astype(jnp.uint32))
 
 
-def probs_if_sampling(logits, p: SamplingParams):
-    """`probs`, or zeros when every slot is greedy (the sort over the vocabulary is skipped)."""
-    return jax.lax.cond(jnp.all(p.greedy), lambda: jnp.zeros(logits.shape, jnp.float32), lambda: probs(logits, p))
-
-
-def sample(logits, p: SamplingParams, keys):
-    """logits [B, V] -> (tokens [B] int32, probs [B, V]; zeros if every slot is greedy); argmax
-    for greedy slots."""
-    pr = probs_if_sampling(logits, p)
+def sample(logits, p: SamplingParams, keys, *, sampling: bool):
+    """logits [B, V] -> (tokens [B] int32, probs [B, V]). sampling False (every slot greedy, which
+    the host knows and compiles for): argmax, and probs None. sampling True: each slot draws from
+    `probs`, except greedy slots, which take the argmax. No branch on the device: the variant is
+    chosen when the step is compiled."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not sampling:
+        return greedy, None
+    pr = probs(logits, p)
     drawn = jax.vmap(lambda k, q: jax.random.categorical(k, jnp.log(q)))(keys, pr)
-    return jnp.where(p.greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32), pr
+    return jnp.where(p.greedy, greedy, drawn).astype(jnp.int32), pr
+
+
+def any_sampling(temperature, live) -> bool:
+    """Host side: whether any live slot samples (temperature > 0), i.e. which compiled variant a
+    step needs. temperature, live: [B] host arrays."""
+    return bool(np.any((np.asarray(temperature) > 0) & np.asarray(live, bool)))

@@ -66,7 +66,7 @@ def test_reference_matches_attention_per_head():
 
 CASES = [  # t, l_max, block, lengths (B = 3)
     (45, 80, 16, [0, 5, 35]),  # T and the prefixes not multiples of the block; one empty prefix
-    (7, 64, 4, [0, 0, 0]),  # a first chunk everywhere: the prefix loop runs no step
+    (7, 64, 4, [0, 0, 0]),  # a first chunk everywhere: every prefix block is empty
     (16, 100, 32, [84, 1, 50]),  # a prefix filling the cache up to the chunk; L not a block multiple
     (33, 40, 512, [7, 0, 3]),  # block beyond T and L: one step each
 ]

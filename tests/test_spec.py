@@ -39,7 +39,7 @@ def forced(reference, mistake_at):
     """A drafter proposing the target's own greedy continuation, wrong at draft index mistake_at."""
     ref = jnp.asarray(reference)  # [B, N]
 
-    def drafter(model, slots, num_steps):
+    def drafter(model, slots, num_steps, *, sampling):
         idx = slots.n_out[:, None] + jnp.arange(num_steps)[None]  # d_1 is the token after last_token
         drafts = jnp.take_along_axis(ref, jnp.minimum(idx, ref.shape[1] - 1), axis=1)
         if mistake_at is not None:

@@ -1,0 +1,223 @@
+"""The decode step as the server drives it, on the GPU: `spec.loop.Stepper` dispatching step k+1
+before it reads step k's tokens, back to back, for the plain decode step, the verify pass and the
+whole speculative step; beside each, what the device did (JAX profiler), and the floor.
+
+    python bench/step.py --preset ling-3-flash --layers 16 [--context 512] [--steps 32]
+    python bench/step.py --layers 16 --quantize int4 --quantize-experts      # + lm_head in int4
+
+Random weights, batch 1 (`--batch B`: B slots, all live), a prompt of --context tokens prefilled
+first. Per mode:
+  served   wall-clock time a step, K steps back to back through the Stepper (what a client waits
+           for: the host's dispatch and the device's work overlap, so it is the larger of the two)
+  span     the device time of one step run alone (first kernel's start to last kernel's end)
+  stream   over the K back-to-back steps, a step's share of the device span, of kernel busy time
+           and of idle time between kernels (host round trips and dispatch gaps show up here)
+  launches kernels a step, and device time a step by category (kernel names: projections,
+           attention kernels, MoE, sort/top-k, other XLA glue)
+The floor is `ling.roofline`'s bytes at the copy ceiling measured in the same run. The verify
+pass is the target's forward over S + 1 tokens and the commit, without drafting or acceptance.
+Writes step.json (all figures and kernel tables) under $OUT (or ./bench_out); prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from common import copy_ceiling_tbs, device_trace, stream_trace  # noqa: E402
+
+# Device time by what a kernel does, from its name (first match wins). XLA names GEMMs it gives
+# to cuBLAS / its Triton emitter "gemm_fusion*", "cublas*", "nvjet*", "sm90_xmma*".
+CATEGORIES = (
+    ("KDA kernel", r"kda"),
+    ("MLA kernel", r"mla_decode"),
+    ("MoE kernels", r"moe_align|fused_moe|expert"),
+    ("low-bit matvec", r"qmatvec"),
+    ("bf16 matvec", r"bf16_matvec|matvec_bf16"),
+    ("XLA GEMM", r"gemm|cublas|nvjet|sm90_|cutlass|gemv|\bdot"),
+    ("sort / top-k", r"sort|topk|top_k"),
+)
+OTHER = "XLA glue"
+
+
+def category(name: str) -> str:
+    return next((c for c, pat in CATEGORIES if re.search(pat, name, re.I)), OTHER)
+
+
+def by_category(kernels: list[dict]) -> dict:
+    out: dict[str, list[float]] = {}
+    for r in kernels:
+        c = out.setdefault(category(r["name"]), [0.0, 0.0])
+        c[0] += r["count"]
+        c[1] += r["us_per_call"]
+    return out
+
+
+def build_model(args):
+    import ling
+
+    t = time.perf_counter()
+    model = ling.load(args.preset, num_layers=args.layers, quantize=args.quantize,
+                      quantize_experts=args.quantize_experts, quantize_lm_head=args.quantize is not None)
+    leaves = jax.tree_util.tree_leaves(nnx.state(model))
+    jax.block_until_ready(leaves)
+    gb = sum(x.nbytes for x in leaves) / 1e9
+    print(f"weights {gb:.1f} GB made in {time.perf_counter() - t:.0f} s", flush=True)
+    return model
+
+
+def floors(cfg, args, bw: float) -> dict:
+    from ling.roofline import step_bytes
+
+    bits = {None: 16, "int8": 8, "int4": 4}[args.quantize]
+    s, ctx, b = args.num_steps, args.context, args.batch
+
+    def nbytes(t, nextn=False):
+        # Routed experts stay bf16 unless --quantize-experts: count them at their stored width.
+        q = step_bytes(cfg, t, ctx, weight_bits=bits, batch=b, nextn=nextn)
+        if args.quantize and not args.quantize_experts:
+            full = step_bytes(cfg, t, ctx, batch=b, nextn=nextn)
+            return q.total - q.experts + full.experts
+        return q.total
+
+    nextn_only = lambda t: nbytes(t, nextn=True) - nbytes(t)  # noqa: E731
+    lm_head = cfg.vocab_size * cfg.hidden_size * (2 if bits == 16 else (bits + 16 / 128) / 8)
+    return {"decode": nbytes(1) / bw, "verify": nbytes(s + 1) / bw,
+            "spec": (nbytes(s + 1) + s * (nextn_only(1) + lm_head) + nextn_only(s + 1)) / bw}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="ling-3-flash")
+    ap.add_argument("--layers", type=int, default=16, help="keep the first N decoder layers (and NEXTN)")
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens prefilled before stepping")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=32, help="K: steps back to back per measurement")
+    ap.add_argument("--num-steps", type=int, default=5, help="S: NEXTN draft steps per speculative step")
+    ap.add_argument("--modes", nargs="+", default=["decode", "verify", "spec"], choices=["decode", "verify", "spec"])
+    ap.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                    help="low-bit projections and lm_head (ling.quantize)")
+    ap.add_argument("--quantize-experts", action="store_true", help="the routed experts too")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling of every slot (0: greedy)")
+    args = ap.parse_args()
+    out_dir = os.environ.get("OUT", "bench_out")
+    os.makedirs(out_dir, exist_ok=True)
+
+    from pallas_kernels.backend import resolve
+    from spec.engine import new_slots
+    from spec.loop import Stepper, chunk_for, prefill
+    from spec.sampling import SamplingParams
+
+    bw = copy_ceiling_tbs() * 1e12
+    model = build_model(args)
+    cfg = model.cfg
+    print(f"device {jax.devices()[0].device_kind}; kernels {resolve()}; {args.preset} cut to {cfg.num_hidden_layers} "
+          f"layers + NEXTN; weights {args.quantize or 'bf16'}{' (experts too)' if args.quantize_experts else ''}; "
+          f"batch {args.batch}, context {args.context}; copy ceiling {bw / 1e12:.2f} TB/s", flush=True)
+    s, k, b = args.num_steps, args.steps, args.batch
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, args.context).tolist() for _ in range(b)]
+    max_new = (3 * k + 8) * (s + 1)
+    params = SamplingParams.make(b, temperature=args.temperature, seed=1)
+
+    def fresh():
+        slots = new_slots(model, b, args.context + max_new + s + 2, max_new + s + 1)
+        return prefill(model, slots, prompts, np.ones(b, bool), params, np.full(b, max_new), np.full(b, -1),
+                       chunk=chunk_for(prompts))
+
+    graphdef, weights = nnx.split(model)
+
+    def verify_fn(p, slots):
+        from ling.state import commit
+
+        m = nnx.merge(graphdef, p)
+        toks = (slots.last_token[:, None] + 7919 * jnp.arange(s + 1)[None]) % cfg.vocab_size  # distinct: real routing
+        logits, _, pending = m(toks, slots.model, form="verify")
+        state = commit(pending, jnp.where(slots.done, 0, s + 1))
+        return slots.replace(model=state, last_token=jnp.argmax(logits[:, -1], -1).astype(jnp.int32))
+
+    verify = jax.jit(verify_fn, donate_argnums=1)
+    fl = floors(cfg, args, bw)
+    results = {}
+    for mode in args.modes:
+        if mode == "verify":
+            holder = {"slots": fresh()}
+
+            def one():
+                holder["slots"] = verify(weights, holder["slots"])
+
+            def sync():
+                jax.block_until_ready(holder["slots"].last_token)
+        else:
+            stepper = Stepper(model, fresh(), speculative=mode == "spec", num_steps=s)
+            holder = {"stepper": stepper}
+            one, sync = stepper.step, stepper.drain
+        t = time.perf_counter()
+        one(), one(), sync()  # compile, warm up
+        print(f"{mode}: compiled in {time.perf_counter() - t:.0f} s", flush=True)
+
+        def reset():
+            if mode == "verify":
+                holder["slots"] = fresh()
+            else:
+                holder["stepper"].slots = fresh()
+            sync()
+
+        def back_to_back():
+            for _ in range(k):
+                one()
+            sync()
+
+        reset()
+        walls = []
+        for _ in range(3):
+            reset()
+            t = time.perf_counter()
+            back_to_back()
+            walls.append((time.perf_counter() - t) / k)
+        served = float(np.median(walls))
+        reset()
+        stream = stream_trace(back_to_back, k, out_dir)
+        reset()
+        alone = device_trace(lambda: (one(), sync()), 8, out_dir, log=lambda *a: None)
+        produced = None
+        if mode == "spec":
+            sl = holder["stepper"].slots
+            produced = float(jax.device_get(sl.produced.sum())) / max(float(jax.device_get(sl.steps.sum())), 1.0)
+        results[mode] = dict(served_us=served * 1e6, span_us=alone["span_us"], stream=stream,
+                             floor_us=fl[mode] * 1e6, tokens_per_step=produced, walls_us=[w * 1e6 for w in walls])
+        cats = by_category(stream["kernels"])
+        print(f"{mode}: served {served * 1e6:.0f} µs a step; alone span {alone['span_us']:.0f} µs; stream: span "
+              f"{stream['span_us']:.0f}, busy {stream['busy_us']:.0f}, idle {stream['idle_us']:.0f} µs, "
+              f"{stream['launches']:.0f} launches a step; floor {fl[mode] * 1e6:.0f} µs", flush=True)
+        for c, (n, us) in sorted(cats.items(), key=lambda kv: -kv[1][1]):
+            print(f"    {c:<16} {n:6.0f} launches {us:8.0f} µs", flush=True)
+        for r in stream["kernels"][:12]:
+            print(f"      {r['name'][:64]:64s} x{r['count']:5.1f} {r['us_per_call']:8.1f} µs", flush=True)
+        results[mode]["categories"] = cats
+
+    with open(os.path.join(out_dir, "step.json"), "w") as f:
+        json.dump(dict(args=vars(args), copy_tbs=bw / 1e12, device=jax.devices()[0].device_kind, results=results), f,
+                  indent=1)
+    layers = cfg.num_hidden_layers
+    print(f"\n{'mode':<8} {'served':>9} {'span':>9} {'busy':>9} {'idle':>8} {'launch':>7} {'/layer':>7} "
+          f"{'floor':>8} {'floor/served':>12} {'tok/step':>8}")
+    for mode, r in results.items():
+        st, tps = r["stream"], r["tokens_per_step"]
+        print(f"{mode:<8} {r['served_us']:>7.0f}µs {r['span_us']:>7.0f}µs {st['busy_us']:>7.0f}µs "
+              f"{st['idle_us']:>6.0f}µs {st['launches']:>7.0f} {st['launches'] / layers:>7.1f} {r['floor_us']:>6.0f}µs "
+              f"{r['floor_us'] / r['served_us']:>12.2f} {'' if tps is None else f'{tps:.2f}':>8}")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Every program the server compiles for a step (prefill chunk, decode step, speculative step; the
+all-greedy and the sampling variant of each) holds no host round trip: no data-dependent `cond`
+or `while`, no callback, no transfer to the host. On XLA:GPU each of those copies a value to the
+host and waits for it, and splits the step's CUDA graph. Checked on the jaxpr of each program, with
+the kernels the GPU runs (the Pallas backend, traced without lowering) and with the reference
+backend that CPU serving runs; a Pallas kernel's own loops run inside the kernel and are not
+looked into."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import core, source_info_util
+
+import ling
+from serve.runner import Runner
+
+S = 3
+ROUND_TRIPS = {"cond", "while", "pure_callback", "io_callback", "debug_callback", "callback", "infeed", "outfeed",
+               "debug_print"}
+
+
+def round_trips(jaxpr) -> list[str]:
+    """The primitives in jaxpr (and every sub-jaxpr outside Pallas kernels) that make the host wait,
+    each with the source line that made it."""
+    found = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        to_host = name == "device_put" and any("host" in str(getattr(d, "memory_kind", "") or "")
+                                               for d in eqn.params.get("devices", ()) or ())
+        if name in ROUND_TRIPS or to_host:
+            found.append(f"{name} at {source_info_util.summarize(eqn.source_info)}")
+        if name == "pallas_call":
+            continue
+        for sub in core.jaxprs_in_params(eqn.params):
+            found += round_trips(sub)
+    return found
+
+
+def programs(runner: Runner):
+    """(name, jaxpr) of each program the runner compiles: prefill chunk and step, both variants."""
+    from spec.sampling import SamplingParams
+
+    stepper, prefiller = runner.stepper, runner.prefiller
+    b, c = runner.max_batch, 8
+    i32 = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    flags = jnp.ones((b,), bool)
+    sp = SamplingParams.make(b, temperature=0.5)
+    for sampling in (False, True):
+        yield f"step sampling={sampling}", jax.make_jaxpr(stepper._step, static_argnums=2)(
+            stepper._params, stepper._slots, sampling)
+        yield f"prefill sampling={sampling}", jax.make_jaxpr(prefiller._call, static_argnums=10)(
+            prefiller._params, stepper.slots, flags, sp, i32(b), i32(b), i32(b, c), i32(b, c), i32(b), flags, sampling)
+
+
+def quantized_tiny():
+    from ling.quantize import quantize_model
+
+    return quantize_model(ling.load("ling-tiny", dtype="float32"), bits=4, group_size=32, lm_head=True, experts=True)
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("spec_steps", [0, S])
+@pytest.mark.parametrize("weights", ["float32", "int4"])
+def test_step_programs_hold_no_host_round_trip(monkeypatch, backend, spec_steps, weights):
+    monkeypatch.setenv("LING_KERNELS", backend)
+    model = ling.load("ling-tiny", dtype="float32") if weights == "float32" else quantized_tiny()
+    runner = Runner(model, max_batch=2, max_seq_len=64, speculative_steps=spec_steps)
+    seen = 0
+    for name, jaxpr in programs(runner):
+        bad = round_trips(jaxpr.jaxpr)
+        assert not bad, f"{name} ({backend}, {weights}, S={spec_steps}) makes the host wait:\n  " + "\n  ".join(bad)
+        seen += 1
+    assert seen == 4
+
+
+def test_the_check_finds_a_cond_and_names_its_line():
+    """The walker is not vacuous: a cond on a traced predicate (what sampling once held) is found,
+    inside a jit, with this file's line."""
+    def step(x):
+        return jax.lax.cond(jnp.all(x > 0), lambda: x + 1, lambda: x - 1)
+
+    bad = round_trips(jax.make_jaxpr(jax.jit(step))(np.ones(3, np.float32)).jaxpr)
+    assert len(bad) == 1 and bad[0].startswith("cond at ") and "test_step_programs.py" in bad[0]
+    cb = round_trips(jax.make_jaxpr(lambda x: jax.pure_callback(np.sin, x, x))(np.ones(3, np.float32)).jaxpr)
+    assert cb and cb[0].startswith("pure_callback")
