@@ -10,6 +10,7 @@ import collections
 import os
 import re
 import statistics
+import tempfile
 import time
 
 
@@ -100,11 +101,11 @@ def _trace_kernels(fn, out_dir: str) -> list[dict]:
 
     import jax
 
-    trace_dir = os.path.join(out_dir, "trace")
-    before = set(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
+    os.makedirs(os.path.join(out_dir, "trace"), exist_ok=True)
+    trace_dir = tempfile.mkdtemp(dir=os.path.join(out_dir, "trace"))  # traces within one second share a name
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         fn()
-    path = sorted(set(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)) - before)[-1]
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
     events = json.load(gzip.open(path))
     events = events["traceEvents"] if isinstance(events, dict) else events
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}

@@ -9,6 +9,7 @@ Random weights, batch 1 (`--batch B`: B slots, all live), a prompt of --context 
 first. Per mode:
   served   wall-clock time a step, K steps back to back through the Stepper (what a client waits
            for: the host's dispatch and the device's work overlap, so it is the larger of the two)
+  dispatch the host's own time to queue a step (K steps queued, none read back)
   span     the device time of one step run alone (first kernel's start to last kernel's end)
   stream   over the K back-to-back steps, a step's share of the device span, of kernel busy time
            and of idle time between kernels (host round trips and dispatch gaps show up here)
@@ -26,6 +27,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,28 +39,57 @@ from flax import nnx  # noqa: E402
 
 from common import copy_ceiling_tbs, device_trace, stream_trace  # noqa: E402
 
-# Device time by what a kernel does, from its name (first match wins). XLA names GEMMs it gives
-# to cuBLAS / its Triton emitter "gemm_fusion*", "cublas*", "nvjet*", "sm90_xmma*".
-CATEGORIES = (
-    ("KDA kernel", r"kda"),
-    ("MLA kernel", r"mla_decode"),
-    ("MoE kernels", r"moe_align|fused_moe|expert"),
-    ("low-bit matvec", r"qmatvec"),
-    ("bf16 matvec", r"bf16_matvec|matvec_bf16"),
-    ("XLA GEMM", r"gemm|cublas|nvjet|sm90_|cutlass|gemv|\bdot"),
-    ("sort / top-k", r"sort|topk|top_k"),
+# Device time by what a kernel does: the named scopes of the ops the kernel runs (the model's
+# `jax.named_scope`s, read from the compiled program's HLO metadata), first match wins.
+SCOPES = (
+    ("lm_head", "lm_head"),
+    ("router", "router"),
+    ("experts", "routed experts"),
+    ("mlp", "shared expert, dense MLP"),
+    ("proj", "projections"),
+    ("kda", "attention"),
+    ("mla", "attention"),
+    ("norm", "norms"),
+    ("sample", "sampling, accept, commit"),
+    ("accept", "sampling, accept, commit"),
+    ("emit", "sampling, accept, commit"),
+    ("commit", "sampling, accept, commit"),
 )
-OTHER = "XLA glue"
+OTHER = "other glue"
 
 
-def category(name: str) -> str:
-    return next((c for c, pat in CATEGORIES if re.search(pat, name, re.I)), OTHER)
+def hlo_scopes(hlo_text: str) -> dict[str, str]:
+    """Instruction name (as a kernel is named in the trace: '.' -> '_') -> its op_name metadata."""
+    out = {}
+    for m in re.finditer(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=[^\n]*?metadata=\{[^}\n]*?op_name="([^"]*)"', hlo_text,
+                         re.M):
+        out[m.group(1).replace(".", "_").replace("-", "_")] = m.group(2)
+    return out
 
 
-def by_category(kernels: list[dict]) -> dict:
+PALLAS = (  # our kernels are custom calls, whose HLO names are not the kernels': by kernel name
+    (r"kda_verify|mla_decode", "attention kernels"),
+    (r"moe_align|fused_moe", "routed experts"),
+    (r"qmatvec", "low-bit matvec (projections, lm_head)"),
+)
+
+
+def category(name: str, scopes: dict[str, str]) -> str:
+    for pat, cat in PALLAS:
+        if re.search(pat, name):
+            return f"{cat} (Pallas)"
+    op, key = None, name
+    while op is None and key:
+        op = scopes.get(key)
+        key = re.sub(r"_?\d+$", "", key) if re.search(r"\d$", key) else ""
+    parts = set(re.split(r"[/()]", op or ""))
+    return next((c for s, c in SCOPES if s in parts), OTHER)
+
+
+def by_category(kernels: list[dict], scopes: dict[str, str]) -> dict:
     out: dict[str, list[float]] = {}
     for r in kernels:
-        c = out.setdefault(category(r["name"]), [0.0, 0.0])
+        c = out.setdefault(category(r["name"], scopes), [0.0, 0.0])
         c[0] += r["count"]
         c[1] += r["us_per_call"]
     return out
@@ -113,6 +144,7 @@ def main():
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "bench_out")
     os.makedirs(out_dir, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="bench_step_")  # traces and the compilation cache: not results
 
     from pallas_kernels.backend import resolve
     from spec.engine import new_slots
@@ -148,6 +180,7 @@ def main():
         return slots.replace(model=state, last_token=jnp.argmax(logits[:, -1], -1).astype(jnp.int32))
 
     verify = jax.jit(verify_fn, donate_argnums=1)
+    jax.config.update("jax_compilation_cache_dir", os.path.join(scratch, "jax_cache"))  # the HLO read compiles again
     fl = floors(cfg, args, bw)
     results = {}
     for mode in args.modes:
@@ -159,20 +192,24 @@ def main():
 
             def sync():
                 jax.block_until_ready(holder["slots"].last_token)
+
+            lowered = verify.lower(weights, holder["slots"])
         else:
             stepper = Stepper(model, fresh(), speculative=mode == "spec", num_steps=s)
             holder = {"stepper": stepper}
             one, sync = stepper.step, stepper.drain
+            lowered = stepper._step.lower(stepper._params, stepper._slots, stepper.sampling)
         t = time.perf_counter()
         one(), one(), sync()  # compile, warm up
         print(f"{mode}: compiled in {time.perf_counter() - t:.0f} s", flush=True)
 
-        def reset():
+        def reset():  # fresh slots, their prefill finished before any timing starts
+            slots = fresh()
+            jax.block_until_ready(slots)
             if mode == "verify":
-                holder["slots"] = fresh()
+                holder["slots"] = slots
             else:
-                holder["stepper"].slots = fresh()
-            sync()
+                holder["stepper"].slots = slots
 
         def back_to_back():
             for _ in range(k):
@@ -187,22 +224,38 @@ def main():
             back_to_back()
             walls.append((time.perf_counter() - t) / k)
         served = float(np.median(walls))
+        reset()  # the host's own time to dispatch a step: k dispatches queued, none read back
+        t = time.perf_counter()
+        for _ in range(k):
+            if mode == "verify":
+                holder["slots"] = verify(weights, holder["slots"])
+            else:
+                st = holder["stepper"]
+                st._slots, _ = st._step(st._params, st._slots, st.sampling)
+        dispatch = (time.perf_counter() - t) / k
+        sync() if mode == "verify" else jax.block_until_ready(holder["stepper"]._slots)
         reset()
-        stream = stream_trace(back_to_back, k, out_dir)
+        stream = stream_trace(back_to_back, k, scratch)
         reset()
-        alone = device_trace(lambda: (one(), sync()), 8, out_dir, log=lambda *a: None)
+        alone = device_trace(lambda: (one(), sync()), 8, scratch, log=lambda *a: None)
         produced = None
         if mode == "spec":
             sl = holder["stepper"].slots
             produced = float(jax.device_get(sl.produced.sum())) / max(float(jax.device_get(sl.steps.sum())), 1.0)
-        results[mode] = dict(served_us=served * 1e6, span_us=alone["span_us"], stream=stream,
+        results[mode] = dict(served_us=served * 1e6, dispatch_us=dispatch * 1e6, span_us=alone.get("span_us"),
+                             stream=stream,
                              floor_us=fl[mode] * 1e6, tokens_per_step=produced, walls_us=[w * 1e6 for w in walls])
-        cats = by_category(stream["kernels"])
-        print(f"{mode}: served {served * 1e6:.0f} µs a step; alone span {alone['span_us']:.0f} µs; stream: span "
+        cats = by_category(stream["kernels"], hlo_scopes(lowered.compile().as_text()))
+        if stream["span_us"] is None:
+            print(f"{mode}: served {served * 1e6:.0f} µs a step; no device kernels in the trace (not a GPU?)")
+            results[mode]["categories"] = cats
+            continue
+        print(f"{mode}: served {served * 1e6:.0f} µs a step, host dispatch {dispatch * 1e6:.0f}; alone span "
+              f"{alone['span_us']:.0f} µs; stream: span "
               f"{stream['span_us']:.0f}, busy {stream['busy_us']:.0f}, idle {stream['idle_us']:.0f} µs, "
               f"{stream['launches']:.0f} launches a step; floor {fl[mode] * 1e6:.0f} µs", flush=True)
         for c, (n, us) in sorted(cats.items(), key=lambda kv: -kv[1][1]):
-            print(f"    {c:<16} {n:6.0f} launches {us:8.0f} µs", flush=True)
+            print(f"    {c:<36} {n:6.0f} launches {us:8.0f} µs", flush=True)
         for r in stream["kernels"][:12]:
             print(f"      {r['name'][:64]:64s} x{r['count']:5.1f} {r['us_per_call']:8.1f} µs", flush=True)
         results[mode]["categories"] = cats
@@ -211,11 +264,13 @@ def main():
         json.dump(dict(args=vars(args), copy_tbs=bw / 1e12, device=jax.devices()[0].device_kind, results=results), f,
                   indent=1)
     layers = cfg.num_hidden_layers
-    print(f"\n{'mode':<8} {'served':>9} {'span':>9} {'busy':>9} {'idle':>8} {'launch':>7} {'/layer':>7} "
+    print(f"\n{'mode':<8} {'served':>9} {'dispatch':>9} {'span':>9} {'busy':>9} {'idle':>8} {'launch':>7} {'/layer':>7} "
           f"{'floor':>8} {'floor/served':>12} {'tok/step':>8}")
     for mode, r in results.items():
         st, tps = r["stream"], r["tokens_per_step"]
-        print(f"{mode:<8} {r['served_us']:>7.0f}µs {r['span_us']:>7.0f}µs {st['busy_us']:>7.0f}µs "
+        if st["span_us"] is None:
+            continue
+        print(f"{mode:<8} {r['served_us']:>7.0f}µs {r['dispatch_us']:>7.0f}µs {r['span_us']:>7.0f}µs {st['busy_us']:>7.0f}µs "
               f"{st['idle_us']:>6.0f}µs {st['launches']:>7.0f} {st['launches'] / layers:>7.1f} {r['floor_us']:>6.0f}µs "
               f"{r['floor_us'] / r['served_us']:>12.2f} {'' if tps is None else f'{tps:.2f}':>8}")
 

@@ -75,6 +75,7 @@ class KDAttention(nnx.Module):
         self.o_norm = param(rngs, (kd,), ("norm",), dtype, init="ones")
         self.o_proj = Linear(c, d, ("heads", "embed"), dtype=dtype, rngs=rngs)
 
+    @jax.named_scope("kda")
     def __call__(self, x, conv_state, rec_state, valid, *, form: str):
         """x [B, T, D]; conv_state (q, k, v) each [B, W-1, C]; rec_state [B, H, K, V] fp32; valid [B]:
         tokens of each slot that are real (the rest is padding and must not touch the state).

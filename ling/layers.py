@@ -20,6 +20,7 @@ class RMSNorm(nnx.Module):
         self.weight = param(rngs, (d,), (axis_name,), dtype, init="ones")
         self.eps = eps
 
+    @jax.named_scope("norm")
     def __call__(self, x):
         # As transformers: normalise in fp32, round to the input dtype, then scale.
         return self.weight[...].astype(x.dtype) * rms_normalize(x, self.eps).astype(x.dtype)

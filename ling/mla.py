@@ -59,6 +59,7 @@ class MLAttention(nnx.Module):
         self.o_proj = Linear(h * self.vd, d, ("heads", "embed"), dtype=dtype, rngs=rngs)
         self.mesh = None  # set by moe.parallel.shard_model: the (replicated) attention's device mesh
 
+    @jax.named_scope("mla")
     def __call__(self, x, positions, latent_cache, rope_cache, lengths, *, form: str, valid=None):
         """x [B, T, D]; positions [B, T] = lengths[:, None] + arange(T); caches [B, L, R], [B, L, P];
         valid [B] (optional): real tokens per slot. Returns (y [B, T, D], latent_cache, rope_cache)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -89,6 +90,7 @@ class NextN(nnx.Module):
         self.layer = DecoderLayer(cfg, cfg.num_hidden_layers, dtype=dtype, rngs=rngs)
         self.final_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
 
+    @jax.named_scope("nextn")
     def __call__(self, hidden, next_embeds, cache: MLACache, lengths, *, form: str = "auto"):
         """hidden [B, T, D] (target final hidden states, after its norm) at positions lengths[b] + t;
         next_embeds [B, T, D] (embeddings of the tokens one position later). Returns the draft hidden
@@ -116,6 +118,7 @@ class LingModel(nnx.Module):
     def embed(self, tokens):
         return jnp.take(self.embed_tokens[...], tokens, axis=0)
 
+    @jax.named_scope("lm_head")
     def logits(self, hidden):
         """hidden [B, T, D] -> logits [B, T, V] in fp32."""
         if isinstance(self.lm_head, QLinear):  # a quantised lm_head (ling.quantize)

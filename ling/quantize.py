@@ -16,6 +16,7 @@ Decode and verify (up to 16 rows) run `qmatvec`, dequantising in registers; long
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -45,6 +46,7 @@ class QLinear(nnx.Module):
         return QuantizedWeight(self.words[...], self.scales[...], None if self.zeros is None else self.zeros[...],
                                self.bits, self.group_size, self.symmetric, self.shape)
 
+    @jax.named_scope("proj")
     def __call__(self, x):  # x [..., K] -> [..., N]
         n, k = self.shape
         flat = x.reshape(-1, k)

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 
@@ -63,6 +64,7 @@ class KDAPending:
     conv_len: int = struct.field(pytree_node=False, default=3)
 
 
+@jax.named_scope("commit")
 def commit(pending: State, n) -> State:
     """Keeps the first n[b] tokens of the last forward in each slot: KDA conv and recurrent state
     taken at that position, MLA entries past it left behind the slot's length (masked, then

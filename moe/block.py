@@ -28,6 +28,7 @@ from pallas_kernels.quant import QuantizedWeight, dequantize
 GATHER_MAX_PAIRS = 64  # decode and verify sizes: read only the routed experts
 
 
+@jax.named_scope("experts")
 def routed_experts(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend="auto", skips=False):
     """The routed experts: unless the backend resolves to the reference, the fused Pallas kernels
     up to GATHER_MAX_PAIRS (token, slot) pairs and the grouped GEMM beyond; `experts_reference`

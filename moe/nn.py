@@ -38,6 +38,7 @@ class Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, axes: tuple[str, str], *, dtype, rngs: nnx.Rngs):
         self.kernel = param(rngs, (d_in, d_out), axes, dtype)
 
+    @jax.named_scope("proj")
     def __call__(self, x):
         return dot(x, self.kernel[...])
 
@@ -61,5 +62,6 @@ class SwiGLUMLP(nnx.Module):
         self.down_proj = Linear(inter, d, ("mlp", "embed"), dtype=dtype, rngs=rngs)
         self.limit = limit
 
+    @jax.named_scope("mlp")
     def __call__(self, x):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))

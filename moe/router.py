@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 
+@jax.named_scope("router")
 def route(x, weight, expert_bias, *, top_k: int, n_group: int, topk_group: int,
           routed_scaling_factor: float, norm_topk_prob: bool):
     """Picks top_k experts per token.
@@ -21,11 +22,19 @@ def route(x, weight, expert_bias, *, top_k: int, n_group: int, topk_group: int,
     choice = scores + expert_bias.astype(jnp.float32)
     m, e = choice.shape
     if n_group > 1:
+        # Sort-free, so XLA fuses it into a few reductions: one top_k remains, the final one.
         grouped = choice.reshape(m, n_group, e // n_group)
-        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [M, G]
-        _, keep = jax.lax.top_k(group_scores, topk_group)  # [M, topk_group]
-        group_mask = jnp.zeros((m, n_group), bool).at[jnp.arange(m)[:, None], keep].set(True)
-        choice = jnp.where(jnp.repeat(group_mask, e // n_group, axis=1), choice, -jnp.inf)
+        best = jnp.max(grouped, axis=-1)  # [M, G]
+        first = jnp.argmax(grouped, axis=-1)  # the best's first position: a tied second still counts
+        second = jnp.max(jnp.where(jnp.arange(e // n_group) == first[..., None], -jnp.inf, grouped), axis=-1)
+        group_scores = best + second  # the sum of each group's top 2
+        # Group g is kept when fewer than topk_group groups rank above it, ranked as top_k ranks:
+        # higher score first, equal scores by lower index.
+        g = jnp.arange(n_group)
+        other, this = group_scores[:, None, :], group_scores[:, :, None]  # [M, G (this), G (other)]
+        above = (other > this) | ((other == this) & (g[None, None, :] < g[None, :, None]))
+        keep = jnp.sum(above, axis=-1) < topk_group  # [M, G]
+        choice = jnp.where(keep[..., None], grouped, -jnp.inf).reshape(m, e)
     _, ids = jax.lax.top_k(choice, top_k)  # [M, k]
     w = jnp.take_along_axis(scores, ids, axis=1)
     if norm_topk_prob:

@@ -70,6 +70,7 @@ def reset(slots: Slots, which, params: SamplingParams, max_new, eos) -> Slots:
         steps=sel(z, slots.steps), produced=sel(z, slots.produced))
 
 
+@jax.named_scope("emit")
 def _emit(slots: Slots, tokens, count, live) -> Slots:
     """Appends tokens [B, E] (the first count[b] of them) to live slots, stopping at EOS and max_new."""
     e = tokens.shape[1]
@@ -141,6 +142,7 @@ def nextn_chain(model: LingModel, slots: Slots, num_steps: int, *, sampling: boo
     return jnp.stack(drafts, 1), (jnp.stack(qs, 1) if sampling else None), cache
 
 
+@jax.named_scope("accept")
 def accept(logits, drafts, q, params: SamplingParams, keys_accept, keys_bonus, *, sampling: bool = True):
     """logits [B, S+1, V] of the verify pass, drafts [B, S], draft probabilities q [B, S, V].
     Returns (accepted [B] in 0..S, bonus [B]): greedy slots accept while the draft equals the

@@ -58,6 +58,7 @@ def key_for(p: SamplingParams, counter, purpose: int):
     return jax.vmap(one)(p.seed, counter.astype(jnp.uint32))
 
 
+@jax.named_scope("sample")
 def sample(logits, p: SamplingParams, keys, *, sampling: bool):
     """logits [B, V] -> (tokens [B] int32, probs [B, V]). sampling False (every slot greedy, which
     the host knows and compiles for): argmax, and probs None. sampling True: each slot draws from

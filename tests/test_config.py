@@ -1,6 +1,7 @@
 """ModelConfig: presets with the real shapes, hub configs, and errors that name the field."""
 
 import json
+import os
 
 import pytest
 
@@ -86,3 +87,19 @@ def test_unknown_preset_and_path():
 def test_unknown_field_in_converted_config():
     with pytest.raises(ConfigError, match="unknown field"):
         ModelConfig.from_json({**preset("ling-tiny").to_json(), "bogus": 1})
+
+
+def test_first_layers_cuts_a_preset_and_keeps_the_nextn_limits():
+    import ling
+
+    full = ling.preset("ling-3-flash")
+    cut = full.first_layers(16)
+    assert cut.num_hidden_layers == 16 and cut.layer_types == full.layer_types[:16]
+    assert cut.swiglu_limit(16, False) == full.swiglu_limit(42, False)  # the NEXTN entry follows the layers
+    assert len(cut.shared_swiglu_limits) == 17
+    m = ling.load("ling-tiny", num_layers=2, dtype="float32")
+    assert len(m.layers) == 2 and m.nextn is not None
+    with pytest.raises(ValueError, match="cannot cut 4 layers to 9"):
+        ling.load("ling-tiny", num_layers=9)
+    with pytest.raises(ValueError, match="preset"):
+        ling.load(os.path.join(os.path.dirname(__file__), "..", "serve", "default_model"), num_layers=2)
