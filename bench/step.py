@@ -264,15 +264,16 @@ def main():
         json.dump(dict(args=vars(args), copy_tbs=bw / 1e12, device=jax.devices()[0].device_kind, results=results), f,
                   indent=1)
     layers = cfg.num_hidden_layers
-    print(f"\n{'mode':<8} {'served':>9} {'dispatch':>9} {'span':>9} {'busy':>9} {'idle':>8} {'launch':>7} {'/layer':>7} "
-          f"{'floor':>8} {'floor/served':>12} {'tok/step':>8}")
+    print(f"\n{'mode':<8} {'served':>9} {'dispatch':>9} {'span':>9} {'busy':>9} {'idle':>8} {'launch':>7} "
+          f"{'/layer':>7} {'floor':>8} {'floor/served':>12} {'tok/step':>8}")
     for mode, r in results.items():
         st, tps = r["stream"], r["tokens_per_step"]
         if st["span_us"] is None:
             continue
-        print(f"{mode:<8} {r['served_us']:>7.0f}µs {r['dispatch_us']:>7.0f}µs {r['span_us']:>7.0f}µs {st['busy_us']:>7.0f}µs "
-              f"{st['idle_us']:>6.0f}µs {st['launches']:>7.0f} {st['launches'] / layers:>7.1f} {r['floor_us']:>6.0f}µs "
-              f"{r['floor_us'] / r['served_us']:>12.2f} {'' if tps is None else f'{tps:.2f}':>8}")
+        print(f"{mode:<8} {r['served_us']:>7.0f}µs {r['dispatch_us']:>7.0f}µs {r['span_us']:>7.0f}µs "
+              f"{st['busy_us']:>7.0f}µs {st['idle_us']:>6.0f}µs {st['launches']:>7.0f} {st['launches'] / layers:>7.1f} "
+              f"{r['floor_us']:>6.0f}µs {r['floor_us'] / r['served_us']:>12.2f} {'' if tps is None else f'{tps:.2f}':>8}")
+
 
 if __name__ == "__main__":
     main()

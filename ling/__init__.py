@@ -31,8 +31,9 @@ def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, 
          quantize: str | None = None, group_size: int = 128, quantize_lm_head: bool = False,
          quantize_experts: bool = False, ep_size: int = 1, num_layers: int | None = None) -> LingModel:
     """A preset name gives random weights (num_layers: only its first decoder layers, the NEXTN
-    layer kept, so that a cut of a large preset fits one device for benchmarks); a hub directory (config.json + safetensors) or a
-    converted directory (`python -m ling.convert`) gives the checkpoint's weights.
+    layer kept, so that a cut of a large preset fits one device for benchmarks); a hub directory
+    (config.json + safetensors) or a converted directory (`python -m ling.convert`) gives the
+    checkpoint's weights.
     quantize ("int8", "int4", "int2") stores the projections grouped low-bit (`ling.quantize`),
     and with quantize_experts (int4 / int8) the routed experts in the fused MoE kernel's format;
     a converted directory that was quantised at conversion is served as stored.

@@ -39,9 +39,7 @@ class Runner:
     def prefill(self, chunk: PrefillChunk):
         """Dispatches one prefill chunk; returns the device array of first tokens [B] (-1 where the
         prompt does not end), to be read after the next step is dispatched."""
-        from spec.sampling import SamplingParams
-
-        from spec.sampling import any_sampling
+        from spec.sampling import SamplingParams, any_sampling
 
         params = SamplingParams.make(self.max_batch, chunk.temperature, chunk.top_k, chunk.top_p, chunk.seed)
         start = np.asarray(chunk.start, bool)
