@@ -271,8 +271,9 @@ def main():
         if st["span_us"] is None:
             continue
         print(f"{mode:<8} {r['served_us']:>7.0f}µs {r['dispatch_us']:>7.0f}µs {r['span_us']:>7.0f}µs "
-              f"{st['busy_us']:>7.0f}µs {st['idle_us']:>6.0f}µs {st['launches']:>7.0f} {st['launches'] / layers:>7.1f} "
-              f"{r['floor_us']:>6.0f}µs {r['floor_us'] / r['served_us']:>12.2f} {'' if tps is None else f'{tps:.2f}':>8}")
+              f"{st['busy_us']:>7.0f}µs {st['idle_us']:>6.0f}µs {st['launches']:>7.0f} "
+              f"{st['launches'] / layers:>7.1f} {r['floor_us']:>6.0f}µs {r['floor_us'] / r['served_us']:>12.2f} "
+              f"{'' if tps is None else f'{tps:.2f}':>8}")
 
 
 if __name__ == "__main__":
