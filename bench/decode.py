@@ -11,7 +11,8 @@ MoE block's cross-GPU sum (a psum of [M, D] fp32 per MoE layer) at decode and ve
 one MoE layer at prefill sizes (`--dispatch-tokens`, multiples of N) by the psum path and by the
 all-to-all, the measurement behind `moe.parallel.A2A_MIN_TOKENS`; the floors are then per GPU
 (the replicated weights plus 1/N of the experts, each GPU at the measured copy bandwidth).
-Prints a table last.
+Prints a table last. Its decode and speculative rows subtract the per-call cost of the compiled
+loop, which a server pays every step: for the step as the server drives it, `bench/step.py`.
 """
 
 from __future__ import annotations
