@@ -12,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ling import config as ling_config
-from ling.config import ConfigError, ModelConfig, load_config, preset
+from ling.config import PRESETS, ConfigError, ModelConfig, load_config, preset
 from ling.model import LingModel, apply
 from ling.state import State, init_state
 
@@ -40,9 +39,9 @@ def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, 
     ep_size > 1 shards the routed experts over that many devices (`moe.parallel`)."""
     if quantize_experts and quantize is None:
         raise ValueError("quantize_experts needs quantize (int4 or int8): the experts take its bits")
-    if num_layers is not None and os.fspath(path_or_preset) not in ling_config.PRESETS:
+    if num_layers is not None and os.fspath(path_or_preset) not in PRESETS:
         raise ValueError(f"num_layers cuts a preset's random model; {os.fspath(path_or_preset)!r} is a checkpoint "
-                         f"(presets: {', '.join(sorted(ling_config.PRESETS))})")
+                         f"(presets: {', '.join(sorted(PRESETS))})")
     model = _load(path_or_preset, dtype=dtype, seed=seed, progress=progress, quantize=quantize,
                   group_size=group_size, quantize_lm_head=quantize_lm_head, quantize_experts=quantize_experts,
                   num_layers=num_layers)

@@ -152,9 +152,9 @@ def accept(logits, drafts, q, params: SamplingParams, keys_accept, keys_bonus, *
     b, s = drafts.shape
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, S+1]
     greedy_ok = drafts == argmax[:, :s]
-    greedy_accepted = jnp.sum(jnp.cumprod(greedy_ok, axis=1), axis=1).astype(jnp.int32)
     if not sampling:
-        return greedy_accepted, jnp.take_along_axis(argmax, greedy_accepted[:, None], axis=1)[:, 0]
+        accepted = jnp.sum(jnp.cumprod(greedy_ok, axis=1), axis=1).astype(jnp.int32)
+        return accepted, jnp.take_along_axis(argmax, accepted[:, None], axis=1)[:, 0]
     p = probs(logits, params)  # [B, S+1, V]
     p_d = jnp.take_along_axis(p[:, :s], drafts[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]

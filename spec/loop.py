@@ -151,6 +151,14 @@ def mean_accepted_length(slots: Slots) -> float:
     return float(produced) / max(int(steps), 1)
 
 
+def _flat_weights(model: LingModel):
+    """(the weights as a flat list of arrays, merge: such a list -> the model, for use under jit).
+    A list crosses the jit boundary flattened in C++; nnx's State flattens in Python."""
+    graphdef, params = nnx.split(model)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    return leaves, lambda ls: nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, ls))
+
+
 class Stepper:
     """Steps the slots one compiled step at a time, dispatching step k+1 before it reads step k's
     results (JAX dispatch is asynchronous, so the device never waits for the host between steps).
@@ -167,8 +175,7 @@ class Stepper:
 
     def __init__(self, model: LingModel, slots: Slots, *, speculative: bool = True, num_steps: int = 5):
         check_model(model, speculative)
-        graphdef, params = nnx.split(model)
-        self._params, param_def = jax.tree_util.tree_flatten(params)
+        self._params, merge = _flat_weights(model)
         self._slots, self._slot_def = jax.tree_util.tree_flatten(slots)
         self.sampling = live_sampling(slots)
         self.width = num_steps + 1 if speculative else 1
@@ -176,9 +183,8 @@ class Stepper:
 
         def run(param_leaves, slot_leaves, sampling):
             s = jax.tree_util.tree_unflatten(slot_def, slot_leaves)
-            model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(param_def, param_leaves))
             before = s.n_out
-            s = _step_fn(speculative, num_steps, sampling)(model, s)
+            s = _step_fn(speculative, num_steps, sampling)(merge(param_leaves), s)
             idx = jnp.minimum(before[:, None] + jnp.arange(self.width)[None], s.out.shape[1] - 1)
             new = jnp.take_along_axis(s.out, idx, axis=1)
             # One packed report [B, width + 2]: a fresh buffer, so donating the slots never frees it.
@@ -250,12 +256,10 @@ class ChunkPrefiller:
     slots and put the result back. The weights cross the jit boundary as a flat list (`Stepper`)."""
 
     def __init__(self, model: LingModel):
-        graphdef, params = nnx.split(model)
-        self._params, param_def = jax.tree_util.tree_flatten(params)
+        self._params, merge = _flat_weights(model)
 
         def run(param_leaves, slots, start, sampling_params, max_new, eos, tokens, next_tokens, valid, ends, sampling):
-            model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(param_def, param_leaves))
-            return prefill_step(model, slots, start, sampling_params, max_new, eos, tokens, next_tokens, valid, ends,
+            return prefill_step(merge(param_leaves), slots, start, sampling_params, max_new, eos, tokens, next_tokens, valid, ends,
                                 sampling=sampling)
 
         self._call = jax.jit(run, donate_argnums=1, static_argnums=10)
