@@ -74,21 +74,28 @@ PALLAS = (  # our kernels are custom calls, whose HLO names are not the kernels'
 )
 
 
-def category(name: str, scopes: dict[str, str]) -> str:
-    for pat, cat in PALLAS:
-        if re.search(pat, name):
-            return f"{cat} (Pallas)"
+def op_name(name: str, scopes: dict[str, str]) -> str:
+    """The op_name metadata of the HLO instruction a trace kernel runs ('' if none is found)."""
     op, key = None, name
     while op is None and key:
         op = scopes.get(key)
         key = re.sub(r"_?\d+$", "", key) if re.search(r"\d$", key) else ""
-    parts = set(re.split(r"[/()]", op or ""))
+    return op or ""
+
+
+def category(name: str, scopes: dict[str, str]) -> str:
+    for pat, cat in PALLAS:
+        if re.search(pat, name):
+            return f"{cat} (Pallas)"
+    parts = set(re.split(r"[/()]", op_name(name, scopes)))
     return next((c for s, c in SCOPES if s in parts), OTHER)
 
 
 def by_category(kernels: list[dict], scopes: dict[str, str]) -> dict:
+    """Launches and µs a step by category; annotates each kernel row with its op_name."""
     out: dict[str, list[float]] = {}
     for r in kernels:
+        r["op_name"] = op_name(r["name"], scopes)
         c = out.setdefault(category(r["name"], scopes), [0.0, 0.0])
         c[0] += r["count"]
         c[1] += r["us_per_call"]

@@ -56,6 +56,12 @@ def _linear(name: str, d_in: int, d_out: int) -> Source:  # torch [out, in] -> k
     return Source({name: (d_out, d_in)}, lambda read: read(name).T)
 
 
+def _fused_linear(parts: dict[str, int], d_in: int) -> Source:
+    """Torch Linears of one input, {name: d_out} -> one kernel [in, Σ d_out], side by side in order."""
+    return Source({n: (w, d_in) for n, w in parts.items()},
+                  lambda read: np.concatenate([read(n).T for n in parts], axis=1))
+
+
 def _vector(name: str, n: int, hub_shape=None) -> Source:
     return Source({name: hub_shape or (n,)}, lambda read: read(name).reshape(n))
 
@@ -106,43 +112,38 @@ def _layer_plan(cfg: ModelConfig, i: int, name: _Names, nextn: bool) -> dict[Pat
     out_proj = name(attn + "dense.weight", attn + "o_proj.weight")
     kind = "mla" if nextn else cfg.layer_types[i]
     if kind == KDA:
-        for p in ("q_proj", "k_proj", "v_proj"):
-            plan[a + (p, "kernel")] = _linear(attn + p + ".weight", d, c)
+        kd = cfg.kda_head_dim
+        # in_proj: q, k, v, f (Kimi: f_a), g (Kimi: g_a) and b side by side (ling.kda.KDAttention).
+        f, g, fw = ("f_a_proj", "g_a_proj", kd) if kimi else ("f_proj", "g_proj", c)
+        widths = {"q_proj": c, "k_proj": c, "v_proj": c, f: fw, g: fw, "b_proj": h}
+        plan[a + ("in_proj", "kernel")] = _fused_linear({f"{attn}{p}.weight": w for p, w in widths.items()}, d)
         for p in "qkv":
             plan[a + (f"{p}_conv",)] = _conv(attn + f"{p}_conv1d.weight", c, cfg.conv_size)
         if kimi:
-            kd = cfg.kda_head_dim
-            plan[a + ("f_a_proj", "kernel")] = _linear(attn + "f_a_proj.weight", d, kd)
             plan[a + ("f_b_proj", "kernel")] = _linear(attn + "f_b_proj.weight", kd, c)
-            plan[a + ("g_a_proj", "kernel")] = _linear(attn + "g_a_proj.weight", d, kd)
             plan[a + ("g_b_proj", "kernel")] = _linear(attn + "g_b_proj.weight", kd, c)
             plan[a + ("A_log",)] = _vector(attn + "A_log", h, (1, 1, h, 1))
         else:
-            plan[a + ("f_proj", "kernel")] = _linear(attn + "f_proj.weight", d, c)
-            plan[a + ("g_proj", "kernel")] = _linear(attn + "g_proj.weight", d, c)
             plan[a + ("A_log",)] = _vector(attn + "A_log", h)
         plan[a + ("dt_bias",)] = _vector(attn + "dt_bias", c)
-        plan[a + ("b_proj", "kernel")] = _linear(attn + "b_proj.weight", d, h)
         plan[a + ("o_norm",)] = _vector(attn + "o_norm.weight", cfg.kda_head_dim)
         plan[a + ("o_proj", "kernel")] = _linear(out_proj, c, d)
     else:
         nh = cfg.num_attention_heads
-        plan[a + ("q_proj", "kernel")] = _linear(attn + "q_proj.weight", d, nh * cfg.qk_head_dim)
-        plan[a + ("kv_a_proj_with_mqa", "kernel")] = _linear(
-            attn + "kv_a_proj_with_mqa.weight", d, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        # in_proj: q, the latent and roped key, and the output gate side by side (ling.mla.MLAttention).
+        widths = {"q_proj": nh * cfg.qk_head_dim, "kv_a_proj_with_mqa": cfg.kv_lora_rank + cfg.qk_rope_head_dim}
+        if cfg.mla_output_gate:
+            widths["g_proj"] = nh
+        plan[a + ("in_proj", "kernel")] = _fused_linear({f"{attn}{p}.weight": w for p, w in widths.items()}, d)
         plan[a + ("kv_a_layernorm", "weight")] = _vector(attn + "kv_a_layernorm.weight", cfg.kv_lora_rank)
         plan[a + ("kv_b_proj", "kernel")] = _linear(
             attn + "kv_b_proj.weight", cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-        if cfg.mla_output_gate:
-            plan[a + ("g_proj", "kernel")] = _linear(attn + "g_proj.weight", d, nh)
         plan[a + ("o_proj", "kernel")] = _linear(out_proj, nh * cfg.v_head_dim, d)
 
     m = me + ("mlp",)
     if not nextn and cfg.mlp_types[i] == DENSE:
         mlp = name(pre + "mlp.gate_proj.weight", pre + "block_sparse_moe.gate_proj.weight")[: -len("gate_proj.weight")]
-        for p, (di, do) in {"gate_proj": (d, cfg.intermediate_size), "up_proj": (d, cfg.intermediate_size),
-                            "down_proj": (cfg.intermediate_size, d)}.items():
-            plan[m + (p, "kernel")] = _linear(mlp + p + ".weight", di, do)
+        plan.update(_swiglu_plan(m, mlp, d, cfg.intermediate_size))
         return plan
     mlp = name(pre + "mlp.gate.weight", pre + "block_sparse_moe.gate.weight")[: -len("gate.weight")]
     e, inter = cfg.num_experts, cfg.moe_intermediate_size
@@ -153,10 +154,14 @@ def _layer_plan(cfg: ModelConfig, i: int, name: _Names, nextn: bool) -> dict[Pat
     plan[m + ("w13",)] = _experts_w13([p + gate_n + ".weight" for p in ex], [p + up_n + ".weight" for p in ex], d, inter)
     plan[m + ("w2",)] = _experts_w2([p + down_n + ".weight" for p in ex], d, inter)
     if cfg.num_shared_experts:
-        si = inter * cfg.num_shared_experts
-        for p, (di, do) in {"gate_proj": (d, si), "up_proj": (d, si), "down_proj": (si, d)}.items():
-            plan[m + ("shared_experts", p, "kernel")] = _linear(f"{mlp}shared_experts.{p}.weight", di, do)
+        plan.update(_swiglu_plan(m + ("shared_experts",), f"{mlp}shared_experts.", d, inter * cfg.num_shared_experts))
     return plan
+
+
+def _swiglu_plan(me: Path, pre: str, d: int, inter: int) -> dict[Path, Source]:
+    """moe.nn.SwiGLUMLP: gate_up_proj [D, 2I] = [gate | up], down_proj [I, D]."""
+    return {me + ("gate_up_proj", "kernel"): _fused_linear({pre + "gate_proj.weight": inter, pre + "up_proj.weight": inter}, d),
+            me + ("down_proj", "kernel"): _linear(pre + "down_proj.weight", inter, d)}
 
 
 def hub_plan(cfg: ModelConfig, available: set[str], with_nextn: bool) -> dict[Path, Source]:
@@ -346,11 +351,12 @@ def save_hub(model, directory: str, *, dtype=None) -> None:
         elif path[-1] == "w2":  # [E, I, D] -> per-expert down [D, I]
             out = {d: a[j].T for j, d in enumerate(names)}
         else:
-            (name,), hub_shape = names, tuple(src.shapes[names[0]])
-            if path[-1] in ("kernel", "lm_head"):  # [in, out] -> torch [out, in]
-                out = {name: a.T}
+            if path[-1] in ("kernel", "lm_head"):  # [in, Σ out] -> torch [out, in] each, in order
+                ends = np.cumsum([src.shapes[n][0] for n in names])[:-1]
+                out = {n: w.T for n, w in zip(names, np.split(a, ends, axis=1))}
             else:  # vectors, conv [C, W] -> [C, 1, W], router gate and embeddings as they are
-                out = {name: a.reshape(hub_shape)}
+                (name,) = names
+                out = {name: a.reshape(tuple(src.shapes[name]))}
         for k, v in out.items():
             if v.shape != tuple(src.shapes[k]):
                 raise AssertionError(f"tensor {k!r}: wrote shape {v.shape}, the plan expects {src.shapes[k]}")

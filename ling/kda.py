@@ -45,35 +45,39 @@ def recurrent(q, k, v, g, beta, state):
 
 
 class KDAttention(nnx.Module):
-    """The KDA layer. Parameters follow the hub names (q_proj, ..., o_proj; conv weights of q, k, v
-    concatenated along channels)."""
+    """The KDA layer. The hub's q, k, v, f (Kimi: f_a), g (Kimi: g_a) and b projections of the
+    layer input are one matmul, in_proj.kernel [D, 3C + 2F + H] (F = C, Kimi: K), columns in that
+    order; conv weights of q, k and v stay separate, as in the checkpoint."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         d, h, kd, c = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_dim
         self.num_heads, self.head_dim, self.eps = h, kd, cfg.rms_norm_eps
         self.gate_kind, self.lower_bound = cfg.kda_gate, cfg.kda_lower_bound
-        self.q_proj = Linear(d, c, ("embed", "heads"), dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(d, c, ("embed", "heads"), dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(d, c, ("embed", "heads"), dtype=dtype, rngs=rngs)
-        # Ling keeps the conv in fp32; Kimi's checkpoint stores it in the model dtype. q, k and v
-        # have their own buffers (as in the checkpoint), so the fused kernel never needs a slice.
+        f = c if cfg.kda_gate == "safe" else kd  # Kimi: low-rank gates through the head dim
+        self.widths = (c, c, c, f, f, h)  # q, k, v, f, g, b columns of in_proj
+        self.in_proj = Linear(d, sum(self.widths), ("embed", "heads"), dtype=dtype, rngs=rngs)
+        # Ling keeps the conv in fp32; Kimi's checkpoint stores it in the model dtype.
         conv_dtype = jnp.float32 if cfg.model_type == "bailing_hybrid" else dtype
         self.q_conv = param(rngs, (c, cfg.conv_size), ("heads", "conv"), conv_dtype, std=0.3)
         self.k_conv = param(rngs, (c, cfg.conv_size), ("heads", "conv"), conv_dtype, std=0.3)
         self.v_conv = param(rngs, (c, cfg.conv_size), ("heads", "conv"), conv_dtype, std=0.3)
-        if cfg.kda_gate == "safe":
-            self.f_proj = Linear(d, c, ("embed", "heads"), dtype=dtype, rngs=rngs)
-            self.g_proj = Linear(d, c, ("embed", "heads"), dtype=dtype, rngs=rngs)
-        else:  # Kimi: low-rank gate and output-gate projections through the head dim
-            self.f_a_proj = Linear(d, kd, ("embed", "norm"), dtype=dtype, rngs=rngs)
+        if cfg.kda_gate != "safe":
             self.f_b_proj = Linear(kd, c, ("norm", "heads"), dtype=dtype, rngs=rngs)
-            self.g_a_proj = Linear(d, kd, ("embed", "norm"), dtype=dtype, rngs=rngs)
             self.g_b_proj = Linear(kd, c, ("norm", "heads"), dtype=dtype, rngs=rngs)
         self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, h, dtype=jnp.float32)), logical_axes=("heads",))
         self.dt_bias = param(rngs, (c,), ("heads",), jnp.float32, std=0.5)
-        self.b_proj = Linear(d, h, ("embed", "heads"), dtype=dtype, rngs=rngs)
         self.o_norm = param(rngs, (kd,), ("norm",), dtype, init="ones")
         self.o_proj = Linear(c, d, ("heads", "embed"), dtype=dtype, rngs=rngs)
+
+    def inputs(self, x) -> kda_kernel.KdaInputs:
+        """x [B, T, D] -> the kernel's inputs: `Columns` of in_proj's output [B, T, 3C + 2F + H]
+        (Kimi's f and g through their second projections)."""
+        proj = self.in_proj(x)
+        starts = [sum(self.widths[:i]) for i in range(len(self.widths))]
+        q, k, v, f, g, b_in = (kda_kernel.Columns(proj, s, w) for s, w in zip(starts, self.widths))
+        if self.gate_kind != "safe":
+            f, g = self.f_b_proj(f.value()), self.g_b_proj(g.value())
+        return kda_kernel.KdaInputs(q, k, v, f, b_in, g)
 
     @jax.named_scope("kda")
     def __call__(self, x, conv_state, rec_state, valid, *, form: str):
@@ -86,40 +90,39 @@ class KDAttention(nnx.Module):
         `ling.state.commit` takes any prefix without recomputation."""
         b, t, _ = x.shape
         h, kd = self.num_heads, self.head_dim
-        pre = (self.q_proj(x), self.k_proj(x), self.v_proj(x))  # [B, T, C] each, before the conv
-        f = self.f_proj(x) if self.gate_kind == "safe" else self.f_b_proj(self.f_a_proj(x))
-        gate = self.g_proj(x) if self.gate_kind == "safe" else self.g_b_proj(self.g_a_proj(x))
-        b_in = self.b_proj(x)  # [B, T, H]
+        inputs = self.inputs(x)
         weights = (self.q_conv[...], self.k_conv[...], self.v_conv[...])
         kernels = resolve_kernels()
-        if kernels != "reference" and (form == "chunked" or t <= kda_kernel.MAX_T):
-            args = (kda_kernel.KdaInputs(*pre, f.reshape(b, t, h, kd), b_in, gate),
-                    kda_kernel.KdaWeights(*weights, self.A_log[...], self.dt_bias[...], self.o_norm[...]),
-                    kda_kernel.KdaState(*conv_state, rec_state))
-            opts = dict(gate=self.gate_kind, eps=self.eps, lower_bound=self.lower_bound, backend=kernels)
-            if form == "chunked":
-                o, new = kda_prefill(*args, valid, **opts)
-                conv, rec = (new.conv_q, new.conv_k, new.conv_v), new.recurrent
-            else:
-                out = kda_kernel.kda_verify(*args, all_states=True, **opts)
-                o, rec, conv = out.o, out.states, (out.window_q, out.window_k, out.window_v)
+        if kernels != "reference" and form == "recurrent" and t <= kda_kernel.MAX_T:
+            out = kda_kernel.kda_verify(
+                inputs, kda_kernel.KdaWeights(*weights, self.A_log[...], self.dt_bias[...], self.o_norm[...]),
+                kda_kernel.KdaState(*conv_state, rec_state), all_states=True, gate=self.gate_kind, eps=self.eps,
+                lower_bound=self.lower_bound, backend=kernels)
+            o, rec, conv = out.o, out.states, (out.window_q, out.window_k, out.window_v)
+            return self.o_proj(o.reshape(b, t, h * kd)), conv, rec
+        pre_q, pre_k, pre_v, f, b_in, gate = kda_kernel.materialize(inputs)  # [B, T, C] .. [B, T, H]
+        if kernels != "reference" and form == "chunked":
+            o, new = kda_prefill(
+                kda_kernel.KdaInputs(pre_q, pre_k, pre_v, f, b_in, gate),
+                kda_kernel.KdaWeights(*weights, self.A_log[...], self.dt_bias[...], self.o_norm[...]),
+                kda_kernel.KdaState(*conv_state, rec_state), valid, gate=self.gate_kind, eps=self.eps,
+                lower_bound=self.lower_bound, backend=kernels)
+            return self.o_proj(o.reshape(b, t, h * kd)), (new.conv_q, new.conv_k, new.conv_v), new.recurrent
+        convs = [causal_conv(a, s, w) for a, s, w in zip((pre_q, pre_k, pre_v), conv_state, weights)]
+        q, k, v = (a.reshape(b, t, h, kd) for a, _ in convs)
+        q = l2_normalize(q) * kd**-0.5
+        k = l2_normalize(k)
+        g = decay_gate(f, self.A_log[...], self.dt_bias[...], kind=self.gate_kind, lower_bound=self.lower_bound)
+        beta = jax.nn.sigmoid(b_in.astype(jnp.float32))  # [B, T, H]
+        if form == "chunked":
+            # Padding positions: no decay (g = 0) and no write (β = 0) leave the state as it was.
+            real = jnp.arange(t)[None, :] < valid[:, None]  # [B, T]
+            g = jnp.where(real[..., None, None], g, 0.0)
+            beta = jnp.where(real[..., None], beta, 0.0)
+            o, rec = chunked(q, k, v, g, beta, rec_state)
+            conv = tuple(conv_state_after(w, valid, conv_state[0].shape[1]) for _, w in convs)
         else:
-            convs = [causal_conv(a, s, w) for a, s, w in zip(pre, conv_state, weights)]
-            q, k, v = (a.reshape(b, t, h, kd) for a, _ in convs)
-            q = l2_normalize(q) * kd**-0.5
-            k = l2_normalize(k)
-            g = decay_gate(f.reshape(b, t, h, kd), self.A_log[...], self.dt_bias[...], kind=self.gate_kind,
-                           lower_bound=self.lower_bound)
-            beta = jax.nn.sigmoid(b_in.astype(jnp.float32))  # [B, T, H]
-            if form == "chunked":
-                # Padding positions: no decay (g = 0) and no write (β = 0) leave the state as it was.
-                real = jnp.arange(t)[None, :] < valid[:, None]  # [B, T]
-                g = jnp.where(real[..., None, None], g, 0.0)
-                beta = jnp.where(real[..., None], beta, 0.0)
-                o, rec = chunked(q, k, v, g, beta, rec_state)
-                conv = tuple(conv_state_after(w, valid, conv_state[0].shape[1]) for _, w in convs)
-            else:
-                o, rec = recurrent(q, k, v, g, beta, rec_state)
-                conv = tuple(w for _, w in convs)
-            o = gated_rms_norm(o.astype(x.dtype), gate.reshape(b, t, h, kd), self.o_norm[...], self.eps)
+            o, rec = recurrent(q, k, v, g, beta, rec_state)
+            conv = tuple(w for _, w in convs)
+        o = gated_rms_norm(o.astype(x.dtype), gate.reshape(b, t, h, kd), self.o_norm[...], self.eps)
         return self.o_proj(o.reshape(b, t, h * kd)), conv, rec

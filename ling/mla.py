@@ -50,12 +50,13 @@ class MLAttention(nnx.Module):
         self.h, self.nope, self.rope, self.vd = h, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.r = cfg.kv_lora_rank
         self.use_rope, self.theta, self.scale = cfg.mla_rope, cfg.rope_theta, cfg.softmax_scale
-        self.q_proj = Linear(d, h * cfg.qk_head_dim, ("embed", "heads"), dtype=dtype, rngs=rngs)
-        self.kv_a_proj_with_mqa = Linear(d, self.r + self.rope, ("embed", "kv_lora"), dtype=dtype, rngs=rngs)
+        # The hub's q_proj, kv_a_proj_with_mqa and g_proj (if gated) as one matmul of the layer
+        # input: in_proj.kernel [D, H·(nope + rope) + R + rope (+ H)], columns in that order.
+        self.widths = (h * cfg.qk_head_dim, self.r + self.rope) + ((h,) if cfg.mla_output_gate else ())
+        self.in_proj = Linear(d, sum(self.widths), ("embed", "heads"), dtype=dtype, rngs=rngs)
         # The latent norm's eps is 1e-6 in both families, whatever rms_norm_eps says (as transformers).
         self.kv_a_layernorm = RMSNorm(self.r, LATENT_NORM_EPS, dtype=dtype, rngs=rngs, axis_name="kv_lora")
         self.kv_b_proj = Linear(self.r, h * (self.nope + self.vd), ("kv_lora", "heads"), dtype=dtype, rngs=rngs)
-        self.g_proj = Linear(d, h, ("embed", "heads"), dtype=dtype, rngs=rngs) if cfg.mla_output_gate else None
         self.o_proj = Linear(h * self.vd, d, ("heads", "embed"), dtype=dtype, rngs=rngs)
         self.mesh = None  # set by moe.parallel.shard_model: the (replicated) attention's device mesh
 
@@ -67,9 +68,11 @@ class MLAttention(nnx.Module):
         kernel path (nobody reads them: the engine interleaves idle and decoding slots into a
         prefill chunk this way, and their cached prefixes are not worth attending to)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.h, self.nope + self.rope)
+        proj = self.in_proj(x)
+        nq, nkv = self.widths[:2]
+        q = proj[..., :nq].reshape(b, t, self.h, self.nope + self.rope)
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
-        kv = self.kv_a_proj_with_mqa(x)
+        kv = proj[..., nq : nq + nkv]
         latent, k_rope = self.kv_a_layernorm(kv[..., : self.r]), kv[..., self.r :]  # [B, T, R], [B, T, P]
         if self.use_rope:
             cos, sin = rope_angles(positions, self.rope, self.theta)
@@ -111,8 +114,8 @@ class MLAttention(nnx.Module):
             o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(x.dtype), w_uv.astype(x.dtype),
                            preferred_element_type=jnp.float32)
         o = o.astype(x.dtype)
-        if self.g_proj is not None:
-            o = o * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)).astype(x.dtype)[..., None]
+        if len(self.widths) == 3:  # the head-wise output gate
+            o = o * jax.nn.sigmoid(proj[..., nq + nkv :].astype(jnp.float32)).astype(x.dtype)[..., None]
         return self.o_proj(o.reshape(b, t, self.h * self.vd)), latent_cache, rope_cache
 
 

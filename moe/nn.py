@@ -54,14 +54,17 @@ def swiglu(gate, up, limit: float | None = None):
 
 
 class SwiGLUMLP(nnx.Module):
-    """down(swiglu(gate(x), up(x))): the dense MLP of the first layers and the shared expert."""
+    """down(swiglu(gate(x), up(x))): the dense MLP of the first layers and the shared expert.
+
+    gate_up_proj.kernel [D, 2I] holds the gate and up projections side by side ([gate | up]), so
+    a decode step reads both in one matmul."""
 
     def __init__(self, d: int, inter: int, *, limit: float | None = None, dtype, rngs: nnx.Rngs):
-        self.gate_proj = Linear(d, inter, ("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(d, inter, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.gate_up_proj = Linear(d, 2 * inter, ("embed", "mlp"), dtype=dtype, rngs=rngs)
         self.down_proj = Linear(inter, d, ("mlp", "embed"), dtype=dtype, rngs=rngs)
-        self.limit = limit
+        self.inter, self.limit = inter, limit
 
     @jax.named_scope("mlp")
     def __call__(self, x):
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        gate_up = self.gate_up_proj(x)  # [..., 2I]
+        return self.down_proj(swiglu(gate_up[..., : self.inter], gate_up[..., self.inter :], self.limit))

@@ -16,9 +16,11 @@ Per head h (K = V = head dim), token t, all math in fp32 (inputs are upcast on l
 Rounding: the conv output is kept in fp32 (never rounded to the activation dtype) and the norm
 reads the fp32 o; y is rounded once, to q's dtype.
 
-Layouts (C = H*K; every array is its own buffer, nothing is sliced in front of the kernel):
+Layouts (C = H*K):
   q, k, v            [B, T, C]        pre-conv projections (bf16 or fp32)
   g_in               [B, T, H, K]     raw f_proj output;  b_in [B, T, H];  gate_in [B, T, H*V]
+  Any of these may instead be `Columns` of a wider [B, T, N] array (a fused projection's output):
+  the kernel reads them in place, so nothing is sliced in front of it.
   conv_state_{q,k,v} [B, W-1, C]      the last W-1 pre-conv inputs, oldest first
   conv_weight_{q,k,v} [C, W]          (PyTorch depthwise Conv1d weight squeezed; [:, W-1] hits the newest input)
   A_log [H], dt_bias [H*K], o_norm_weight [V], recurrent [B, H, K, V] fp32
@@ -54,6 +56,34 @@ class KdaInputs(NamedTuple):
     g_in: jax.Array  # [B, T, H, K]
     b_in: jax.Array  # [B, T, H]
     gate_in: jax.Array  # [B, T, H*V]
+
+
+class Columns(NamedTuple):
+    """Columns [start, start + width) of a wider activation array [B, T, N], standing for one
+    `KdaInputs` field (g_in: its [B, T, H*K] flattening). start and width are Python ints."""
+    array: jax.Array  # [B, T, N]
+    start: int
+    width: int
+
+    def value(self) -> jax.Array:
+        return self.array[..., self.start:self.start + self.width]
+
+
+def materialize(x: KdaInputs) -> KdaInputs:
+    """x with every `Columns` field sliced out into its own array, in the layouts above."""
+    q, k, v, g_in, b_in, gate_in = (f.value() if isinstance(f, Columns) else f for f in x)
+    return KdaInputs(q, k, v, g_in.reshape(*g_in.shape[:2], b_in.shape[2], -1), b_in, gate_in)
+
+
+def _shapes(x: KdaInputs) -> KdaInputs:
+    """The fields' shapes and dtypes in the layouts above (no slicing)."""
+    def spec(f):
+        return jax.ShapeDtypeStruct((*f.array.shape[:2], f.width), f.array.dtype) if isinstance(f, Columns) else f
+
+    q, k, v, g_in, b_in, gate_in = map(spec, x)
+    if len(g_in.shape) == 3:
+        g_in = jax.ShapeDtypeStruct((*g_in.shape[:2], b_in.shape[2], g_in.shape[2] // b_in.shape[2]), g_in.dtype)
+    return KdaInputs(q, k, v, g_in, b_in, gate_in)
 
 
 class KdaWeights(NamedTuple):
@@ -120,6 +150,7 @@ def reference(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "safe
     """Plain-jnp KDA step; same signature and outputs as `kda_verify`. Reductions are written as
     multiply + sum (not einsum) so that no backend rounds them through tf32."""
     f32 = jnp.float32
+    x = materialize(x)
     b, t, c = x.q.shape
     h = x.b_in.shape[2]
     kd, vd = c // h, x.v.shape[2] // h
@@ -237,29 +268,32 @@ def _kda_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, gate_ref, csq_ref, csk_ref, c
         st_ref[...] = s
 
 
-@functools.partial(jax.jit, static_argnames=("gate", "eps", "lower_bound", "bv", "num_warps",
+@functools.partial(jax.jit, static_argnames=("dims", "starts", "gate", "eps", "lower_bound", "bv", "num_warps",
                                              "all_states", "interpret"))
-def _kda_pallas(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate, eps, lower_bound, bv,
+def _kda_pallas(xs: tuple, w: KdaWeights, state: KdaState, *, dims, starts, gate, eps, lower_bound, bv,
                 num_warps, all_states, interpret) -> KdaOut:
-    b, t, c = x.q.shape
-    h = x.b_in.shape[2]
-    kd, vd = c // h, x.v.shape[2] // h
-    nw = w.conv_q.shape[1]
+    """xs: q, k, v, g_in, b_in, gate_in, each a [B, T, N] array whose field starts at column
+    starts[i] (a `Columns`, or the field itself flattened to 3-D with start 0)."""
+    b, t, h, kd, vd, nw = dims
+    c = h * kd
     nv = vd // bv
     fuse_norm = nv == 1
     tw = t + nw - 1
+    sq, sk, sv, sg, sb, sgate = starts
+    act = xs[0].dtype
 
     def blk(shape, index_map):
         return pl.BlockSpec(shape, index_map)
 
-    # Grid (B, H, V/BV). None = a squeezed (size-1) block dimension.
+    # Grid (B, H, V/BV). None = a squeezed (size-1) block dimension; a field's block index is its
+    # start column over the block width (the caller checks the divisibility) plus its own index.
     in_specs = [
-        blk((None, t, kd), lambda i, j, l: (i, 0, j)),  # q
-        blk((None, t, kd), lambda i, j, l: (i, 0, j)),  # k
-        blk((None, t, bv), lambda i, j, l: (i, 0, j * nv + l)),  # v
-        blk((None, t, None, kd), lambda i, j, l: (i, 0, j, 0)),  # g_in
-        blk((None, t, None), lambda i, j, l: (i, 0, j)),  # b_in
-        blk((None, t, bv), lambda i, j, l: (i, 0, j * nv + l)),  # gate_in
+        blk((None, t, kd), lambda i, j, l: (i, 0, sq // kd + j)),  # q
+        blk((None, t, kd), lambda i, j, l: (i, 0, sk // kd + j)),  # k
+        blk((None, t, bv), lambda i, j, l: (i, 0, sv // bv + j * nv + l)),  # v
+        blk((None, t, kd), lambda i, j, l: (i, 0, sg // kd + j)),  # g_in
+        blk((None, t, None), lambda i, j, l: (i, 0, sb + j)),  # b_in
+        blk((None, t, bv), lambda i, j, l: (i, 0, sgate // bv + j * nv + l)),  # gate_in
         blk((None, nw - 1, kd), lambda i, j, l: (i, 0, j)),  # conv state q
         blk((None, nw - 1, kd), lambda i, j, l: (i, 0, j)),  # conv state k
         blk((None, nw - 1, bv), lambda i, j, l: (i, 0, j * nv + l)),  # conv state v
@@ -282,13 +316,13 @@ def _kda_pallas(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate, eps, lowe
         blk((None, tw, kd), lambda i, j, l: (i, 0, j)),  # window k
         blk((None, tw, bv), lambda i, j, l: (i, 0, j * nv + l)),  # window v
     ]
-    o_dtype = x.q.dtype if fuse_norm else jnp.float32  # unfused: fp32 o feeds the norm epilogue
+    o_dtype = act if fuse_norm else jnp.float32  # unfused: fp32 o feeds the norm epilogue
     out_shape = [
         jax.ShapeDtypeStruct((b, t, h, vd), o_dtype),
         jax.ShapeDtypeStruct(st_shape, jnp.float32),
-        jax.ShapeDtypeStruct((b, tw, c), x.q.dtype),
-        jax.ShapeDtypeStruct((b, tw, c), x.k.dtype),
-        jax.ShapeDtypeStruct((b, tw, h * vd), x.v.dtype),
+        jax.ShapeDtypeStruct((b, tw, c), xs[0].dtype),
+        jax.ShapeDtypeStruct((b, tw, c), xs[1].dtype),
+        jax.ShapeDtypeStruct((b, tw, h * vd), xs[2].dtype),
     ]
     kernel = functools.partial(_kda_kernel, t_len=t, n_taps=nw, gate=gate, lower_bound=lower_bound,
                                eps=eps, fuse_norm=fuse_norm, all_states=all_states)
@@ -301,10 +335,11 @@ def _kda_pallas(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate, eps, lowe
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kda_verify",
-    )(x.q, x.k, x.v, x.g_in, x.b_in, x.gate_in, state.conv_q, state.conv_k, state.conv_v,
+    )(*xs, state.conv_q, state.conv_k, state.conv_v,
       w.conv_q, w.conv_k, w.conv_v, w.A_log, w.dt_bias, w.o_norm, state.recurrent)
     if not fuse_norm:  # the norm needs the whole V row, spread over V-blocks: one XLA fusion
-        o = _gated_norm(o, x.gate_in.reshape(b, t, h, vd), w.o_norm, eps).astype(x.q.dtype)
+        gate_in = xs[5][..., sgate:sgate + h * vd].reshape(b, t, h, vd)
+        o = _gated_norm(o, gate_in, w.o_norm, eps).astype(act)
     return KdaOut(o, states, wq, wk, wv)
 
 
@@ -319,6 +354,7 @@ class Dims(NamedTuple):
 
 def check_args(x: KdaInputs, w: KdaWeights, state: KdaState, gate: str) -> Dims:
     """The dimensions of a KDA call (decode, verify or prefill); checks that every array agrees."""
+    x = _shapes(x)
     b, t, c = x.q.shape
     h = x.b_in.shape[2]
     kd, vd = c // h, x.v.shape[2] // h
@@ -350,7 +386,8 @@ def kda_verify(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "saf
     + e·T·(3C + H·K + H·V + H·V) (q, k, v, g_in, gate_in, o) + e·(T+2W-2)·3C (conv state in,
     window out). At Ling shapes (H 32, K = V 128) the state dominates: 2 MiB in, T·2 MiB out.
     """
-    _, t, _, kd, vd, _ = check_args(x, w, state, gate)
+    dims = check_args(x, w, state, gate)
+    t, kd, vd = dims.t, dims.k, dims.v
     if not 1 <= t <= MAX_T:
         raise ValueError(f"kda_verify takes T = 1..{MAX_T} tokens, got T={t}")
     backend = resolve(backend)
@@ -360,8 +397,14 @@ def kda_verify(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "saf
     if vd % bv or bv & (bv - 1) or kd & (kd - 1):
         raise ValueError(f"K={kd} and BV={bv} must be powers of two and BV must divide V={vd}")
     num_warps = default_num_warps(kd, bv) if num_warps is None else num_warps
-    return _kda_pallas(x, w, state, gate=gate, eps=float(eps), lower_bound=float(lower_bound), bv=bv,
-                       num_warps=num_warps, all_states=all_states, interpret=backend == "interpret")
+    xs = [(f.array, f.start) if isinstance(f, Columns) else (f.reshape(*f.shape[:2], -1), 0) for f in x]
+    starts = tuple(s for _, s in xs)
+    for name, start, block in zip(KdaInputs._fields, starts, (kd, kd, bv, kd, 1, bv)):
+        if start % block:
+            raise ValueError(f"{name} starts at column {start}, not a multiple of its block width {block}")
+    return _kda_pallas(tuple(a for a, _ in xs), w, state, dims=tuple(dims), starts=starts, gate=gate, eps=float(eps),
+                       lower_bound=float(lower_bound), bv=bv, num_warps=num_warps, all_states=all_states,
+                       interpret=backend == "interpret")
 
 
 def commit(out: KdaOut, n_accepted: jax.Array) -> KdaState:

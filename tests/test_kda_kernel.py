@@ -151,3 +151,31 @@ def test_auto_is_reference_on_cpu():
     assert jax.default_backend() != "cpu" or kda.resolve("auto") == "reference"
     with pytest.raises(ValueError):
         kda.resolve("xla")
+
+
+@pytest.mark.parametrize("t,bv", [(1, 8), (6, 16)])
+def test_columns_of_a_fused_projection(t, bv):
+    """Inputs given as `Columns` of one wider array (a fused projection's output, fields in a
+    shuffled order with padding between them) give the same step as separate arrays."""
+    seed = _seed()
+    x, w, s = make_inputs(seed, b=2, t=t, dtype=jnp.bfloat16)
+    b, c = x.q.shape[0], x.q.shape[2]
+    flat = [x.q, x.k, x.v, x.g_in.reshape(b, t, c), x.b_in, x.gate_in]
+    pieces, starts, at = [], {}, 0
+    for i in [5, 0, 3, 4, 2, 1]:
+        starts[i] = at
+        n = flat[i].shape[2]
+        gap = K + (-n) % K  # padding that keeps the next start a multiple of K (and of BV)
+        pieces += [flat[i], jnp.zeros((b, t, gap), x.q.dtype)]
+        at += n + gap
+    proj = jnp.concatenate(pieces, axis=2)
+    cols = kda.KdaInputs(*(kda.Columns(proj, starts[i], flat[i].shape[2]) for i in range(6)))
+    got = kda.kda_verify(cols, w, s, bv=bv, backend="interpret")
+    want = kda.kda_verify(x, w, s, bv=bv, backend="interpret")
+    ref = kda.kda_verify(cols, w, s, backend="reference")
+    for name in kda.KdaOut._fields:
+        np.testing.assert_array_equal(np.asarray(getattr(got, name), np.float32),
+                                      np.asarray(getattr(want, name), np.float32), err_msg=f"{name} seed {seed}")
+    _close(ref.o, want.o, 1e-2, f"reference on Columns, seed {seed}")
+    with pytest.raises(ValueError, match="q starts at column"):
+        kda.kda_verify(x._replace(q=kda.Columns(proj, starts[0] + 1, c)), w, s, bv=bv, backend="interpret")

@@ -38,11 +38,11 @@ def test_quantised_logits_stay_close(full, scheme, max_rel, min_cos):
 def test_what_is_quantised():
     model = ling.load("ling-tiny", dtype="bfloat16", quantize="int4", group_size=32)
     layer = model.layers[0]
-    assert isinstance(layer.attention.q_proj, QLinear) and isinstance(layer.mlp.down_proj, QLinear)
+    assert isinstance(layer.attention.in_proj, QLinear) and isinstance(layer.mlp.down_proj, QLinear)
     mla = model.layers[2].attention
     assert isinstance(mla.kv_b_proj, Linear)  # used as a tensor by the absorbed form
     moe = model.layers[1].mlp
-    assert isinstance(moe.shared_experts.up_proj, QLinear) and moe.gate_weight[...].dtype == jnp.float32
+    assert isinstance(moe.shared_experts.gate_up_proj, QLinear) and moe.gate_weight[...].dtype == jnp.float32
     assert not isinstance(model.lm_head, QLinear)
     with_head = ling.load("ling-tiny", dtype="bfloat16", quantize="int8", group_size=32, quantize_lm_head=True)
     assert isinstance(with_head.lm_head, QLinear)
@@ -65,7 +65,7 @@ def test_converted_quantised_checkpoint_serves_the_same_model(tmp_path):
     a = ling.forward(ling.load(hub, quantize="int4", group_size=32, progress=False), TOKENS % 90)
     b = ling.forward(ling.load(out), TOKENS % 90)
     np.testing.assert_array_equal(a, b)
-    assert isinstance(ling.load(out).layers[0].attention.q_proj, QLinear)
+    assert isinstance(ling.load(out).layers[0].attention.in_proj, QLinear)
 
 
 def decode_logits(model):
