@@ -44,8 +44,8 @@ from common import copy_ceiling_tbs, device_trace, stream_trace  # noqa: E402
 SCOPES = (
     ("lm_head", "lm_head"),
     ("router", "router"),
-    ("experts", "routed experts"),
     ("mlp", "shared expert, dense MLP"),
+    ("experts", "routed experts"),
     ("proj", "projections"),
     ("kda", "attention"),
     ("mla", "attention"),
@@ -69,7 +69,8 @@ def hlo_scopes(hlo_text: str) -> dict[str, str]:
 
 PALLAS = (  # our kernels are custom calls, whose HLO names are not the kernels': by kernel name
     (r"kda_verify|mla_decode", "attention kernels"),
-    (r"moe_align|fused_moe", "routed experts"),
+    (r"moe_align|fused_moe", "fused MoE: routed, shared, dense MLP"),
+    (r"router_select", "router"),
     (r"qmatvec", "low-bit matvec (projections, lm_head)"),
 )
 

@@ -159,9 +159,9 @@ def _layer_plan(cfg: ModelConfig, i: int, name: _Names, nextn: bool) -> dict[Pat
 
 
 def _swiglu_plan(me: Path, pre: str, d: int, inter: int) -> dict[Path, Source]:
-    """moe.nn.SwiGLUMLP: gate_up_proj [D, 2I] = [gate | up], down_proj [I, D]."""
-    return {me + ("gate_up_proj", "kernel"): _fused_linear({pre + "gate_proj.weight": inter, pre + "up_proj.weight": inter}, d),
-            me + ("down_proj", "kernel"): _linear(pre + "down_proj.weight", inter, d)}
+    """moe.block.SwiGLUMLP: one expert in the routed format, w13 [1, D, 2I], w2 [1, I, D]."""
+    return {me + ("w13",): _experts_w13([pre + "gate_proj.weight"], [pre + "up_proj.weight"], d, inter),
+            me + ("w2",): _experts_w2([pre + "down_proj.weight"], d, inter)}
 
 
 def hub_plan(cfg: ModelConfig, available: set[str], with_nextn: bool) -> dict[Path, Source]:
@@ -400,14 +400,14 @@ def quantization_of(model) -> dict | None:
     """How `ling.quantize` stored the model's projections (and routed experts), or None (full
     precision)."""
     from ling.quantize import QLinear
-    from moe.block import QExperts
+    from moe.block import MoE, QExperts
 
     nodes = [m for _, m in nnx.iter_graph(model)]
     q = [m for m in nodes if isinstance(m, QLinear)]
     if not q:
         return None
     return {"bits": q[0].bits, "group_size": q[0].group_size, "lm_head": isinstance(model.lm_head, QLinear),
-            "experts": any(isinstance(m, QExperts) for m in nodes)}
+            "experts": any(isinstance(m, MoE) and isinstance(m.w13, QExperts) for m in nodes)}
 
 
 def converted_quantization(directory: str) -> dict | None:

@@ -23,8 +23,8 @@ from ling.layers import RMSNorm
 from ling.mla import MLAttention
 from ling.quantize import QLinear
 from ling.state import KDAPending, KDAState, MLACache, State, commit
-from moe.block import MoE
-from moe.nn import Linear, SwiGLUMLP, param
+from moe.block import MoE, SwiGLUMLP
+from moe.nn import Linear, param
 
 DECODE_MAX_T = 16
 

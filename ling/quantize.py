@@ -1,9 +1,11 @@
 """Grouped low-bit weights for a loaded model (seed 001's weight streaming).
 
 `quantize_model(model, bits=4)` replaces every projection (`moe.nn.Linear`: the KDA and MLA
-projections, the dense MLPs, the shared experts) and optionally the lm_head with a `QLinear`
-holding the weight in `pallas_kernels.quant`'s tile-transposed format. What stays in full
-precision, and why:
+projections) and optionally the lm_head with a `QLinear` holding the weight in
+`pallas_kernels.quant`'s tile-transposed format; the dense MLPs and the shared experts (one
+expert each, `moe.block.SwiGLUMLP`) take the fused MoE kernel's format below (int4 and int8; at
+other widths, or sizes that format does not divide, they stay in full precision). What stays in
+full precision, and why:
 - the router gate (fp32: low-bit scores reorder near-ties and change the routing);
 - MLA's kv_b_proj (used as a tensor, split into W_UK and W_UV for the absorbed form);
 - embeddings, norms, conv and decay parameters (small, read a few rows per token);
@@ -20,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe.block import MoE, QExperts
+from moe.block import MoE, QExperts, SwiGLUMLP
 from moe.nn import Linear
 from pallas_kernels.fused_moe import quantize_experts
 from pallas_kernels.qmatvec import MAX_M, qmatvec
@@ -80,12 +82,14 @@ def quantize_model(model, *, bits: int, group_size: int = 128, lm_head: bool = F
     check_config(group_size * 2, bits, group_size, 128)  # names a bad bits / group_size early
     if experts and bits not in EXPERT_BITS:
         raise ValueError(f"quantize_experts takes int4 or int8 (the fused MoE kernels' formats), got {bits} bits")
-    found, moes = [], []
+    found, moes, mlps = [], [], []
 
     def walk(module):
         for name, child in list(vars(module).items()):
             if isinstance(child, MoE):
                 moes.append(child)
+            if isinstance(child, SwiGLUMLP):
+                mlps.append(child)
             if isinstance(child, Linear):
                 if _eligible(name, child, group_size):
                     found.append((module, name, child))
@@ -102,6 +106,12 @@ def quantize_model(model, *, bits: int, group_size: int = 128, lm_head: bool = F
     for parent, name, lin in found:
         w = lin.kernel[...].T  # [N, K], the torch orientation the codec takes
         setattr(parent, name, QLinear(quantize(w, bits=bits, group_size=group_size)))
+    for mlp in mlps if bits in EXPERT_BITS else ():
+        try:
+            q = quantize_experts(mlp.w13[...], mlp.w2[...], bits=bits, group_size=group_size, block_n=EXPERT_BLOCK_N)
+        except ValueError:
+            continue  # sizes the format does not divide: left in full precision
+        mlp.w13, mlp.w2 = QExperts(q.w13), QExperts(q.w2)
     for moe in moes if experts else ():
         try:
             q = quantize_experts(moe.w13[...], moe.w2[...], bits=bits, group_size=group_size, block_n=EXPERT_BLOCK_N)

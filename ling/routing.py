@@ -32,7 +32,7 @@ def dense_experts_moe(moe: MoE, x):
     flat = x.reshape(b * t, d)
     weights, ids = route(flat, moe.gate_weight[...], moe.expert_bias[...], top_k=moe.top_k, n_group=moe.n_group,
                          topk_group=moe.topk_group, routed_scaling_factor=moe.routed_scaling_factor,
-                         norm_topk_prob=moe.norm_topk_prob)
+                         norm_topk_prob=moe.norm_topk_prob, backend="reference")  # differentiable
     w13, w2 = moe.w13[...], moe.w2[...]  # [E, D, 2I], [E, I, D]
     e, _, i2 = w13.shape
     m = flat.shape[0]

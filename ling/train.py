@@ -255,9 +255,11 @@ def _group_of(cfg: ModelConfig, path: tuple) -> str:
         return "embed_head"  # embeddings, final norm, lm_head
     if path[2] == "attention":
         return cfg.layer_types[path[1]]  # "kda" or "mla"
+    if path[2] == "mlp" and cfg.mlp_types[path[1]] == DENSE:
+        return "dense_mlp"
     if path[2] == "mlp":
         return {"gate_weight": "router", "w13": "experts", "w2": "experts", "expert_bias": "router",
-                "shared_experts": "shared_expert"}.get(path[3], "dense_mlp")
+                "shared_experts": "shared_expert"}[path[3]]
     return "norms"
 
 

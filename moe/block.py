@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe.nn import SwiGLUMLP, param, swiglu
+from moe.nn import param, swiglu
 from moe.parallel import expert_parallel
 from moe.router import route
 from pallas_kernels.backend import resolve
@@ -116,6 +116,39 @@ class QExperts(nnx.Module):
                                self.bits, self.group_size, self.symmetric, self.shape)
 
 
+def expert_weights(w13, w2):
+    """(w13, w2) of `Param`s or `QExperts`: arrays, or stacked `QuantizedWeight`s."""
+    return tuple(w.weight if isinstance(w, QExperts) else w[...] for w in (w13, w2))
+
+
+class SwiGLUMLP(nnx.Module):
+    """down(swiglu(gate(x), up(x))): the dense MLP of the first layers and the shared expert.
+
+    Held as one expert in the routed experts' format, w13 [1, D, 2I] (gate and up interleaved)
+    and w2 [1, I, D], or `QExperts`: up to GATHER_MAX_PAIRS rows (decode, verify) it runs the
+    fused MoE kernels as an expert that every row picks with weight 1 (two launches, the weights
+    streamed once); longer inputs (prefill, training) run two plain matmuls."""
+
+    def __init__(self, d: int, inter: int, *, limit: float | None = None, dtype, rngs: nnx.Rngs):
+        self.w13 = param(rngs, (1, d, 2 * inter), ("one", "embed", "mlp"), dtype)
+        self.w2 = param(rngs, (1, inter, d), ("one", "mlp", "embed"), dtype)
+        self.limit = limit
+
+    @jax.named_scope("mlp")
+    def __call__(self, x):  # [..., D]
+        flat = x.reshape(-1, x.shape[-1])
+        m = flat.shape[0]
+        w13, w2 = expert_weights(self.w13, self.w2)
+        if m <= GATHER_MAX_PAIRS:
+            y = routed_experts(flat, jnp.zeros((m, 1), jnp.int32), jnp.ones((m, 1), jnp.float32), w13, w2,
+                               swiglu_limit=self.limit)
+        else:
+            h = jnp.dot(flat, _dense(w13)[0].astype(x.dtype), preferred_element_type=jnp.float32)  # [M, 2I]
+            h = swiglu(h[:, 0::2], h[:, 1::2], self.limit).astype(x.dtype)
+            y = jnp.dot(h, _dense(w2)[0].astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+        return y.reshape(x.shape)
+
+
 class MoE(nnx.Module):
     def __init__(self, d: int, *, num_experts: int, top_k: int, inter: int, num_shared: int, n_group: int,
                  topk_group: int, routed_scaling_factor: float, norm_topk_prob: bool,
@@ -134,7 +167,7 @@ class MoE(nnx.Module):
 
     def expert_weights(self):
         """(w13, w2): arrays, or stacked `QuantizedWeight`s where `ling.quantize` made them `QExperts`."""
-        return tuple(w.weight if isinstance(w, QExperts) else w[...] for w in (self.w13, self.w2))
+        return expert_weights(self.w13, self.w2)
 
     def __call__(self, x):  # x [B, T, D]
         b, t, d = x.shape

@@ -51,20 +51,3 @@ def swiglu(gate, up, limit: float | None = None):
         g = jnp.minimum(g, limit)
         u = jnp.clip(u, -limit, limit)
     return (g * u).astype(gate.dtype)
-
-
-class SwiGLUMLP(nnx.Module):
-    """down(swiglu(gate(x), up(x))): the dense MLP of the first layers and the shared expert.
-
-    gate_up_proj.kernel [D, 2I] holds the gate and up projections side by side ([gate | up]), so
-    a decode step reads both in one matmul."""
-
-    def __init__(self, d: int, inter: int, *, limit: float | None = None, dtype, rngs: nnx.Rngs):
-        self.gate_up_proj = Linear(d, 2 * inter, ("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(inter, d, ("mlp", "embed"), dtype=dtype, rngs=rngs)
-        self.inter, self.limit = inter, limit
-
-    @jax.named_scope("mlp")
-    def __call__(self, x):
-        gate_up = self.gate_up_proj(x)  # [..., 2I]
-        return self.down_proj(swiglu(gate_up[..., : self.inter], gate_up[..., self.inter :], self.limit))

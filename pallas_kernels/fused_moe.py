@@ -577,7 +577,9 @@ def weight_operands(w, block_k: int, block_n: int, *, dot: bool, stage: str) -> 
         inputs = [magic, w.words, w.scales] + ([] if w.symmetric else [w.zeros])
         return WeightOperands(inputs, qm, None, bn, None, n_tiles)
     _, k_in, n_out = w.shape
-    bn, bk = min(block_n, n_out), min(block_k, k_in)
+    # The largest power-of-two tile up to the plan's that divides the dimension (16 at least).
+    bn, bk = (next((b for b in (1 << i for i in range(blk.bit_length() - 1, 3, -1)) if dim % b == 0), blk)
+              for blk, dim in ((min(block_n, n_out), n_out), (min(block_k, k_in), k_in)))
     if n_out % bn or k_in % bk:
         raise ValueError(f"block_n={bn} and block_k={bk} must divide the {stage} GEMM's "
                          f"N={n_out} and K={k_in}")

@@ -38,11 +38,12 @@ def test_quantised_logits_stay_close(full, scheme, max_rel, min_cos):
 def test_what_is_quantised():
     model = ling.load("ling-tiny", dtype="bfloat16", quantize="int4", group_size=32)
     layer = model.layers[0]
-    assert isinstance(layer.attention.in_proj, QLinear) and isinstance(layer.mlp.down_proj, QLinear)
+    assert isinstance(layer.attention.in_proj, QLinear) and isinstance(layer.mlp.w2, QExperts)  # dense MLP
     mla = model.layers[2].attention
     assert isinstance(mla.kv_b_proj, Linear)  # used as a tensor by the absorbed form
     moe = model.layers[1].mlp
-    assert isinstance(moe.shared_experts.gate_up_proj, QLinear) and moe.gate_weight[...].dtype == jnp.float32
+    assert isinstance(moe.shared_experts.w13, QExperts) and moe.gate_weight[...].dtype == jnp.float32
+    assert not isinstance(moe.w13, QExperts)  # the routed experts only with quantize_experts
     assert not isinstance(model.lm_head, QLinear)
     with_head = ling.load("ling-tiny", dtype="bfloat16", quantize="int8", group_size=32, quantize_lm_head=True)
     assert isinstance(with_head.lm_head, QLinear)
@@ -136,7 +137,7 @@ def test_converted_checkpoint_keeps_quantised_experts(tmp_path):
     args = ["--quantize", "int4", "--group-size", "32", "--quantize-experts"]
     assert convert_main(["--hf", hub, "--out", out, *args]) == 0
     loaded = ling.load(out)
-    assert any(isinstance(getattr(layer.mlp, "w13", None), QExperts) for layer in loaded.layers)
+    assert all(isinstance(layer.mlp.w13, QExperts) for layer in loaded.layers if isinstance(layer.mlp, MoE))
     a = ling.forward(ling.load(hub, quantize="int4", group_size=32, quantize_experts=True, progress=False),
                      TOKENS % 90)
     np.testing.assert_array_equal(a, ling.forward(loaded, TOKENS % 90))

@@ -1,11 +1,13 @@
 """The router's group-limited top-k against a plain numpy statement of the rule, ties included
-(equal scores rank by lower index, as top_k and torch.topk on CPU do)."""
+(equal scores rank by lower index, as top_k and torch.topk on CPU do): the reference (what CPU
+serving runs) and the selection kernel in interpret mode."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from moe.router import route
+from pallas_kernels.router import select_experts
 
 
 def numpy_route(x, w, bias, top_k, n_group, topk_group):
@@ -22,8 +24,9 @@ def numpy_route(x, w, bias, top_k, n_group, topk_group):
     return np.array(ids)
 
 
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
 @pytest.mark.parametrize("seed", range(6))
-def test_group_limited_top_k(seed):
+def test_group_limited_top_k(seed, backend):
     r = np.random.default_rng(seed)
     m, d, e = 9, 16, 64
     x = r.normal(size=(m, d)).astype(np.float32)
@@ -33,6 +36,27 @@ def test_group_limited_top_k(seed):
         w[::3] = 0.0
         bias = np.round(bias)
     weights, ids = route(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), top_k=4, n_group=8, topk_group=3,
-                         routed_scaling_factor=2.5, norm_topk_prob=True)
+                         routed_scaling_factor=2.5, norm_topk_prob=True, backend=backend)
     np.testing.assert_array_equal(np.asarray(ids), numpy_route(x, w, bias, 4, 8, 3))
     assert np.allclose(np.asarray(weights).sum(1), 2.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("m,e,k,n_group,topk_group,norm", [(1, 512, 8, 8, 4, True), (6, 64, 2, 1, 1, False),
+                                                             (3, 96, 4, 3, 2, True)])
+def test_kernel_matches_reference(m, e, k, n_group, topk_group, norm):
+    """Ling's shape (one token), no groups, unnormalised; 96 / 3 is not a power of two and runs the
+    reference. Weights equal to the reference's up to the order of a k-term sum."""
+    r = np.random.default_rng(m * e)
+    logits = jnp.asarray(r.normal(size=(m, e)) * 2, jnp.float32)
+    bias = jnp.asarray(r.normal(size=e) * 0.1, jnp.float32)
+    opts = dict(top_k=k, n_group=n_group, topk_group=topk_group, scale=2.5, norm=norm)
+    w, ids = select_experts(logits, bias, backend="interpret", **opts)
+    w_ref, ids_ref = select_experts(logits, bias, backend="reference", **opts)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-6)
+    assert ids.dtype == jnp.int32 and w.shape == (m, k)
+
+
+def test_bad_groups_are_named():
+    with pytest.raises(ValueError, match="n_group=5"):
+        select_experts(jnp.zeros((1, 64)), jnp.zeros(64), top_k=2, n_group=5, topk_group=1)
