@@ -29,8 +29,8 @@ At M = 1 ("direct") there is no align: block j is pair j (a token's top-k expert
 
 GEMMs (`_gemm_kernel`, Triton lowering), grid (NB, N / BN, S): program (j, t, s) reads block j's
 rows and streams the s-th of S shares of expert e_j's [K, BN] weight tile t once (unused blocks
-exit before any load). S = 1 unless the plan splits K (`GemmPlan.split`: quantised weights only,
-the default at M = 1): then each program writes an fp32 partial ([S, rows, 2I] of raw gate/up
+exit before any load). S = 1 unless the plan splits K (`GemmPlan.split`: quantised weights at
+M = 1; bf16 where the grid is smaller than the GPU): then each program writes an fp32 partial ([S, rows, 2I] of raw gate/up
 sums; [S, P + 1, D]) and the XLA fusions after the GEMM (SwiGLU and h's rounding; the combine)
 sum them in a fixed order.
   up:   rows x[pair // k] (gathered) @ W13_e[:, tile]  -> swiglu -> h [NB*BM, I] (bf16, slot rows)
@@ -71,7 +71,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import resolve
-from pallas_kernels.qmatvec import _lanes
+from pallas_kernels.qmatvec import H200_SMS, _lanes
 from pallas_kernels.quant import QuantizedWeight, _quantize, check_config, dequantize
 from pallas_kernels.relaxed_atomic import relaxed_atomic_add
 
@@ -398,9 +398,10 @@ def moe_align(topk_ids, n_experts: int, block_m: int, *, backend="auto"):
 class GemmPlan:
     """One GEMM's launch. block_k: K per loop step (bf16; quantised weights step one group).
     block_n: output columns per program (w13: interleaved, so h gets block_n / 2); quantised
-    weights fix it to their tile B_N. split: quantised weights only, K's groups shared among this
-    many programs, each writing its own fp32 partial (summed by the next XLA fusion, in a fixed
-    order: no atomics). More programs in flight per SM where the grid is small (M = 1)."""
+    weights fix it to their tile B_N. split: K's groups (quantised) or steps of block_k (bf16)
+    shared among this many programs, each writing its own fp32 partial (summed by the next XLA
+    fusion, in a fixed order: no atomics). More programs in flight per SM where the grid is small
+    (M = 1; bf16: `_fill` sets it where the grid is smaller than the GPU)."""
 
     block_k: int = 128
     block_n: int = 64
@@ -420,6 +421,20 @@ class Plan:
 def _split(n_groups: int, per_program: int) -> int:
     """Programs sharing K's n_groups: n_groups / per_program, or the largest divisor below it."""
     return max(d for d in range(1, max(1, n_groups // per_program) + 1) if n_groups % d == 0)
+
+
+def _fill(gp: GemmPlan, w, n_blocks: int, programs: int = 2 * H200_SMS) -> GemmPlan:
+    """gp with K split (bf16) so that a grid of n_blocks x N/BN programs, if under half the GPU's
+    SMs, grows to about `programs`: the largest divisor of K's steps up to programs / grid.
+    One-expert MLPs at decode sizes have 12-40 tiles (Ling's shared expert at M = 1 on the H200:
+    up + down 19 -> 8.3 us); the routed experts at M = 1 (96 up tiles) measured no better split
+    in two. A split of S costs an fp32 partial of S x rows x N and its sum."""
+    ops = weight_operands(w, gp.block_k, gp.block_n, dot=True, stage="split")
+    grid = n_blocks * ops.n_tiles
+    if 2 * grid >= H200_SMS:
+        return gp
+    split = max(d for d in range(1, min(ops.n_k, max(1, programs // grid)) + 1) if ops.n_k % d == 0)
+    return dataclasses.replace(gp, split=split)
 
 
 def plan_for(m: int, k: int, quantized: bool, k_groups: tuple[int, int] = (1, 1)) -> Plan:
@@ -453,11 +468,13 @@ def plan_for(m: int, k: int, quantized: bool, k_groups: tuple[int, int] = (1, 1)
     return Plan("dot", 64, GemmPlan(64, 128, 4, 3), GemmPlan(64, 128, 4, 3))
 
 
-def _acc_dense(w_ref, e, n0, a_load, *, n_k, bk, bn, bm, fma):
-    """sum over K of a @ W_e[:, n0:n0+BN]: fp32 [BM, BN] ("dot") or [BN] ("fma")."""
+def _acc_dense(w_ref, e, n0, a_load, *, n_k, bk, bn, bm, fma, steps=None):
+    """sum over K of a @ W_e[:, n0:n0+BN]: fp32 [BM, BN] ("dot") or [BN] ("fma"). steps: (first,
+    count) of K's n_k steps of BK (split K), else all of them."""
+    first, n_k = (0, n_k) if steps is None else steps
 
     def body(i, acc):
-        k0 = pl.multiple_of(i * bk, bk)
+        k0 = pl.multiple_of((first + i) * bk, bk)
         w = pltriton.load(w_ref.at[e, pl.ds(k0, bk), pl.ds(n0, bn)], eviction_policy=EVICT)  # [BK, BN]
         a = a_load(k0, bk)
         if fma:
@@ -597,9 +614,10 @@ def pop_weight_refs(refs: list, qm: _QMeta | None):
 def expert_tile(wrefs, qm: _QMeta | None, e, t, a_load, *, n_k, bk, bn, bm, fma, groups=None):
     """a @ W_e[:, tile t] in fp32 for either weight format: [BM, BN] ("dot") or [BN] ("fma").
     a_load(k0, size) gives the rows' columns [k0, k0 + size): [BM, size] in the activation dtype
-    ("dot") or [size] fp32 ("fma"). groups: quantised weights, (first, count) of K's groups."""
+    ("dot") or [size] fp32 ("fma"). groups: (first, count) of K's groups (quantised weights) or of
+    its n_k steps of BK (bf16)."""
     if qm is None:
-        return _acc_dense(wrefs, e, t * bn, a_load, n_k=n_k, bk=bk, bn=bn, bm=bm, fma=fma)
+        return _acc_dense(wrefs, e, t * bn, a_load, n_k=n_k, bk=bk, bn=bn, bm=bm, fma=fma, steps=groups)
     return _acc_quant(wrefs, qm, e, t, a_load, bm=bm, fma=fma, groups=groups)
 
 
@@ -657,7 +675,8 @@ def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, li
 
     @pl.when(e >= 0)  # an unused block reads and writes nothing
     def _():
-        share = None if qm is None else (s * (qm.n_groups // split), qm.n_groups // split)
+        per = (n_k if qm is None else qm.n_groups) // split
+        share = None if split == 1 else (s * per, per)
         acc = expert_tile(wrefs, qm, e, t, a_load, n_k=n_k, bk=bk, bn=bn, bm=bm, fma=fma, groups=share)
         if stage == "up" and split > 1:  # raw (gate, up) partial sums: SwiGLU after their sum
             if fma:
@@ -686,9 +705,9 @@ def _gemm(stage, a, route, sorted_pairs, w, *, n_blocks, k, p, plan: Plan, gp: G
     init: an initial output to alias (tests poison it)."""
     ops = weight_operands(w, gp.block_k, gp.block_n, dot=plan.path == "dot", stage=stage)
     qm, bk, bn, n_k, n_tiles, w_inputs = ops.qm, ops.bk, ops.bn, ops.n_k, ops.n_tiles, ops.inputs
-    if gp.split > 1 and (qm is None or qm.n_groups % gp.split):
-        raise ValueError(f"plan: split={gp.split} needs quantised weights whose {stage} GEMM's groups of K "
-                         f"({None if qm is None else qm.n_groups}) it divides")
+    if (qm.n_groups if qm else n_k) % gp.split:
+        raise ValueError(f"plan: split={gp.split} must divide the {stage} GEMM's "
+                         + (f"groups of K ({qm.n_groups})" if qm else f"steps of K ({n_k} of {bk})"))
     direct = sorted_pairs is None
     inputs = [a, route] + ([] if direct else [sorted_pairs]) + w_inputs
     inits = [] if init is None else [init]
@@ -717,6 +736,7 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
     e, d, i = _dims(w13, w2)
     quant = isinstance(w13, QuantizedWeight)
     act = jnp.bfloat16 if quant else w13.dtype
+    default_plan = plan is None
     plan = plan or plan_for(m, k, quant, _k_groups(w13, w2) if quant else (1, 1))
     if (plan.path == "fma") != (plan.block_m == 1) or plan.path not in ("dot", "fma"):
         raise ValueError(f"plan: path 'fma' goes with block_m 1, 'dot' with block_m >= 16, got {plan}")
@@ -727,6 +747,8 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
     else:
         sorted_pairs, route = moe_align(ids, e, plan.block_m, backend=backend)
         nb = align_sizes(p, e, plan.block_m).nb
+    if not quant and default_plan:  # bf16: split K where the grid would leave SMs idle
+        plan = dataclasses.replace(plan, up=_fill(plan.up, w13, nb), down=_fill(plan.down, w2, nb))
     rows, su, sd = nb * plan.block_m, plan.up.split, plan.down.split
     h_shape = jax.ShapeDtypeStruct((su, rows, 2 * i) if su > 1 else (rows, i), jnp.float32 if su > 1 else act)
     out_shape = jax.ShapeDtypeStruct((sd, p + 1, d), jnp.float32)

@@ -107,13 +107,27 @@ def test_split_k_partials_match_float64_experts(m, k, bits, kind, limit, plan):
     _check(y, x, ids, w, w13, w2, limit)
 
 
-def test_split_needs_quantised_weights_it_divides():
+@pytest.mark.parametrize("m,k", [(1, 1), (5, 1), (1, 2)])
+def test_bf16_split_k_on_small_grids(m, k):
+    """One expert (the dense MLP, the shared expert) or few pairs: the default bf16 plan splits K
+    so that the grid fills the GPU (`_fill`); fp32 partials, summed before SwiGLU and combine."""
+    rng = np.random.default_rng([m, k, 16])
+    w13, w2 = _weights(rng, None)
+    x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
+    ids, w = _routing(rng, m, k, "random")
+    y, h, out = fm._run(x, ids, w, w13, w2, swiglu_limit=None, backend="interpret", plan=None, poison=True)
+    assert out.shape[0] > 1 and h.ndim == 3 and h.shape[0] > 1  # both GEMMs were split
+    assert np.isfinite(np.asarray(out)[:, : m * k]).all()
+    _check(y, x, ids, w, w13, w2, None)
+
+
+def test_split_must_divide_k():
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((1, D)), jnp.bfloat16)
     ids, w = _routing(rng, 1, 2, "random")
-    dense = _weights(rng, None)
-    plan = fm.Plan("dot", 16, fm.GemmPlan(64, 64, 4, 2, split=2), fm.GemmPlan(64, 64, 4, 2))
-    with pytest.raises(ValueError, match="split=2"):
+    dense = _weights(rng, None)  # D 256: 4 steps of 64
+    plan = fm.Plan("dot", 16, fm.GemmPlan(64, 64, 4, 2, split=3), fm.GemmPlan(64, 64, 4, 2))
+    with pytest.raises(ValueError, match="split=3"):
         fm.fused_moe(x, ids, w, *dense, plan=plan, backend="interpret")
     quant = _weights(rng, 4)  # group 128: the up GEMM has 2 groups of K
     plan = fm.Plan("fma", 1, fm.GemmPlan(0, 0, 2, 1, split=3), fm.GemmPlan(0, 0, 2, 1))
