@@ -377,6 +377,9 @@ def save_hub(model, directory: str, *, dtype=None) -> None:
 # Orbax: the converted format (`ling_config.json` + `params/`)
 
 CONFIG_FILE = "ling_config.json"
+# The parameter tree's layout: 2 = projections of one input fused (KDA and MLA in_proj) and the
+# MLPs held as one expert (w13, w2). Directories converted in another layout are refused by name.
+LAYOUT = 2
 
 
 def is_converted(directory: str) -> bool:
@@ -391,7 +394,8 @@ def save_converted(model, directory: str) -> None:
     _, state = nnx.split(model)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(os.path.join(directory, "params"), nnx.to_pure_dict(state), force=True)
-    meta = {"config": model.cfg.to_json(), "nextn": model.nextn is not None, "quantization": quantization_of(model)}
+    meta = {"config": model.cfg.to_json(), "nextn": model.nextn is not None, "quantization": quantization_of(model),
+            "layout": LAYOUT}
     with open(os.path.join(directory, CONFIG_FILE), "w") as f:
         json.dump(meta, f, indent=1)
 
@@ -424,6 +428,10 @@ def load_converted(directory: str, *, dtype=None):
     directory = os.path.abspath(directory)
     with open(os.path.join(directory, CONFIG_FILE)) as f:
         meta = json.load(f)
+    if meta.get("layout", 1) != LAYOUT:
+        raise CheckpointError(f"{directory} was converted in parameter layout {meta.get('layout', 1)}; this version "
+                              f"reads layout {LAYOUT} (fused projections): convert the hub checkpoint again "
+                              "with python -m ling.convert")
     from ling.config import ModelConfig
 
     cfg = ModelConfig.from_json(meta["config"])

@@ -112,3 +112,14 @@ def test_convert_reports_a_bad_checkpoint(hub_dir, tmp_path, capsys):
 
 def test_converted_dir_is_detected():
     assert not checkpoint.is_converted(os.path.dirname(__file__))
+
+
+def test_converted_dir_of_another_layout_is_refused(hub_dir, tmp_path):
+    out = tmp_path / "conv"
+    assert convert_main(["--hf", hub_dir, "--out", str(out)]) == 0
+    assert ling.load(str(out)) is not None
+    meta = json.loads((out / checkpoint.CONFIG_FILE).read_text())
+    del meta["layout"]  # as written before the projections were fused
+    (out / checkpoint.CONFIG_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="parameter layout 1; this version reads layout 2"):
+        ling.load(str(out))
