@@ -173,7 +173,7 @@ def test_roofline_counts_the_model_parameters():
     for path, var in nnx.to_flat_state(nnx.split(abstract)[1]):
         v = var.get_value()
         nbytes = np.prod(v.shape) * jnp.dtype(v.dtype).itemsize
-        if path[-1] in ("w13", "w2"):
+        if path[-1] in ("w13", "w2") and v.shape[0] == cfg.num_experts:  # routed; MLPs are one expert
             experts += nbytes
         elif path[0] != "embed_tokens":
             total += nbytes
