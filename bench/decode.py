@@ -29,41 +29,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ling.config import preset
-from ling.model import LingModel
 from ling.roofline import step_bytes
 from moe import parallel
 from moe.block import MoE, routed_experts
-from moe.parallel import EXPERT, make_mesh, replicate, shard_model, spec_for
+from moe.parallel import EXPERT, make_mesh, replicate
 from spec.engine import nextn_chain, new_slots
 from spec.loop import chunk_for, decode, prefill
 from spec.sampling import SamplingParams
-
-
-def random_model(cfg, dtype, seed=0, mesh=None) -> LingModel:
-    """Random weights made on the device one parameter at a time (no host copy, no giant jit);
-    with a mesh, each made directly in its sharding (`moe.parallel.RULES`) and the MoE blocks
-    set to run expert-parallel."""
-    abstract = nnx.eval_shape(lambda: LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    flat = nnx.to_flat_state(state)
-    key = jax.random.PRNGKey(seed)
-    makers = {}
-
-    def make(sharding):
-        if sharding not in makers:
-            makers[sharding] = jax.jit(lambda k, shape, dt: 0.02 * jax.random.normal(k, shape, dt),
-                                       static_argnums=(1, 2), out_shardings=sharding)
-        return makers[sharding]
-
-    for i, (_, var) in enumerate(flat):
-        v = var.get_value()
-        sharding = None
-        if mesh is not None:
-            axes = var.get_metadata().get("logical_axes") or (None,) * len(v.shape)
-            sharding = NamedSharding(mesh, spec_for(axes))
-        var.set_value(make(sharding)(jax.random.fold_in(key, i), v.shape, v.dtype))
-    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
-    return model if mesh is None else shard_model(model, mesh)
 
 
 def psum_seconds(mesh, m: int, d: int, iters: int = 200) -> float:
@@ -150,11 +122,11 @@ def main():
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     t0 = time.perf_counter()
-    model = random_model(cfg, jnp.bfloat16, mesh=mesh)
-    if args.quantize:
-        from ling.quantize import bits_of, quantize_model
+    from ling import build
+    from ling.quantize import Quantization, bits_of
 
-        quantize_model(model, bits=bits_of(args.quantize))
+    quant = Quantization(bits_of(args.quantize)) if args.quantize else None
+    model = build.random(cfg, dtype=jnp.bfloat16, quant=quant, mesh=mesh)
     jax.block_until_ready(jax.tree_util.tree_leaves(nnx.state(model)))
     n_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model)))
     print(f"weights {n_bytes / 1e9:.1f} GB made in {time.perf_counter() - t0:.0f} s", flush=True)

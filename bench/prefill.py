@@ -403,7 +403,7 @@ class Bench:
         import numpy as np
         from flax import nnx
 
-        from decode import random_model  # bench/decode.py
+        from ling import build
         from ling.config import KDA, preset
         from ling.model import LingModel
         from ling.roofline import prefill_flops
@@ -446,7 +446,7 @@ class Bench:
         log(f"ttft: {full.num_hidden_layers}-layer model cut to {n} ({cfg.layer_types.count(KDA)} KDA, "
             f"{n - cfg.layer_types.count(KDA)} MLA) + NEXTN, {weight_bytes(n) / 1e9:.1f} GB bf16; kernels {resolve()}; "
             f"dense bf16 rate {dense_rate:.0f} TFLOP/s")
-        model = random_model(cfg, jnp.bfloat16)
+        model = build.random(cfg, dtype=jnp.bfloat16)
         jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
         log("ttft: weights made")
         max_len = max(prompts) + 8

@@ -112,7 +112,9 @@ def build_model(args):
     leaves = jax.tree_util.tree_leaves(nnx.state(model))
     jax.block_until_ready(leaves)
     gb = sum(x.nbytes for x in leaves) / 1e9
-    print(f"weights {gb:.1f} GB made in {time.perf_counter() - t:.0f} s", flush=True)
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = f", device peak {stats['peak_bytes_in_use'] / 1e9:.1f} GB" if "peak_bytes_in_use" in stats else ""
+    print(f"weights {gb:.1f} GB made in {time.perf_counter() - t:.0f} s{peak}", flush=True)
     return model
 
 
@@ -282,6 +284,9 @@ def main():
               f"{st['busy_us']:>7.0f}µs {st['idle_us']:>6.0f}µs {st['launches']:>7.0f} "
               f"{st['launches'] / layers:>7.1f} {r['floor_us']:>6.0f}µs {r['floor_us'] / r['served_us']:>12.2f} "
               f"{'' if tps is None else f'{tps:.2f}':>8}")
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        print(f"device memory: peak {stats['peak_bytes_in_use'] / 1e9:.1f} GB of {stats['bytes_limit'] / 1e9:.1f} GB")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from ling.config import PRESETS, ConfigError, ModelConfig, load_config, preset
 from ling.model import LingModel, apply
@@ -28,7 +27,8 @@ def _dtype(dtype):
 
 def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, progress: bool = True,
          quantize: str | None = None, group_size: int = 128, quantize_lm_head: bool = False,
-         quantize_experts: bool = False, ep_size: int = 1, num_layers: int | None = None) -> LingModel:
+         quantize_experts: bool = False, ep_size: int = 1, num_layers: int | None = None,
+         memory_budget: int | None = None) -> LingModel:
     """A preset name gives random weights (num_layers: only its first decoder layers, the NEXTN
     layer kept, so that a cut of a large preset fits one device for benchmarks); a hub directory
     (config.json + safetensors) or a converted directory (`python -m ling.convert`) gives the
@@ -36,46 +36,38 @@ def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, 
     quantize ("int8", "int4", "int2") stores the projections grouped low-bit (`ling.quantize`),
     and with quantize_experts (int4 / int8) the routed experts in the fused MoE kernel's format;
     a converted directory that was quantised at conversion is served as stored.
-    ep_size > 1 shards the routed experts over that many devices (`moe.parallel`)."""
+    ep_size > 1 shards the routed experts over that many devices (`moe.parallel`).
+    The model is built layer by layer in its final form and sharding (`ling.build`): a model that
+    fits only quantised never exists in full precision, and one whose weights exceed
+    memory_budget bytes (default: the device's memory, where known) is refused before anything
+    is read."""
+    from ling import build, checkpoint
+    from ling.quantize import Quantization, bits_of
+
     if quantize_experts and quantize is None:
         raise ValueError("quantize_experts needs quantize (int4 or int8): the experts take its bits")
-    if num_layers is not None and os.fspath(path_or_preset) not in PRESETS:
-        raise ValueError(f"num_layers cuts a preset's random model; {os.fspath(path_or_preset)!r} is a checkpoint "
-                         f"(presets: {', '.join(sorted(PRESETS))})")
-    model = _load(path_or_preset, dtype=dtype, seed=seed, progress=progress, quantize=quantize,
-                  group_size=group_size, quantize_lm_head=quantize_lm_head, quantize_experts=quantize_experts,
-                  num_layers=num_layers)
-    if ep_size > 1:
-        from moe.parallel import make_mesh, shard_model
-
-        shard_model(model, make_mesh(ep_size))
-    return model
-
-
-def _load(path_or_preset, *, dtype, seed, progress, quantize, group_size, quantize_lm_head,
-          quantize_experts, num_layers=None) -> LingModel:
-    from ling import checkpoint
-    from ling.quantize import bits_of, quantize_model
-
-    dtype = _dtype(dtype)
-    bits = None if quantize is None else bits_of(quantize)
     p = os.fspath(path_or_preset)
+    if num_layers is not None and p not in PRESETS:
+        raise ValueError(f"num_layers cuts a preset's random model; {p!r} is a checkpoint "
+                         f"(presets: {', '.join(sorted(PRESETS))})")
+    dtype = _dtype(dtype)
+    quant = None if quantize is None else Quantization(bits_of(quantize), group_size, quantize_lm_head, quantize_experts)
+    mesh = None
+    if ep_size > 1:
+        from moe.parallel import make_mesh
+
+        mesh = make_mesh(ep_size)
     if os.path.isdir(p) and checkpoint.is_converted(p):
-        model = checkpoint.load_converted(p, dtype=dtype)
-        if bits is not None and checkpoint.converted_quantization(p) is None:
-            quantize_model(model, bits=bits, group_size=group_size, lm_head=quantize_lm_head,
-                           experts=quantize_experts)
-        return model
+        return checkpoint.load_converted(p, dtype=dtype, quant=quant, mesh=mesh, progress=progress,
+                                         budget=memory_budget)
     cfg = load_config(p)
     if num_layers is not None:
         cfg = cfg.first_layers(num_layers)
     if os.path.isdir(p):
-        model = checkpoint.load_hub(p, cfg, dtype=dtype, progress=progress)
-    else:
-        model = LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
-    if bits is not None:
-        quantize_model(model, bits=bits, group_size=group_size, lm_head=quantize_lm_head, experts=quantize_experts)
-    return model
+        return checkpoint.load_hub(p, cfg, dtype=dtype, quant=quant, mesh=mesh, progress=progress,
+                                   budget=memory_budget)
+    build.plan(cfg, dtype=dtype, quant=quant, mesh=mesh, budget=memory_budget)
+    return build.random(cfg, dtype=dtype, seed=seed, quant=quant, mesh=mesh, progress=progress)
 
 
 def forward(model: LingModel, token_ids) -> np.ndarray:

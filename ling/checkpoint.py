@@ -190,6 +190,10 @@ def hub_plan(cfg: ModelConfig, available: set[str], with_nextn: bool) -> dict[Pa
 # Reading hub safetensors
 
 
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16": 2,
+                "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
 class SafetensorsIndex:
     """The tensors of a hub directory (one model.safetensors or shards with an index), opened lazily."""
 
@@ -223,13 +227,22 @@ class SafetensorsIndex:
     def read(self, name: str) -> np.ndarray:
         return self._handle(name).get_tensor(name)
 
+    def nbytes(self, name: str) -> int:
+        sl = self._handle(name).get_slice(name)
+        return int(np.prod(sl.get_shape())) * _DTYPE_BYTES.get(sl.get_dtype(), 2)
+
 
 def has_nextn_weights(cfg: ModelConfig, names: set[str]) -> bool:
     return cfg.num_nextn_layers > 0 and any(n.startswith(f"model.layers.{cfg.num_hidden_layers}.") for n in names)
 
 
-def load_hub(directory: str, cfg: ModelConfig, *, dtype=jnp.bfloat16, progress: bool = True):
-    """Builds the model from a hub directory. Checks every name and shape before reading any data."""
+def load_hub(directory: str, cfg: ModelConfig, *, dtype=jnp.bfloat16, quant=None, mesh=None, progress: bool = True,
+             budget: int | None = None):
+    """Builds the model from a hub directory, layer by layer (`ling.build`): each layer's tensors
+    are read, put on the device(s) in their shardings, quantised as `quant` says and the full-
+    precision copy dropped before the next layer is read. Checks every name and shape, and that
+    the weights fit `budget` (default: the device's memory), before reading any data."""
+    from ling import build
     from ling.model import LingModel
 
     index = SafetensorsIndex(directory)
@@ -248,20 +261,35 @@ def load_hub(directory: str, cfg: ModelConfig, *, dtype=jnp.bfloat16, progress: 
     errors += [f"unexpected tensor {n!r} (shape {index.shape(n)})" for n in unexpected]
     if errors:
         raise CheckpointError(f"{directory}: {len(errors)} problem(s):\n  " + "\n  ".join(errors[:20]))
+    build.plan(cfg, dtype=dtype, nextn=with_nextn, quant=quant, mesh=mesh, budget=budget)
 
-    abstract = nnx.eval_shape(lambda: LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(0), nextn=with_nextn))
-    graphdef, state = nnx.split(abstract)
-    flat = dict(nnx.to_flat_state(state))
+    model = nnx.eval_shape(lambda: LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(0), nextn=with_nextn, mesh=mesh))
+    flat = {path: var for path, var in build.variables(model)}
     if set(flat) != set(plan):  # the plan and the model must describe the same parameters
         raise AssertionError(f"plan/model mismatch: {sorted(set(flat) ^ set(plan), key=str)[:10]}")
-    for path in tqdm(plan, desc=f"loading {os.path.basename(os.path.normpath(directory))}", unit="param",
-                     disable=not progress):
-        var = flat[path]
-        host = plan[path].build(index.read)
-        assert host.shape == var.shape, (path, host.shape, var.shape)
-        var.set_value(jnp.asarray(host, dtype=var.dtype))
-        del host
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    units = [(("layers", i), layer) for i, layer in enumerate(model.layers)]
+    units += [(("nextn",), model.nextn)] if with_nextn else []
+    total = sum(index.nbytes(n) for n in used)
+    with tqdm(total=total, desc=f"loading {os.path.basename(os.path.normpath(directory))}", unit="B",
+              unit_scale=True, disable=not progress) as bar:
+        def fill(prefix, module):  # the parameters under module that are still abstract
+            for path, var in build.variables(module):
+                if not isinstance(var.get_value(), jax.ShapeDtypeStruct):
+                    continue
+                src = plan[prefix + path]
+                host = src.build(index.read)
+                assert host.shape == var.shape, (prefix + path, host.shape, var.shape)
+                value = jnp.asarray(host) if mesh is None else jax.device_put(host, build.sharding(var, mesh))
+                var.set_value(value.astype(var.dtype))
+                bar.update(sum(index.nbytes(n) for n in src.shapes))
+                del host, value
+
+        finish = build.Finish(quant, mesh)
+        for prefix, unit in units:
+            fill(prefix, unit)
+            finish(unit)
+        fill((), model)  # what lies outside the layers: embedding, final norm, lm_head
+        return finish.model(model)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,41 +417,39 @@ def is_converted(directory: str) -> bool:
 def save_converted(model, directory: str) -> None:
     import orbax.checkpoint as ocp
 
+    from ling.quantize import quantization_of
+
     directory = os.path.abspath(directory)
     os.makedirs(directory, exist_ok=True)
     _, state = nnx.split(model)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(os.path.join(directory, "params"), nnx.to_pure_dict(state), force=True)
-    meta = {"config": model.cfg.to_json(), "nextn": model.nextn is not None, "quantization": quantization_of(model),
-            "layout": LAYOUT}
+    quant = quantization_of(model)
+    meta = {"config": model.cfg.to_json(), "nextn": model.nextn is not None,
+            "quantization": None if quant is None else dataclasses.asdict(quant), "layout": LAYOUT}
     with open(os.path.join(directory, CONFIG_FILE), "w") as f:
         json.dump(meta, f, indent=1)
 
 
-def quantization_of(model) -> dict | None:
-    """How `ling.quantize` stored the model's projections (and routed experts), or None (full
-    precision)."""
-    from ling.quantize import QLinear
-    from moe.block import MoE, QExperts
+def converted_quantization(directory: str):
+    """The `ling.quantize.Quantization` a converted directory was stored with (None: full precision)."""
+    from ling.quantize import Quantization
 
-    nodes = [m for _, m in nnx.iter_graph(model)]
-    q = [m for m in nodes if isinstance(m, QLinear)]
-    if not q:
-        return None
-    return {"bits": q[0].bits, "group_size": q[0].group_size, "lm_head": isinstance(model.lm_head, QLinear),
-            "experts": any(isinstance(m, MoE) and isinstance(m.w13, QExperts) for m in nodes)}
-
-
-def converted_quantization(directory: str) -> dict | None:
     with open(os.path.join(directory, CONFIG_FILE)) as f:
-        return json.load(f).get("quantization")
+        q = json.load(f).get("quantization")
+    return None if q is None else Quantization(**q)
 
 
-def load_converted(directory: str, *, dtype=None):
-    """Reads a converted checkpoint; dtype None keeps the stored dtypes."""
+def load_converted(directory: str, *, dtype=None, quant=None, mesh=None, progress: bool = True,
+                   budget: int | None = None):
+    """Reads a converted checkpoint straight into its final tree and shardings (dtype None keeps
+    the stored dtypes). A directory stored low-bit is served as stored; one stored in full
+    precision is quantised as `quant` says once read (the whole full-precision model is then held:
+    convert with --quantize for a model that only fits quantised)."""
     import orbax.checkpoint as ocp
 
-    from ling.model import LingModel
+    from ling import build
+    from ling.config import ModelConfig
 
     directory = os.path.abspath(directory)
     with open(os.path.join(directory, CONFIG_FILE)) as f:
@@ -432,29 +458,44 @@ def load_converted(directory: str, *, dtype=None):
         raise CheckpointError(f"{directory} was converted in parameter layout {meta.get('layout', 1)}; this version "
                               f"reads layout {LAYOUT} (fused projections): convert the hub checkpoint again "
                               "with python -m ling.convert")
-    from ling.config import ModelConfig
-
     cfg = ModelConfig.from_json(meta["config"])
+    stored_quant = converted_quantization(directory)
     with ocp.StandardCheckpointer() as ckpt:
         stored = ckpt.metadata(os.path.join(directory, "params"))
     stored = getattr(stored, "item_metadata", stored)
     first = jax.tree_util.tree_leaves(stored)[0]
     model_dtype = dtype or (first.dtype if hasattr(first, "dtype") else jnp.bfloat16)
-    quant = meta.get("quantization")
-
-    def build():
-        model = LingModel(cfg, dtype=model_dtype, rngs=nnx.Rngs(0), nextn=meta["nextn"])
-        if quant:
-            from ling.quantize import quantize_model
-
-            quantize_model(model, bits=quant["bits"], group_size=quant["group_size"], lm_head=quant["lm_head"],
-                           experts=quant.get("experts", False))
-        return model
-
-    abstract = nnx.eval_shape(build)
-    graphdef, state = nnx.split(abstract)
-    target = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
-    with ocp.StandardCheckpointer() as ckpt:
-        params = ckpt.restore(os.path.join(directory, "params"), target)
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state)
+    build.plan(cfg, dtype=model_dtype, nextn=meta["nextn"], quant=stored_quant, mesh=mesh, budget=budget)
+    model = build.abstract(cfg, dtype=model_dtype, nextn=meta["nextn"], quant=stored_quant, mesh=mesh)
+    one = None if mesh is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    units = [(("layers", i), layer) for i, layer in enumerate(model.layers)]
+    units += [(("nextn",), model.nextn)] if model.nextn is not None else []
+    units += [((), model)]  # what lies outside the layers
+    finish = build.Finish(quant if stored_quant is None else None, mesh)
+    size = lambda v: int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize  # noqa: E731
+    with tqdm(total=sum(size(v) for _, v in build.variables(model)), desc=f"restoring {os.path.basename(directory)}",
+              unit="B", unit_scale=True, disable=not progress) as bar, \
+            ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckpt:
+        for prefix, unit in units:
+            todo = {prefix + path: var for path, var in build.variables(unit)
+                    if isinstance(var.get_value(), jax.ShapeDtypeStruct)}
+            target: dict = {}
+            for path, var in todo.items():  # the nested dict of nnx.to_pure_dict, for these parameters
+                node = target
+                for key in path[:-1]:
+                    node = node.setdefault(key, {})
+                v = var.get_value()
+                node[path[-1]] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding or one)
+            restore_args = jax.tree_util.tree_map(lambda v: ocp.ArrayRestoreArgs(sharding=v.sharding, dtype=v.dtype),
+                                                  target)
+            restored = ckpt.restore(os.path.join(directory, "params"), args=ocp.args.PyTreeRestore(
+                item=target, restore_args=restore_args, partial_restore=True))
+            for path, var in todo.items():
+                value = restored
+                for key in path:
+                    value = value[key]
+                var.set_value(value)
+            bar.update(sum(size(v) for v in todo.values()))
+            if prefix:
+                finish(unit)
+    return finish.model(model)

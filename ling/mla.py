@@ -45,7 +45,7 @@ def causal_mask(positions, cache_len: int):
 
 
 class MLAttention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh=None):
         d, h = cfg.hidden_size, cfg.num_attention_heads
         self.h, self.nope, self.rope, self.vd = h, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.r = cfg.kv_lora_rank
@@ -58,7 +58,7 @@ class MLAttention(nnx.Module):
         self.kv_a_layernorm = RMSNorm(self.r, LATENT_NORM_EPS, dtype=dtype, rngs=rngs, axis_name="kv_lora")
         self.kv_b_proj = Linear(self.r, h * (self.nope + self.vd), ("kv_lora", "heads"), dtype=dtype, rngs=rngs)
         self.o_proj = Linear(h * self.vd, d, ("heads", "embed"), dtype=dtype, rngs=rngs)
-        self.mesh = None  # set by moe.parallel.shard_model: the (replicated) attention's device mesh
+        self.mesh = mesh  # the model's device mesh (its cuDNN prefill pins its inputs replicated on it)
 
     @jax.named_scope("mla")
     def __call__(self, x, positions, latent_cache, rope_cache, lengths, *, form: str, valid=None):

@@ -41,14 +41,14 @@ class DecoderLayer(nnx.Module):
     """x + attn(norm(x)), then + mlp(norm(x)). `index` selects the attention and MLP kinds and the
     SwiGLU limits; the NEXTN layer is index num_hidden_layers (MLA + MoE)."""
 
-    def __init__(self, cfg: ModelConfig, index: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, index: int, *, dtype, rngs: nnx.Rngs, mesh=None):
         nextn = index >= cfg.num_hidden_layers
         self.kind = "mla" if nextn else cfg.layer_types[index]
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
         self.attention = (KDAttention(cfg, dtype=dtype, rngs=rngs) if self.kind == KDA
-                          else MLAttention(cfg, dtype=dtype, rngs=rngs))
+                          else MLAttention(cfg, dtype=dtype, rngs=rngs, mesh=mesh))
         if not nextn and cfg.mlp_types[index] == DENSE:
             self.mlp = SwiGLUMLP(d, cfg.intermediate_size, dtype=dtype, rngs=rngs)
         else:
@@ -56,7 +56,7 @@ class DecoderLayer(nnx.Module):
                            inter=cfg.moe_intermediate_size, num_shared=cfg.num_shared_experts, n_group=cfg.n_group,
                            topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
                            norm_topk_prob=cfg.norm_topk_prob, swiglu_limit=cfg.swiglu_limit(index, False),
-                           shared_swiglu_limit=cfg.swiglu_limit(index, True), dtype=dtype, rngs=rngs)
+                           shared_swiglu_limit=cfg.swiglu_limit(index, True), dtype=dtype, rngs=rngs, mesh=mesh)
 
     def __call__(self, x, positions, lengths, valid, cache, *, form: str):
         """Returns the new x and the layer's state: KDA after prefill committed at valid (KDAState),
@@ -82,12 +82,12 @@ class NextN(nnx.Module):
     layer (MLA + MoE), final_layernorm; the target's embedding and lm_head. Its MLA cache slot and
     RoPE position for the pair (h_i, tok_{i+1}) is i, the position of h_i."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh=None):
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.enorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
         self.hnorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
         self.eh_proj = Linear(2 * d, d, ("embed", "embed"), dtype=dtype, rngs=rngs)
-        self.layer = DecoderLayer(cfg, cfg.num_hidden_layers, dtype=dtype, rngs=rngs)
+        self.layer = DecoderLayer(cfg, cfg.num_hidden_layers, dtype=dtype, rngs=rngs, mesh=mesh)
         self.final_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
 
     @jax.named_scope("nextn")
@@ -103,17 +103,31 @@ class NextN(nnx.Module):
         return self.final_layernorm(x), cache
 
 
+def _same(module):
+    return module
+
+
 class LingModel(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None, nextn: bool | None = None):
+    """The decoder. nextn: with the NEXTN draft layer (default: if the config has one). mesh: the
+    device mesh the MoE blocks run expert-parallel over (None: one device). finish: called on each
+    decoder layer and on the NEXTN block as soon as it is built, and its result kept; the loaders
+    (`ling.build`) quantise and place each layer so, so that the full-precision model is never
+    whole."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None, nextn: bool | None = None,
+                 mesh=None, finish=None):
         rngs = rngs or nnx.Rngs(0)
+        finish = finish or _same
         self.cfg = cfg
+        self.mesh = mesh
         self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([finish(DecoderLayer(cfg, i, dtype=dtype, rngs=rngs, mesh=mesh))
+                                for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype))
         with_nextn = cfg.num_nextn_layers > 0 if nextn is None else nextn
-        self.nextn = NextN(cfg, dtype=dtype, rngs=rngs) if with_nextn else None
+        self.nextn = finish(NextN(cfg, dtype=dtype, rngs=rngs, mesh=mesh)) if with_nextn else None
 
     def embed(self, tokens):
         return jnp.take(self.embed_tokens[...], tokens, axis=0)

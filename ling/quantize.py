@@ -18,6 +18,8 @@ Decode and verify (up to 16 rows) run `qmatvec`, dequantising in registers; long
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -65,6 +67,29 @@ def bits_of(scheme: str) -> int:
     return SCHEMES[scheme]
 
 
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """How a model's weights are stored: the projections, dense MLPs and shared experts at `bits`
+    with one scale per `group_size` input columns; the lm_head and the routed experts too when
+    asked."""
+
+    bits: int
+    group_size: int = 128
+    lm_head: bool = False
+    experts: bool = False
+
+    def __post_init__(self):
+        check_config(self.group_size * 2, self.bits, self.group_size, 128)  # names a bad bits / group_size
+        if self.experts and self.bits not in EXPERT_BITS:
+            raise ValueError(f"quantize_experts takes int4 or int8 (the fused MoE kernels' formats), got {self.bits} bits")
+
+    def check(self, cfg) -> None:
+        """ValueError unless the group divides the hidden size (the input of most projections)."""
+        if cfg.hidden_size % self.group_size:
+            raise ValueError(f"group_size {self.group_size} divides the input size of no projection "
+                             f"(hidden size {cfg.hidden_size}): use a smaller --group-size")
+
+
 def _eligible(name, lin: Linear, group_size: int) -> bool:
     if name in KEEP_FULL:
         return False
@@ -75,51 +100,71 @@ def _eligible(name, lin: Linear, group_size: int) -> bool:
     return True
 
 
-def quantize_model(model, *, bits: int, group_size: int = 128, lm_head: bool = False, experts: bool = False):
-    """Quantises the model's projections in place (see the module docstring); returns the model.
-    Linears whose input size the group does not divide stay in full precision. experts: the
-    routed experts too (int4 / int8; the group must divide D and I, and 64 divide 2I and D)."""
-    check_config(group_size * 2, bits, group_size, 128)  # names a bad bits / group_size early
-    if experts and bits not in EXPERT_BITS:
-        raise ValueError(f"quantize_experts takes int4 or int8 (the fused MoE kernels' formats), got {bits} bits")
+def quantize_module(module, q: Quantization) -> None:
+    """Quantises, in place, the full-precision projections, MLPs and (q.experts) routed experts
+    found under `module` (a model, a decoder layer); what is already low-bit is left as it is, so
+    a module may be passed again. The lm_head is `quantize_lm_head`'s."""
     found, moes, mlps = [], [], []
 
-    def walk(module):
-        for name, child in list(vars(module).items()):
-            if isinstance(child, MoE):
+    def walk(node):
+        for name, child in list(vars(node).items()):
+            if isinstance(child, MoE) and not isinstance(child.w13, QExperts):
                 moes.append(child)
-            if isinstance(child, SwiGLUMLP):
+            if isinstance(child, SwiGLUMLP) and not isinstance(child.w13, QExperts):
                 mlps.append(child)
             if isinstance(child, Linear):
-                if _eligible(name, child, group_size):
-                    found.append((module, name, child))
+                if _eligible(name, child, q.group_size):
+                    found.append((node, name, child))
             elif isinstance(child, nnx.List):
                 for item in child:
                     walk(item)
             elif isinstance(child, nnx.Module):
                 walk(child)
 
-    walk(model)
-    if not found:
-        raise ValueError(f"group_size {group_size} divides the input size of no projection "
-                         f"(hidden size {model.cfg.hidden_size}): use a smaller --group-size")
+    walk(module)
     for parent, name, lin in found:
         w = lin.kernel[...].T  # [N, K], the torch orientation the codec takes
-        setattr(parent, name, QLinear(quantize(w, bits=bits, group_size=group_size)))
-    for mlp in mlps if bits in EXPERT_BITS else ():
+        setattr(parent, name, QLinear(quantize(w, bits=q.bits, group_size=q.group_size)))
+    for mlp in mlps if q.bits in EXPERT_BITS else ():
         try:
-            q = quantize_experts(mlp.w13[...], mlp.w2[...], bits=bits, group_size=group_size, block_n=EXPERT_BLOCK_N)
+            e = quantize_experts(mlp.w13[...], mlp.w2[...], bits=q.bits, group_size=q.group_size,
+                                 block_n=EXPERT_BLOCK_N)
         except ValueError:
             continue  # sizes the format does not divide: left in full precision
-        mlp.w13, mlp.w2 = QExperts(q.w13), QExperts(q.w2)
-    for moe in moes if experts else ():
+        mlp.w13, mlp.w2 = QExperts(e.w13), QExperts(e.w2)
+    for moe in moes if q.experts else ():
         try:
-            q = quantize_experts(moe.w13[...], moe.w2[...], bits=bits, group_size=group_size, block_n=EXPERT_BLOCK_N)
-        except ValueError as e:
+            e = quantize_experts(moe.w13[...], moe.w2[...], bits=q.bits, group_size=q.group_size,
+                                 block_n=EXPERT_BLOCK_N)
+        except ValueError as err:
             raise ValueError(f"the routed experts (D {moe.w13.shape[1]}, I {moe.w2.shape[1]}) cannot be quantised "
-                             f"with group_size {group_size}: {e}") from e
-        moe.w13, moe.w2 = QExperts(q.w13), QExperts(q.w2)
-    if lm_head:
+                             f"with group_size {q.group_size}: {err}") from err
+        moe.w13, moe.w2 = QExperts(e.w13), QExperts(e.w2)
+
+
+def quantize_lm_head(model, q: Quantization) -> None:
+    """The lm_head (the embedding's transpose when tied) as a QLinear, if q.lm_head and not yet."""
+    if q.lm_head and not isinstance(model.lm_head, QLinear):
         w = model.embed_tokens[...] if model.lm_head is None else model.lm_head[...].T  # [V, D]
-        model.lm_head = QLinear(quantize(w, bits=bits, group_size=group_size))
+        model.lm_head = QLinear(quantize(w, bits=q.bits, group_size=q.group_size))
+
+
+def quantize_model(model, *, bits: int, group_size: int = 128, lm_head: bool = False, experts: bool = False):
+    """Quantises the model's projections in place (see the module docstring); returns the model.
+    Linears whose input size the group does not divide stay in full precision. experts: the
+    routed experts too (int4 / int8; the group must divide D and I, and 64 divide 2I and D)."""
+    q = Quantization(bits, group_size, lm_head, experts)
+    q.check(model.cfg)
+    quantize_module(model, q)
+    quantize_lm_head(model, q)
     return model
+
+
+def quantization_of(model) -> Quantization | None:
+    """How the model's weights are stored (None: full precision)."""
+    nodes = [m for _, m in nnx.iter_graph(model)]
+    found = [m for m in nodes if isinstance(m, QLinear)]
+    if not found:
+        return None
+    return Quantization(found[0].bits, found[0].group_size, isinstance(model.lm_head, QLinear),
+                        any(isinstance(m, MoE) and isinstance(m.w13, QExperts) for m in nodes))

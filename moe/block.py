@@ -152,7 +152,8 @@ class SwiGLUMLP(nnx.Module):
 class MoE(nnx.Module):
     def __init__(self, d: int, *, num_experts: int, top_k: int, inter: int, num_shared: int, n_group: int,
                  topk_group: int, routed_scaling_factor: float, norm_topk_prob: bool,
-                 swiglu_limit: float | None, shared_swiglu_limit: float | None, dtype, rngs: nnx.Rngs):
+                 swiglu_limit: float | None, shared_swiglu_limit: float | None, dtype, rngs: nnx.Rngs,
+                 mesh=None):
         # The router stays fp32 (as the checkpoints store it): bf16 scores reorder near-ties.
         self.gate_weight = param(rngs, (num_experts, d), ("experts", "embed"), jnp.float32)
         self.expert_bias = param(rngs, (num_experts,), ("experts",), jnp.float32, init="zeros")
@@ -163,7 +164,7 @@ class MoE(nnx.Module):
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
         self.swiglu_limit = swiglu_limit
-        self.mesh = None  # set by moe.parallel.shard_model: the experts then run expert-parallel
+        self.mesh = mesh  # a jax.sharding.Mesh with an "expert" axis: the experts run expert-parallel
 
     def expert_weights(self):
         """(w13, w2): arrays, or stacked `QuantizedWeight`s where `ling.quantize` made them `QExperts`."""

@@ -1,11 +1,13 @@
-"""Expert parallelism: a device mesh, the rules from logical axes to mesh axes, and placement.
+"""Expert parallelism: a device mesh, the rules from logical axes to mesh axes, and the
+expert-parallel MoE computation.
 
 Every parameter was declared with logical axis names (`moe.nn.param`'s `logical_axes`); a layout
 is a table from those names to mesh axes. The default table shards the routed experts over the
 "expert" axis and replicates everything else (attention, dense MLPs, the shared expert, the
-router); the "tensor" axis is there for attention heads when a later layout needs it.
+router); the "tensor" axis is there for attention heads when a later layout needs it. The
+loaders create each parameter in its sharding (`ling.build`).
 
-The MoE block itself runs under `jax.shard_map` when its module carries a mesh (`moe.block`):
+The MoE block itself runs under `jax.shard_map` when it was built with a mesh (`moe.block`):
 - decode / verify sizes: tokens are replicated on every rank; each rank computes the pairs routed
   to its local experts and the partial outputs are summed over the expert axis (one psum of
   [M, D] fp32 a layer);
@@ -20,7 +22,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -57,39 +58,6 @@ def make_mesh(ep_size: int, tp_size: int = 1, devices=None) -> Mesh:
 
 def spec_for(logical_axes, rules=RULES) -> P:
     return P(*(rules.get(a) if a is not None else None for a in logical_axes))
-
-
-def shard_model(model, mesh: Mesh, rules=RULES):
-    """Places every parameter by the rules (in place) and gives the MoE blocks the mesh, so they
-    run expert-parallel (and the MLA blocks, whose cuDNN prefill pins its inputs replicated).
-    Checks that the expert count divides over the expert axis."""
-    from ling.mla import MLAttention
-    from moe.block import MoE, QExperts
-
-    ep = mesh.shape[EXPERT]
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, MoE):
-            if isinstance(node.w13, QExperts):
-                raise ValueError("expert parallelism runs the routed experts in full precision: load the "
-                                 "model without quantize_experts (--quantize-experts) or with --ep-size 1")
-            e = node.w13.shape[0]
-            if e % ep:
-                raise ValueError(f"--ep-size {ep} must divide the number of experts ({e})")
-            node.mesh = mesh
-        elif isinstance(node, MLAttention):
-            node.mesh = mesh
-    _, state = nnx.split(model)
-    for _, var in nnx.to_flat_state(state):
-        axes = var.get_metadata().get("logical_axes") or (None,) * var.get_value().ndim
-        var.set_value(jax.device_put(var.get_value(), NamedSharding(mesh, spec_for(axes, rules))))
-    return model
-
-
-def model_mesh(model) -> Mesh | None:
-    """The mesh a model was sharded over by `shard_model`, or None."""
-    from moe.block import MoE
-
-    return next((n.mesh for _, n in nnx.iter_graph(model) if isinstance(n, MoE) and n.mesh is not None), None)
 
 
 def replicate(tree, mesh: Mesh):

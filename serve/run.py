@@ -2,7 +2,8 @@
 
     python -m serve.run [--model DIR_OR_PRESET] [--host 127.0.0.1] [--port 30000]
                         [--speculative-num-steps N] [--max-batch B] [--max-seq-len L] [--api-key KEY]
-                        [--quantize int8|int4|int2 [--quantize-experts]] [--dtype bfloat16|float32] [--prefill-chunk C]
+                        [--quantize int8|int4|int2 [--quantize-experts] [--quantize-lm-head]]
+                        [--dtype bfloat16|float32] [--prefill-chunk C]
                         [--tile-model PATH --tpot-slo-ms MS] [--num-layers N]
 
 With no --model it serves serve/default_model: ling-small, a 15 M-parameter Ling-architecture model
@@ -62,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--group-size", type=int, default=128, help="input columns per scale with --quantize (default 128)")
     ap.add_argument("--quantize-experts", action="store_true", help="with --quantize int4 / int8: the routed "
                     "experts too, in the fused MoE kernel's format")
+    ap.add_argument("--mem-fraction", type=float, default=0.92, help="share of each GPU's memory JAX takes for "
+                    "weights, slots and workspace (XLA_PYTHON_CLIENT_MEM_FRACTION, which wins when set; default 0.92)")
+    ap.add_argument("--quantize-lm-head", action="store_true", help="with --quantize: the lm_head too")
     ap.add_argument("--ep-size", type=int, default=1, help="shard the routed experts over this many devices")
     ap.add_argument("--coordinator-address", default=None, help="multi-host: JAX coordinator host:port")
     ap.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
@@ -79,6 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if (args.tile_model is None) != (args.tpot_slo_ms is None):
         ap.error("--tile-model and --tpot-slo-ms go together")
+    if (args.quantize_experts or args.quantize_lm_head) and args.quantize is None:
+        ap.error("--quantize-experts and --quantize-lm-head take the bits of --quantize (int4 or int8)")
+    if not 0 < args.mem_fraction <= 1:
+        ap.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
     if args.tpot_slo_ms is not None and args.tpot_slo_ms <= 0:
         ap.error(f"--tpot-slo-ms must be positive, got {args.tpot_slo_ms}")
     for name, low in (("max_batch", 1), ("prefill_chunk", 1), ("max_seq_len", 2), ("speculative_num_steps", 0),
@@ -105,7 +113,8 @@ def _load_model(args):
     import ling
 
     return ling.load(args.model, dtype=args.dtype, seed=args.seed, quantize=args.quantize,
-                     group_size=args.group_size, quantize_experts=args.quantize_experts, ep_size=args.ep_size,
+                     group_size=args.group_size, quantize_experts=args.quantize_experts,
+                     quantize_lm_head=args.quantize_lm_head, ep_size=args.ep_size,
                      num_layers=args.num_layers)
 
 
@@ -129,6 +138,80 @@ def chunk_sizer(args, cfg):
                            f"the model has {cfg.num_experts} experts top-{cfg.num_experts_per_tok}")
     return ChunkSizer(tm, args.tpot_slo_ms * 1e3, tuple(chunk_candidates(args.prefill_chunk)), rows=args.max_batch,
                       layers=layers)
+
+
+def human(n: float) -> str:
+    """Bytes as a short decimal figure: 66.6 GB, 412 MB, 83 kB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}" if scale == 1e9 else f"{n / scale:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """Bytes on one device: the weights, one slot's state at max_seq_len, and what is free."""
+
+    weights: int
+    kda: int  # per slot: conv and recurrent states of the KDA layers
+    mla: int  # per slot: latent and rope-key caches of the MLA layers and the NEXTN layer
+    mla_per_token: int
+    verify: int  # per slot: the KDA states a verify pass keeps after each of its positions
+    other: int  # per slot: tokens, sampling parameters, the output buffer
+    free: int | None  # after the weights (None where the backend does not say: CPU)
+
+    @property
+    def slot(self) -> int:
+        return self.kda + self.mla + self.verify + self.other
+
+    def describe(self, max_batch: int) -> str:
+        left = "" if self.free is None else f", {human(self.free - max_batch * self.slot)} left"
+        return (f"memory: weights {human(self.weights)}; a slot {human(self.slot)} (KDA states {human(self.kda)}, "
+                f"MLA cache {human(self.mla)}, verify states {human(self.verify)}); "
+                f"{max_batch} slots {human(max_batch * self.slot)}{left}")
+
+
+RESERVE = 0.05  # of the device's memory kept free for the steps' activations and XLA's workspace
+
+
+def memory_plan(model, *, max_seq_len: int, speculative_steps: int) -> MemoryPlan:
+    import jax
+    import numpy as np
+
+    from ling import build
+    from ling.state import KDAState, MLACache
+    from spec.engine import new_slots
+
+    width = speculative_steps + 1
+    one = jax.eval_shape(lambda: new_slots(model, 1, max_seq_len + width, max_seq_len))
+    size = lambda tree: sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
+    layers = list(one.model.layers) + ([one.model.nextn] if one.model.nextn is not None else [])
+    kda = sum(size(c) for c in layers if isinstance(c, KDAState))
+    mla = sum(size(c) for c in layers if isinstance(c, MLACache))
+    recurrent = sum(size(c.recurrent) for c in layers if isinstance(c, KDAState))
+    verify = recurrent * (width + 1) if speculative_steps else 0  # per position, and the initial state
+    free = build.device_memory()
+    if free is not None:
+        stats = jax.local_devices()[0].memory_stats()
+        free = int(free * (1 - RESERVE)) - stats.get("bytes_in_use", 0)
+    return MemoryPlan(weights=build.nbytes(model, model.mesh), kda=kda, mla=mla,
+                      mla_per_token=mla // (max_seq_len + width), verify=verify,
+                      other=size(one) - kda - mla, free=free)
+
+
+def check_memory(plan: MemoryPlan, max_batch: int, max_seq_len: int) -> None:
+    """StartupError, with the numbers and the largest settings that fit, when the slots do not."""
+    if plan.free is None or max_batch * plan.slot <= plan.free:
+        return
+    fit_batch = max(plan.free // plan.slot, 0)
+    fixed = plan.slot - plan.mla_per_token * max_seq_len
+    fit_len = (plan.free // max_batch - fixed) // plan.mla_per_token if plan.mla_per_token else 0
+    hint = [f"--max-batch {fit_batch}" if fit_batch else None,
+            f"--max-seq-len {fit_len}" if fit_len >= 2 else None]
+    hint = " or ".join(h for h in hint if h) or "a smaller model (--quantize int4 --quantize-experts)"
+    raise StartupError(f"{max_batch} slots x {max_seq_len} tokens need {human(max_batch * plan.slot)} "
+                       f"({human(plan.slot)} a slot) but {human(max(plan.free, 0))} are free after the "
+                       f"{human(plan.weights)} of weights: try {hint}")
 
 
 @dataclasses.dataclass
@@ -190,6 +273,9 @@ def start(args, bar) -> Loaded:
         bar.write("warning: the model has no NEXTN layer: speculative decoding is off", file=sys.stderr)
         steps = 0
     sizer = chunk_sizer(args, cfg)
+    memory = memory_plan(model, max_seq_len=max_seq_len, speculative_steps=steps)
+    check_memory(memory, args.max_batch, max_seq_len)
+    bar.write(memory.describe(args.max_batch), file=sys.stderr)
     bar.update()
 
     bar.set_description(f"slots ({args.max_batch} x {max_seq_len})")
@@ -211,6 +297,7 @@ def start(args, bar) -> Loaded:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(args.mem_fraction))  # read when JAX starts
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from tqdm import tqdm
 

@@ -89,9 +89,9 @@ class Runner:
         # Committed to the device(s) like every step's output, so the first real call finds the
         # programs the warm-up compiled (an uncommitted input is another cache key). An
         # expert-parallel model keeps the slots replicated over its mesh.
-        from moe.parallel import model_mesh, replicate
+        from moe.parallel import replicate
 
-        mesh = model_mesh(self.model)
+        mesh = self.model.mesh
         return replicate(slots, mesh) if mesh is not None else jax.device_put(slots, jax.devices()[0])
 
     def _result(self, report) -> StepResult | None:

@@ -148,8 +148,10 @@ def test_quantised_experts_errors_are_named():
         ling.load("ling-tiny", quantize_experts=True)
     with pytest.raises(ValueError, match="int4 or int8"):
         ling.load("ling-tiny", quantize="int2", group_size=32, quantize_experts=True)
-    from moe.parallel import make_mesh, shard_model
+    from ling import build
+    from ling.quantize import Quantization
+    from moe.parallel import make_mesh
 
-    model = ling.load("ling-tiny", quantize="int4", group_size=32, quantize_experts=True)
     with pytest.raises(ValueError, match="expert parallelism"):
-        shard_model(model, make_mesh(1))
+        build.plan(ling.preset("ling-tiny"), dtype=jnp.float32, quant=Quantization(4, 32, experts=True),
+                   mesh=make_mesh(1))
