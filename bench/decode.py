@@ -33,8 +33,8 @@ from ling.roofline import step_bytes
 from moe import parallel
 from moe.block import MoE, routed_experts
 from moe.parallel import EXPERT, make_mesh, replicate
-from spec.engine import nextn_chain, new_slots
-from spec.loop import chunk_for, decode, prefill
+from spec.step import nextn_chain, new_slots
+from spec.generate import chunk_for, decode, prefill
 from spec.sampling import SamplingParams
 
 

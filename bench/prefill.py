@@ -18,7 +18,7 @@ Parts (each checked against its reference in the same run before it is timed):
   mla   MLA prefill attention (pallas_kernels/mla_prefill.py) at 8192 tokens, B 1, H 32, qk 192,
         v 128, R 512: cuDNN and the blockwise jnp path, a first chunk and a second chunk over an
         8192-token prefix; TFLOP/s over the causal attention plus the latent expansion.
-  ttft  time to first token through the engine (spec.loop.prefill, chunks of --chunk tokens) for
+  ttft  time to first token through the engine (spec.generate.prefill, chunks of --chunk tokens) for
         1k, 8k and 32k-token prompts on ling-3-flash cut to the layers that fit (random bf16
         weights, NEXTN layer included), the per-layer times of each layer kind at those sizes,
         and the full 42 layers extrapolated: measured + the missing layers' per-layer times.
@@ -409,8 +409,8 @@ class Bench:
         from ling.roofline import prefill_flops
         from ling.state import init_state
         from pallas_kernels.backend import resolve
-        from spec.engine import new_slots
-        from spec.loop import prefill
+        from spec.step import new_slots
+        from spec.generate import prefill
         from spec.sampling import SamplingParams
 
         if self.gpu:

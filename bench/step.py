@@ -1,4 +1,4 @@
-"""The decode step as the server drives it, on the GPU: `spec.loop.Stepper` dispatching step k+1
+"""The decode step as the server drives it, on the GPU: `spec.stepper.Stepper` dispatching step k+1
 before it reads step k's tokens, back to back, for the plain decode step, the verify pass and the
 whole speculative step; beside each, what the device did (JAX profiler), and the floor.
 
@@ -157,8 +157,9 @@ def main():
     scratch = tempfile.mkdtemp(prefix="bench_step_")  # traces and the compilation cache: not results
 
     from pallas_kernels.backend import resolve
-    from spec.engine import new_slots
-    from spec.loop import Stepper, chunk_for, prefill
+    from spec.step import new_slots
+    from spec.stepper import Stepper
+    from spec.generate import chunk_for, prefill
     from spec.sampling import SamplingParams
 
     bw = copy_ceiling_tbs() * 1e12

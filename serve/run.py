@@ -7,7 +7,7 @@
                         [--tile-model PATH --tpot-slo-ms MS] [--num-layers N]
 
 With no --model it serves serve/default_model: ling-small, a 15 M-parameter Ling-architecture model
-trained by `python -m ling.train` on the Python standard library's sources, and its tokenizer. Start-up loads the tokenizer and the model and compiles the prefill chunk and the
+trained by `python -m offline.train` on the Python standard library's sources, and its tokenizer. Start-up loads the tokenizer and the model and compiles the prefill chunk and the
 decode step (JAX's persistent compilation cache makes a restart skip the compiling), then prints
 one line with the address.
 
@@ -180,7 +180,7 @@ def memory_plan(model, *, max_seq_len: int, speculative_steps: int) -> MemoryPla
 
     from ling import build
     from ling.state import KDAState, MLACache
-    from spec.engine import new_slots
+    from spec.step import new_slots
 
     width = speculative_steps + 1
     one = jax.eval_shape(lambda: new_slots(model, 1, max_seq_len + width, max_seq_len))

@@ -2,7 +2,7 @@
 pairing of each step's results with the requests that owned the slots when it was dispatched.
 
 Every call here only dispatches: JAX runs it asynchronously. Results come back one step late
-(`spec.loop.Stepper`): step k's tokens are read after step k+1 is queued, so the device never
+(`spec.stepper.Stepper`): step k's tokens are read after step k+1 is queued, so the device never
 waits for the host."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class StepResult:
 
 class Runner:
     def __init__(self, model, *, max_batch: int, max_seq_len: int, speculative_steps: int):
-        from spec.loop import ChunkPrefiller, Stepper
+        from spec.stepper import ChunkPrefiller, Stepper
 
         self.model = model
         self.max_batch, self.max_seq_len, self.speculative_steps = max_batch, max_seq_len, speculative_steps
@@ -80,7 +80,7 @@ class Runner:
     def _new_slots(self):
         import jax
 
-        from spec.engine import new_slots
+        from spec.step import new_slots
 
         # A verify pass writes num_steps + 1 positions past the slot's length: room for them beyond
         # the longest sequence the server admits.

@@ -24,7 +24,7 @@ from serve.request import Request
 
 @dataclasses.dataclass
 class PrefillChunk:
-    """The arguments of one `spec.loop.ChunkPrefiller` call (host arrays, B slots, C tokens)."""
+    """The arguments of one `spec.stepper.ChunkPrefiller` call (host arrays, B slots, C tokens)."""
 
     start: np.ndarray  # [B] bool: slots reset for a newly admitted request
     tokens: np.ndarray  # [B, C] int32

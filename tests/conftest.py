@@ -11,10 +11,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402  (after the environment above)
 
-from ling.train import cpu_deadlock_workaround  # noqa: E402
+from offline.train import cpu_deadlock_workaround  # noqa: E402
 
-# XLA:CPU's concurrency-optimised scheduler can hang for good on a KDA layer's backward (ling.train
-# says when); `python -m ling.train` turns it off before JAX starts its backend, and so must the
+# XLA:CPU's concurrency-optimised scheduler can hang for good on a KDA layer's backward (offline.train
+# says when); `python -m offline.train` turns it off before JAX starts its backend, and so must the
 # test process, which runs train.main after other tests have started it.
 cpu_deadlock_workaround()
 

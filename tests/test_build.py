@@ -98,7 +98,7 @@ def test_server_memory_plan_counts_the_slots_and_refuses_what_does_not_fit():
     import dataclasses
 
     from serve.run import StartupError, check_memory, memory_plan
-    from spec.engine import new_slots
+    from spec.step import new_slots
 
     model = ling.load("ling-tiny", progress=False)
     plan = memory_plan(model, max_seq_len=512, speculative_steps=3)

@@ -1,6 +1,6 @@
 """The server's device loop without HTTP: the scheduler's chunked prefills interleaved with
 speculative (or plain) decode steps, slots reused by queued requests, requests arriving mid-run — each greedy output
-equals plain greedy decoding of the prompt alone (`spec.loop.generate_batch`), and a seeded sampled
+equals plain greedy decoding of the prompt alone (`spec.generate.generate_batch`), and a seeded sampled
 request gives the same tokens alone and in company."""
 
 import asyncio
@@ -12,7 +12,7 @@ import ling
 from serve.request import Request, Sampling
 from serve.runner import Runner
 from serve.scheduler import Scheduler
-from spec.loop import generate_batch
+from spec.generate import generate_batch
 
 SLOTS, CHUNK, STEPS, CONTEXT = 3, 16, 3, 160
 
@@ -94,8 +94,8 @@ def test_a_paused_prefill_keeps_its_nextn_cache(model, runner):
     """Speculative steps of other slots run between a prompt's chunks and rewrite the paused slot's
     NEXTN entry at its last prefilled position: with the true pair (prefill_step's job), so the
     cache below the prompt's end equals that of one uninterrupted prefill."""
-    from spec.engine import new_slots
-    from spec.loop import prefill
+    from spec.step import new_slots
+    from spec.generate import prefill
     from spec.sampling import SamplingParams
 
     rng = np.random.default_rng(2)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import ling
-from spec.engine import accept, new_slots
-from spec.loop import decode, generate, generate_batch, mean_accepted_length, prefill
+from spec.step import accept, new_slots
+from spec.generate import decode, generate, generate_batch, mean_accepted_length, prefill
 from spec.sampling import SamplingParams, probs
 
 S = 5  # draft steps
@@ -133,7 +133,7 @@ def test_speculative_needs_a_nextn_layer():
 
 
 def test_stepper_runs_one_step_ahead_and_matches_decode(model):
-    from spec.loop import Stepper
+    from spec.stepper import Stepper
 
     p = prompts(4, (20, 33), model.cfg.vocab_size)
     params = SamplingParams.make(2)

@@ -15,8 +15,8 @@ from safetensors.numpy import load_file
 import ling
 import oracle
 from ling import checkpoint, data, routing
-from ling import eval as ling_eval
-from ling import train
+from offline import eval as ling_eval
+from offline import train
 from ling.convert import main as convert_main
 from ling.model import LingModel
 
@@ -93,7 +93,7 @@ def test_chunked_kda_gradients_equal_the_recurrences():
 
 
 def test_training_moe_equals_the_block():
-    """Training runs the routed experts as dense GEMMs over all experts (ling.routing); it must be
+    """Training runs the routed experts as dense GEMMs over all experts (offline.routing); it must be
     the MoE block's function, swiglu limit and shared expert included."""
     from moe.block import MoE
 
@@ -212,14 +212,14 @@ def test_eval_runs_end_to_end(toy_dir, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# The shipped checkpoint: serve/default_model, trained by `python -m ling.train --preset small` on the H200
+# The shipped checkpoint: serve/default_model, trained by `python -m offline.train --preset small` on the H200
 
 
 @pytest.mark.parametrize("model_dir", SHIPPED)
 def test_shipped_checkpoint_reproduces_its_perplexity(model_dir):
     size = sum(os.path.getsize(os.path.join(model_dir, n)) for n in os.listdir(model_dir))
     assert size <= 40e6, f"{model_dir} holds {size / 1e6:.1f} MB, over the 40 MB limit"
-    recorded = json.load(open(os.path.join(model_dir, "eval.json")))  # written by `python -m ling.eval`
+    recorded = json.load(open(os.path.join(model_dir, "eval.json")))  # written by `python -m offline.eval`
     check = recorded["check"]
     seqs = ling_eval.heldout_sequences(model_dir)[: check["seqs"]]
     nll = ling_eval.mean_nll(ling.load(model_dir, dtype="bfloat16", progress=False), seqs, check["batch"])
@@ -228,7 +228,7 @@ def test_shipped_checkpoint_reproduces_its_perplexity(model_dir):
 
 @pytest.mark.parametrize("model_dir", SHIPPED)
 def test_shipped_checkpoint_greedy_speculative_equals_plain(model_dir):
-    from spec.loop import generate_batch
+    from spec.generate import generate_batch
 
     # fp32: in bf16 the verify pass (S+1 tokens at once) and the decode step round differently,
     # and a near-tie of the top two logits may then flip over hundreds of tokens.

@@ -16,7 +16,7 @@ import ling  # noqa: E402
 from ling.model import apply  # noqa: E402
 from ling.state import init_state  # noqa: E402
 from moe import parallel  # noqa: E402
-from spec.loop import generate_batch  # noqa: E402
+from spec.generate import generate_batch  # noqa: E402
 
 
 def rel_err(a, b):

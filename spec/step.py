@@ -24,7 +24,7 @@ from flax import struct
 
 from ling.model import LingModel
 from ling.state import KDAState, State, commit, init_state
-from spec.sampling import SamplingParams, key_for, probs, sample
+from spec.sampling import SamplingParams, any_sampling, key_for, probs, sample
 
 # RNG purposes: one stream per use, so no two draws share a key.
 _SAMPLE, _DRAFT, _ACCEPT, _BONUS = 0, 100, 200, 300
@@ -86,7 +86,7 @@ def _emit(slots: Slots, tokens, count, live) -> Slots:
     return slots.replace(out=out, n_out=n_out, done=done)
 
 
-def _last(x, n):
+def last_at(x, n):
     """x [B, T, ...] at index n[b] - 1 (n >= 1) -> [B, ...]."""
     idx = jnp.maximum(n - 1, 0).reshape((-1,) + (1,) * (x.ndim - 1))
     return jnp.take_along_axis(x, idx, axis=1)[:, 0]
@@ -102,7 +102,7 @@ def prefill_chunk(model: LingModel, slots: Slots, tokens, next_tokens, valid, en
     if model.nextn is not None:  # NEXTN pairs (h_i, token_{i+1}); the final pair waits for the sampled token
         _, _, cache = model.draft(hidden, next_tokens, state.nextn, lengths, form="prefill", logits=False)
         state = state.replace(nextn=cache)
-    last_hidden = _last(hidden, valid)  # [B, D]
+    last_hidden = last_at(hidden, valid)  # [B, D]
     first, _ = sample(model.logits(last_hidden), slots.params, key_for(slots.params, slots.n_out, _SAMPLE),
                       sampling=sampling)
     slots = slots.replace(model=state, last_hidden=jnp.where(ends[:, None], last_hidden, slots.last_hidden),
@@ -191,8 +191,25 @@ def spec_step(model: LingModel, slots: Slots, num_steps: int, drafter: Drafter =
     emitted = jnp.concatenate([drafts, bonus[:, None]], axis=1)  # d_1 .. d_a, then the bonus at index a
     emitted = jnp.where(jnp.arange(num_steps + 1)[None] == accepted[:, None], bonus[:, None], emitted)
     slots = slots.replace(model=state, last_token=jnp.where(live, bonus, slots.last_token),
-                          last_hidden=jnp.where(live[:, None], _last(hidden, accepted + 1), slots.last_hidden))
+                          last_hidden=jnp.where(live[:, None], last_at(hidden, accepted + 1), slots.last_hidden))
     before = slots.n_out
     slots = _emit(slots, emitted, accepted + 1, live)
     return slots.replace(steps=slots.steps + live, produced=slots.produced + slots.n_out - before)
 
+
+def step_fn(speculative: bool, num_steps: int, sampling: bool, drafter: Drafter | None = None):
+    """The step as a function of (model, slots); sampling is static (see `prefill_chunk`)."""
+    if speculative:
+        return lambda model, slots: spec_step(model, slots, num_steps, drafter or nextn_chain, sampling=sampling)
+    return lambda model, slots: decode_step(model, slots, sampling=sampling)
+
+
+def live_sampling(slots: Slots) -> bool:
+    """Whether any live slot samples: reads the slots' temperatures and done flags (a host sync)."""
+    temperature, done = jax.device_get((slots.params.temperature, slots.done))
+    return any_sampling(temperature, ~done)
+
+
+def check_model(model: LingModel, speculative: bool):
+    if speculative and model.nextn is None:
+        raise ValueError("speculative decoding needs a NEXTN layer; this model has none (pass speculative=False)")

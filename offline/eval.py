@@ -1,10 +1,10 @@
 """Evaluate a trained checkpoint: held-out perplexity by weight format, NEXTN speculative
 acceptance, and how much the verified positions share their experts (rho).
 
-    python -m ling.eval --model serve/default_model [--record]
+    python -m offline.eval --model serve/default_model [--record]
 
 - Perplexity: exp(mean next-token NLL) over the held-out sequences stored with the checkpoint
-  (`heldout_tokens.npy`, written by `ling.train`; else the held-out split of the corpus, encoded
+  (`heldout_tokens.npy`, written by `offline.train`; else the held-out split of the corpus, encoded
   with the checkpoint's tokenizer), one prefill per sequence from an empty state, with the weights
   - `bf16`: as stored (bfloat16; router, expert bias, KDA decay and conv fp32);
   - `int8`, `int4`: `ling.load(dir, quantize=...)`, the quantisation issue's grouped codec on every
@@ -12,9 +12,9 @@ acceptance, and how much the verified positions share their experts (rho).
     kv_b_proj stay as stored: see `ling.quantize`);
   - `int4+experts`: int4 as above and the routed experts' weights passed through the same codec
     (quantise then dequantise, group min(group, K)): what int4 costs when every MoE weight is 4-bit.
-- Accepted length: greedy NEXTN chain speculative decoding (`spec.loop.generate_batch`) of
+- Accepted length: greedy NEXTN chain speculative decoding (`spec.generate.generate_batch`) of
   --new-tokens tokens after each of --prompts held-out prompts of --prompt-len tokens, for every
-  num_steps S in --num-steps; `spec.loop.mean_accepted_length`: tokens emitted per verify step,
+  num_steps S in --num-steps; `spec.generate.mean_accepted_length`: tokens emitted per verify step,
   the bonus token included (1 .. S+1). Each row also says how many outputs equal plain greedy, and
   after how many tokens on average they first differ
   (at bf16 a near-tie of the top two logits can round differently in the verify pass than in a
@@ -51,8 +51,8 @@ import numpy as np
 from flax import nnx
 
 import ling
-from ling import data
-from ling.routing import moe_blocks, routed_ids, tap_moe
+from offline import data
+from offline.routing import moe_blocks, routed_ids, tap_moe
 
 VARIANTS = ("bf16", "int8", "int4", "int4+experts")
 CHECK_SEQS = 8
@@ -138,7 +138,7 @@ class SharingRecorder:
             self.inter.append(np.asarray(inter)[:, b])
 
     def drafter(self, model, slots, num_steps: int, *, sampling: bool):
-        from spec.engine import nextn_chain
+        from spec.step import nextn_chain
 
         drafts, q, cache = nextn_chain(model, slots, num_steps, sampling=sampling)
         verify = jnp.concatenate([slots.last_token[:, None], drafts], axis=1)  # [B, S+1]
@@ -172,11 +172,11 @@ class SharingRecorder:
 
 def speculative_figures(model, prompts: list[list[int]], new_tokens: int, num_steps: list[int], *,
                         log=print) -> tuple[list[dict], list[list[int]]]:
-    """One row per S: the pooled mean accepted length (`spec.loop.mean_accepted_length`'s
+    """One row per S: the pooled mean accepted length (`spec.generate.mean_accepted_length`'s
     produced / steps, summed over the prompts), expert sharing, and whether every output equals
     plain greedy. Prompts run one slot at a time: XLA:CPU (jax 0.10) cannot run the absorbed MLA
     reference's batched bf16 dot ("bhtl,blr->bthr", B > 1), and the slots are independent anyway."""
-    from spec.loop import generate_batch
+    from spec.generate import generate_batch
 
     chunk = min(256, -(-max(len(p) for p in prompts) // 64) * 64)  # one prefill chunk, not 256 padded tokens
     plain = [generate_batch(model, [p], new_tokens, speculative=False, prefill_chunk=chunk)[0] for p in prompts]
@@ -241,8 +241,8 @@ def record(result: dict, path: str = RESULTS) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ling.eval", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="a checkpoint written by `python -m ling.train`")
+    ap = argparse.ArgumentParser(prog="python -m offline.eval", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a checkpoint written by `python -m offline.train`")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"weight formats (default {','.join(VARIANTS)})")
     ap.add_argument("--seqs", type=int, default=64, help="held-out sequences for perplexity (default 64)")
     ap.add_argument("--batch", type=int, default=8)
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--record", action="store_true", help=f"append the table to {os.path.relpath(RESULTS)}")
     args = ap.parse_args(argv)
-    from ling.train import cpu_deadlock_workaround
+    from offline.train import cpu_deadlock_workaround
 
     cpu_deadlock_workaround()
     t_start = time.perf_counter()
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     seqs = seqs[: args.seqs]
     result = {"model": os.path.normpath(args.model), "date": datetime.date.today().isoformat(),
               "device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": sys.version.split()[0],
-              "command": "python -m ling.eval " + " ".join(sys.argv[1:] if argv is None else argv),
+              "command": "python -m offline.eval " + " ".join(sys.argv[1:] if argv is None else argv),
               "heldout_seqs": int(len(seqs)), "heldout_tokens": int(len(seqs) * (seqs.shape[1] - 1)),
               "group_size": group, "perplexity": {}}
 

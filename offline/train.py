@@ -1,9 +1,9 @@
 """Train a small Ling-architecture model from scratch on the Python standard library's sources.
 
-    python -m ling.train --preset small --out serve/default_model          # the shipped model (H200)
-    python -m ling.train --preset toy --steps 50 --out /tmp/ling-toy          # a few minutes on CPU
+    python -m offline.train --preset small --out serve/default_model          # the shipped model (H200)
+    python -m offline.train --preset toy --steps 50 --out /tmp/ling-toy          # a few minutes on CPU
 
-What it builds (`ling.data` has the corpus, split and tokenizer): a `bailing_hybrid` model with
+What it builds (`offline.data` has the corpus, split and tokenizer): a `bailing_hybrid` model with
 KDA and MLA layers, a dense first layer, MoE layers (sigmoid router, shared expert, group-limited
 routing: n_group > 1, topk_group < n_group) and one NEXTN (MTP) layer. It is trained with
 - next-token cross-entropy of the target, plus `--mtp-weight` (0.3) x the MTP loss: the NEXTN
@@ -13,7 +13,7 @@ routing: n_group > 1, topk_group < n_group) and one NEXTN (MTP) layer. It is tra
 - the model's own prefill form (`model(tokens, init_state(...), form="prefill")`: chunked KDA
   through `lax.scan` and `solve_triangular`, plain MLA), traced with the plain-jnp kernels (the
   Pallas ones have no VJP). Only the MoE blocks are swapped, inside the trace, for the same
-  function in a differentiable, GEMM-only form (`ling.routing.dense_experts_moe`: same router,
+  function in a differentiable, GEMM-only form (`offline.routing.dense_experts_moe`: same router,
   all experts computed, each token's output weighted by its routing weights, zero for unchosen
   experts). The router learns through the routing weights (renormalised sigmoid scores of the
   chosen experts); the top-k choice itself has no gradient.
@@ -33,7 +33,7 @@ line per logged step and per held-out evaluation), train_meta.json and a README.
 Time at the `small` preset: 15.3 M parameters (30.8 MB of bf16 safetensors). Training FLOPs per
 token (`flops_per_token`: target + NEXTN, backward = 2x forward, KDA chunk and MLA score terms
 included, 512-token sequences): 51 M as the model routes, 101 M as training executes it (routed
-experts dense over all 32, `ling.routing.dense_experts_moe`). Measured on this project's CPU
+experts dense over all 32, `offline.routing.dense_experts_moe`). Measured on this project's CPU
 machine (2 cores, fp32, 4 x 512 tokens a step, `--estimate`): 110 tokens/s, 1.1e10 FLOP/s
 executed (XLA:CPU's batched triangular solve in the chunked KDA dominates). One H200 at a
 pessimistic 5 % MFU of 1e15 FLOP/s: 5e13 / 1.01e8 = 5.0e5 tokens/s, so the preset's 2000 steps of
@@ -63,11 +63,12 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from ling import checkpoint, data
+from ling import checkpoint
 from ling.config import DENSE, KDA, MLA, MOE, ModelConfig
 from ling.model import LingModel
-from ling.routing import expert_load, moe_blocks, tap_moe
 from ling.state import init_state, mla_cache
+from offline import data
+from offline.routing import expert_load, moe_blocks, tap_moe
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,7 +141,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, executed: bool = False) -
     NEXTN layer in the prefill form at sequence length seq_len. Counts every matmul with its
     weights (lm_head included, embedding lookups not), MLA's scores and values over the whole
     cache (the plain form computes them masked), and KDA's chunked terms. executed: the routed
-    experts as training runs them (`ling.routing.dense_experts_moe`: all E, not the top k)."""
+    experts as training runs them (`offline.routing.dense_experts_moe`: all E, not the top k)."""
     d, h, kd, c = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_dim
     kda = 5 * d * c + c * d + d * h + h * (4 * 64 * kd + 3 * kd * kd + 64 * kd)  # projections + chunk/state
     nh = cfg.num_attention_heads
@@ -360,7 +361,7 @@ class Trainer:
 
 def _readme(meta: dict) -> str:
     cfg = meta["config"]
-    return f"""# {meta['name']}: a small Ling-architecture model trained by `python -m ling.train`
+    return f"""# {meta['name']}: a small Ling-architecture model trained by `python -m offline.train`
 
 - Architecture: `bailing_hybrid` (Ling-3.0-flash's), {cfg['num_hidden_layers']} layers
   ({', '.join(cfg['layer_types'])}; MLP {', '.join(cfg['mlp_types'])}), hidden {cfg['hidden_size']},
@@ -368,19 +369,19 @@ def _readme(meta: dict) -> str:
   {cfg['topk_group']}) + {cfg['num_shared_experts']} shared, one NEXTN (MTP) layer; vocab {cfg['vocab_size']};
   {meta['n_params'] / 1e6:.2f} M parameters, stored in bfloat16 (router, expert bias, KDA decay and conv in fp32).
 - Data: the Python standard library's own .py sources (Python {meta['python']}; Python Software
-  Foundation License, PSF-2.0), split by file (`ling.data.split`, {meta['heldout_files']} held-out files).
+  Foundation License, PSF-2.0), split by file (`offline.data.split`, {meta['heldout_files']} held-out files).
   Tokenizer: byte-level BPE trained on the train split (tokenizer.json; ChatML template in
   tokenizer_config.json; <|endoftext|> = 0 ends every document).
 - Training: {meta['steps_done']} steps x {meta['batch']} x {meta['seq_len']} tokens ({meta['tokens_seen'] / 1e6:.1f} M), AdamW, peak lr {meta['lr']},
   MTP weight {meta['mtp_weight']}, auxiliary-loss-free expert balancing, {meta['train_seconds']:.0f} s on {meta['device']}.
   Kept the parameters of step {meta['kept_step']} (lowest loss on {meta['validation_files']} validation files of the
   train split: {meta['val_loss']:.4f}). Held-out loss {meta['heldout_loss']:.4f} (perplexity {math.exp(meta['heldout_loss']):.2f}), MTP {meta['heldout_mtp_loss']:.4f}.
-- Command: `{meta['command']}`. Figures: `python -m ling.eval --model DIR` (eval.json).
+- Command: `{meta['command']}`. Figures: `python -m offline.eval --model DIR` (eval.json).
 """
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ling.train", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m offline.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="toy")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default: the preset's)")
@@ -534,7 +535,7 @@ def main(argv=None) -> int:
         "train_seconds": train_seconds, "total_seconds": time.perf_counter() - t_start,
         "heldout_loss": hl, "heldout_mtp_loss": hm, "final_train_loss": last.get("loss"),
         "flops_per_token": fpt, "flops_per_token_executed": fpt_run, "int_group": p.int_group,
-        "command": "python -m ling.train " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m offline.train " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     with open(os.path.join(args.out, "train_meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
