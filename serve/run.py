@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-batch", type=int, default=16, help="state slots: requests decoded at once (default 16)")
     ap.add_argument("--max-seq-len", type=int, default=None, help="context length per request, prompt + output "
                     f"(default: the model's max_position_embeddings, at most {DEFAULT_MAX_SEQ_LEN})")
+    ap.add_argument("--batch-buckets", default="auto", help="batch sizes the decode step is compiled for, "
+                    "comma-separated; a step runs the smallest that holds the decoding requests (default auto: "
+                    "powers of two up to --max-batch; off: every step runs all --max-batch slots)")
     ap.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per slot per prefill chunk "
                     "(with --tile-model: the widest chunk)")
     ap.add_argument("--tile-model", default=None, metavar="PATH", help="fitted MoE tile model (JSON from "
@@ -85,6 +88,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--tile-model and --tpot-slo-ms go together")
     if (args.quantize_experts or args.quantize_lm_head) and args.quantize is None:
         ap.error("--quantize-experts and --quantize-lm-head take the bits of --quantize (int4 or int8)")
+    if args.batch_buckets not in ("auto", "off"):
+        try:
+            sizes = sorted({int(x) for x in args.batch_buckets.split(",")})
+        except ValueError:
+            ap.error(f"--batch-buckets takes auto, off or comma-separated sizes, got {args.batch_buckets!r}")
+        if sizes[0] < 1 or sizes[-1] > args.max_batch:
+            ap.error(f"--batch-buckets sizes must lie in [1, --max-batch {args.max_batch}], got {args.batch_buckets}")
     if not 0 < args.mem_fraction <= 1:
         ap.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
     if args.tpot_slo_ms is not None and args.tpot_slo_ms <= 0:
@@ -279,7 +289,10 @@ def start(args, bar) -> Loaded:
     bar.update()
 
     bar.set_description(f"slots ({args.max_batch} x {max_seq_len})")
-    runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, speculative_steps=steps)
+    buckets = {"auto": None, "off": ()}.get(args.batch_buckets) if args.batch_buckets in ("auto", "off") else \
+        tuple(int(x) for x in args.batch_buckets.split(","))
+    runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, speculative_steps=steps,
+                    buckets=buckets)
     bar.update()
     try:
         bar.set_description("compiling prefill")

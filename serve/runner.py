@@ -23,13 +23,16 @@ class StepResult:
 
 
 class Runner:
-    def __init__(self, model, *, max_batch: int, max_seq_len: int, speculative_steps: int):
-        from spec.stepper import ChunkPrefiller, Stepper
+    def __init__(self, model, *, max_batch: int, max_seq_len: int, speculative_steps: int, buckets=None):
+        """buckets: the batch sizes the step is compiled for (`spec.stepper.Stepper`; None: the
+        powers of two up to max_batch); a step runs the smallest that holds the decoding slots."""
+        from spec.stepper import ChunkPrefiller, Stepper, batch_buckets
 
         self.model = model
         self.max_batch, self.max_seq_len, self.speculative_steps = max_batch, max_seq_len, speculative_steps
         self.stepper = Stepper(model, self._new_slots(), speculative=speculative_steps > 0,
-                               num_steps=max(speculative_steps, 1))
+                               num_steps=max(speculative_steps, 1),
+                               buckets=batch_buckets(max_batch) if buckets is None else buckets)
         self.prefiller = ChunkPrefiller(model)
         self._owners = collections.deque()  # owners of the dispatched, not yet read steps
         # Each slot's temperature as last set by a prefill chunk: the host's copy, from which it
@@ -56,7 +59,7 @@ class Runner:
 
         self._owners.append(owners)
         live = np.array([r is not None for r in owners])
-        return self._result(self.stepper.step(sampling=any_sampling(self._temperature, live)))
+        return self._result(self.stepper.step(sampling=any_sampling(self._temperature, live), live=live))
 
     def drain(self) -> StepResult | None:
         """The last dispatched step's result (None if every step was read)."""
@@ -120,9 +123,10 @@ class Runner:
         self._temperature[:] = 0
 
     def warmup_step(self) -> None:
-        """Compiles the decode (or speculative) step, all-greedy and sampling; every slot is done,
-        so nothing changes."""
-        for sampling in (False, True):
-            self._owners.append([None] * self.max_batch)
-            self._result(self.stepper.step(sampling=sampling))
+        """Compiles the decode (or speculative) step for every batch bucket, all-greedy and
+        sampling; every slot is done, so nothing changes."""
+        for k in self.stepper.buckets:
+            for sampling in (False, True):
+                self._owners.append([None] * self.max_batch)
+                self._result(self.stepper.step(sampling=sampling, live=np.arange(self.max_batch) < k))
         self.drain()

@@ -21,11 +21,24 @@ def _flat_weights(model: LingModel):
     return leaves, lambda ls: nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, ls))
 
 
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes a server compiles its step for: powers of two below max_batch, and max_batch."""
+    return tuple(1 << i for i in range(max(max_batch - 1, 0).bit_length()) if 1 << i < max_batch) + (max_batch,)
+
+
 class Stepper:
     """Steps the slots one compiled step at a time, dispatching step k+1 before it reads step k's
     results (JAX dispatch is asynchronous, so the device never waits for the host between steps).
-    `step()` returns the previous step's new tokens: a list per slot (empty for idle slots) and the
-    done flags [B], as host values — one step late.
+    `step()` returns the previous step's new tokens: a list per slot (empty for slots not stepped)
+    and the done flags [B], as host values — one step late.
+
+    Batch buckets: `step(live=mask)` steps only the slots the host marks live. The smallest bucket
+    K >= their number is picked (`buckets`, default (B,): always every slot); the step's program
+    for K gathers those slots' rows (padded by repeating the first, which computes the same values
+    and reads no other expert) into a batch of K, runs the step on it and scatters the rows back,
+    so an idle slot costs no expert reads, no attention and no state writes; the slots themselves
+    stay where they are. The gather and scatter copy a live slot's state (KDA states, MLA cache)
+    twice: the price of not reading the idle slots'.
 
     The step is compiled in two variants, all-greedy and sampling (`spec.step.prefill_chunk`);
     `step(sampling=...)` picks one from what the host knows of its slots. Left out, `self.sampling`
@@ -35,25 +48,33 @@ class Stepper:
     in C++: nnx's State and flax dataclasses flatten in Python, about a millisecond a step for a
     16-layer model, which is host time the device waits for once a step is shorter than it."""
 
-    def __init__(self, model: LingModel, slots: Slots, *, speculative: bool = True, num_steps: int = 5):
+    def __init__(self, model: LingModel, slots: Slots, *, speculative: bool = True, num_steps: int = 5,
+                 buckets=None):
         check_model(model, speculative)
         self._params, merge = _flat_weights(model)
         self._slots, self._slot_def = jax.tree_util.tree_flatten(slots)
+        self.batch = slots.done.shape[0]
+        self.buckets = tuple(sorted(set(buckets or ()) | {self.batch}))
+        if self.buckets[0] < 1 or self.buckets[-1] > self.batch:
+            raise ValueError(f"batch buckets must lie in [1, {self.batch}], got {buckets}")
         self.sampling = live_sampling(slots)
         self.width = num_steps + 1 if speculative else 1
         slot_def = self._slot_def
 
-        def run(param_leaves, slot_leaves, sampling):
-            s = jax.tree_util.tree_unflatten(slot_def, slot_leaves)
+        def run(param_leaves, slot_leaves, rows, sampling):
+            full = jax.tree_util.tree_unflatten(slot_def, slot_leaves)
+            s = full if rows is None else jax.tree_util.tree_map(lambda a: a[rows], full)
             before = s.n_out
             s = step_fn(speculative, num_steps, sampling)(merge(param_leaves), s)
             idx = jnp.minimum(before[:, None] + jnp.arange(self.width)[None], s.out.shape[1] - 1)
             new = jnp.take_along_axis(s.out, idx, axis=1)
-            # One packed report [B, width + 2]: a fresh buffer, so donating the slots never frees it.
+            # One packed report [K, width + 2]: a fresh buffer, so donating the slots never frees it.
             report = jnp.concatenate([new, (s.n_out - before)[:, None], s.done[:, None].astype(jnp.int32)], axis=1)
+            if rows is not None:
+                s = jax.tree_util.tree_map(lambda a, b: a.at[rows].set(b), full, s)
             return jax.tree_util.tree_leaves(s), report
 
-        self._step = jax.jit(run, donate_argnums=1, static_argnums=2)
+        self._step = jax.jit(run, donate_argnums=1, static_argnums=3)
         self._pending = None
 
     @property
@@ -67,17 +88,36 @@ class Stepper:
             raise ValueError("the new slots differ in structure from the ones the step was built for")
         self._slots = leaves
 
-    def _unpack(self, report):
-        if report is None:
+    def rows(self, live) -> np.ndarray | None:
+        """The slot indices a step over `live` [B] bool runs, padded to the smallest bucket that
+        holds them (None: every slot, in place)."""
+        ids = np.flatnonzero(np.asarray(live, bool)) if live is not None else np.arange(self.batch)
+        k = next(b for b in self.buckets if b >= max(len(ids), 1))
+        if k == self.batch:
             return None
-        r = np.asarray(jax.device_get(report))
-        tokens = [r[b, : r[b, self.width]].tolist() for b in range(r.shape[0])]
-        return tokens, r[:, self.width + 1].astype(bool)
+        return np.concatenate([ids, np.full(k - len(ids), ids[0] if len(ids) else 0)]).astype(np.int32)
 
-    def step(self, sampling: bool | None = None):
+    def _unpack(self, pending):
+        if pending is None:
+            return None
+        report, rows = pending
+        r = np.asarray(jax.device_get(report))
+        if rows is None:
+            tokens = [r[b, : r[b, self.width]].tolist() for b in range(r.shape[0])]
+            return tokens, r[:, self.width + 1].astype(bool)
+        tokens, done = [[] for _ in range(self.batch)], np.zeros(self.batch, bool)
+        for i, b in reversed(list(enumerate(rows))):  # a padded duplicate repeats its slot's row
+            tokens[b], done[b] = r[i, : r[i, self.width]].tolist(), bool(r[i, self.width + 1])
+        return tokens, done
+
+    def step(self, sampling: bool | None = None, live=None):
+        """Dispatches a step over the `live` slots (None: all of them); returns the previous one's
+        results."""
         sampling = self.sampling if sampling is None else sampling
-        self._slots, report = self._step(self._params, self._slots, bool(sampling))
-        previous, self._pending = self._pending, report
+        rows = self.rows(live)
+        self._slots, report = self._step(self._params, self._slots, None if rows is None else jnp.asarray(rows),
+                                         bool(sampling))
+        previous, self._pending = self._pending, (report, rows)
         return self._unpack(previous)
 
     def drain(self):

@@ -1,0 +1,89 @@
+"""Batch buckets (`spec.stepper.Stepper`): a step over the live slots runs the smallest compiled
+batch that holds them, gathering their rows and scattering them back. Outputs are those of plain
+greedy decoding whatever the bucket, as the live set grows and shrinks across bucket edges; a slot
+left out is untouched; an idle slot adds no (token, expert) pair to the step."""
+
+import numpy as np
+import pytest
+
+import ling
+from spec.generate import generate_batch, prefill
+from spec.sampling import SamplingParams
+from spec.step import new_slots
+from spec.stepper import Stepper, batch_buckets
+
+S, NEW = 3, 24
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ling.load("ling-tiny", dtype="float32", seed=2, progress=False)
+
+
+def test_bucket_ladder():
+    assert batch_buckets(1) == (1,) and batch_buckets(5) == (1, 2, 4, 5) and batch_buckets(16) == (1, 2, 4, 8, 16)
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_outputs_equal_plain_greedy_as_the_live_set_crosses_bucket_edges(model, speculative):
+    rng = np.random.default_rng(0)
+    p = [rng.integers(2, model.cfg.vocab_size, n).tolist() for n in (9, 17, 12, 30, 5)]
+    b, width = len(p), S + 1 if speculative else 1
+    reference = generate_batch(model, p, NEW, speculative=False)
+    slots = new_slots(model, b, 30 + NEW + width + 1, NEW + width)
+    slots = prefill(model, slots, p, np.ones(b, bool), SamplingParams.make(b), np.full(b, NEW), np.full(b, -1))
+    stepper = Stepper(model, slots, speculative=speculative, num_steps=S, buckets=batch_buckets(b))
+    assert stepper.buckets == (1, 2, 4, 5)
+    out = [[int(t)] for t in np.asarray(slots.out[:, 0])]
+    # Live sets of 1, 3, 5, 2, 4 and 0..5 slots in turn: buckets 1, 4, 5, 2, 4, ...
+    schedule = [[0], [1, 2, 4], [0, 1, 2, 3, 4], [3, 1], [4, 0, 2, 3]]
+    seen = set()
+    for i in range(400):
+        live = np.zeros(b, bool)
+        live[schedule[i % len(schedule)]] = True
+        live &= np.array([len(o) < NEW for o in out])
+        if not live.any():
+            live = np.array([len(o) < NEW for o in out])
+            if not live.any():
+                break
+        seen.add(len(stepper.rows(live)) if stepper.rows(live) is not None else b)
+        report = stepper.step(live=live)
+        if report is not None:
+            for j, tokens in enumerate(report[0]):
+                out[j] += tokens
+    tokens, _ = stepper.drain()
+    for j in range(b):
+        out[j] += tokens[j]
+    assert seen == {1, 2, 4, 5}
+    assert [o[:NEW] for o in out] == reference
+
+
+def test_a_slot_left_out_is_untouched_and_idle_slots_add_no_expert_pairs(model, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    import moe.block
+
+    b = 4
+    slots = new_slots(model, b, 64, 16)
+    slots = prefill(model, slots, [[5, 6, 7]] * b, np.ones(b, bool), SamplingParams.make(b), np.full(b, 16),
+                    np.full(b, -1))
+    stepper = Stepper(model, slots, speculative=True, num_steps=S, buckets=(1, 2))
+    before = [np.asarray(x) for x in jax.tree_util.tree_leaves(stepper.slots)]  # the step donates them
+    pairs = []
+    routed = moe.block.routed_experts
+
+    def counting(x, topk_ids, *args, **kwargs):
+        pairs.append(topk_ids.shape)
+        return routed(x, topk_ids, *args, **kwargs)
+
+    monkeypatch.setattr(moe.block, "routed_experts", counting)
+    stepper.step(live=np.array([False, False, True, False]))  # traced now: bucket 1
+    stepper.drain()
+    after = jax.tree_util.tree_leaves(stepper.slots)
+    for x, y in zip(before, after):  # rows 0, 1, 3 keep every value; row 2 moved on
+        keep = np.array([0, 1, 3])
+        np.testing.assert_array_equal(x[keep], np.asarray(y)[keep])
+    assert int(stepper.slots.n_out[2]) > 1 and jnp.all(stepper.slots.n_out[jnp.array([0, 1, 3])] == 1)
+    k = model.cfg.num_experts_per_tok
+    assert pairs and all(shape[0] * shape[1] <= (S + 1) * k for shape in pairs), pairs  # one slot's tokens only
