@@ -1,4 +1,4 @@
-"""H200: the grouped GEMM's parts at one token count, each timed alone (issue 11's breakdown).
+"""H200: the grouped GEMM's parts at one token count, each timed alone (a breakdown of its time).
 
     python3 bench/grouped_parts.py [--m 4096]       (GPU; prints a table last)
 

@@ -1,4 +1,4 @@
-"""Prefill benchmark on one H200 (issue 11): grouped GEMM, KDA prefill, MLA prefill attention, TTFT.
+"""Prefill benchmark on one H200: grouped GEMM, KDA prefill, MLA prefill attention, TTFT.
 
     python3 bench/prefill.py [--parts gemm,kda,mla,ttft] [--budget 420]   (GPU; log also in $OUT)
     python3 bench/prefill.py --tiny                                       (CPU: tiny shapes, the script runs)

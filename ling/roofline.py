@@ -1,4 +1,4 @@
-"""The bytes a decode or verify step must read, the floor time they give, and seed 001's B_eff.
+"""The bytes a decode or verify step must read and the floor time they give.
 
 At batch 1 a step is bandwidth bound: it reads every active weight once (at its stored width), the
 KDA recurrent state (read and written back, fp32), and each MLA layer's latent cache up to the
@@ -109,12 +109,6 @@ def prefill_flops(cfg: ModelConfig, tokens: int, *, nextn: bool = False, kda_chu
         total += 2 * n * kda + n * kda_rule if attn == KDA else 2 * n * mla + mla_attn
         total += 2 * n * (3 * d * cfg.intermediate_size if mlp == DENSE else moe)
     return total + 2 * d * cfg.vocab_size
-
-
-def b_eff(cfg: ModelConfig, tokens_per_second: float, context: int = 0) -> float:
-    """Seed 001's software-defined effective bandwidth: the bytes a bf16 plain-decoding engine moves
-    per token, times the tokens per second actually reached (bytes/s)."""
-    return step_bytes(cfg, 1, context).total * tokens_per_second
 
 
 def main(argv=None) -> None:

@@ -1,9 +1,9 @@
-"""The tile-aware latency model of an MoE layer (seed 002, ExpertPlex §6.2) and the prefill chunk
+"""The tile-aware latency model of an MoE layer (after ExpertPlex §6.2) and the prefill chunk
 it allows next to a decode batch under a TPOT budget.
 
     t(x, s) = alpha + beta*x + gamma*x*s + delta*x*s^2        (µs, one kernel launch)
 
-The seed fits this form per profiled component: for attention x is the batch and s the sequence
+ExpertPlex fits this form per profiled component: for attention x is the batch and s the sequence
 length; for the MoE, raw routed tokens mispredict (the same tokens cost more when they spread
 over more experts), so x is the executed row tiles
 

@@ -23,7 +23,7 @@ acceptance, and how much the verified positions share their experts (rho).
   target MoE layer, let E_0 .. E_S be the top-k expert sets of the w = S+1 verified tokens
   [last token, d_1 .. d_S] (recomputed from the verify pass's own MoE inputs). Reported:
   `union` = mean |E_0 ∪ .. ∪ E_S| (experts that layer must read in that step; k <= union <= min(E, w k)),
-  `jaccard` = mean |∩ E_j| / |∪ E_j|, and seed 001's rho (§II.B): the seed models the union of a
+  `jaccard` = mean |∩ E_j| / |∪ E_j|, and rho: the weight-streaming model writes the union of a
   w-wide read as keep = 1 - s^w_eff, w_eff = 1 + (w-1)(1-rho), with s the per-token skip fraction.
   Here s = 1 - k/E and keep = mean union / E, so rho = 1 - (ln(1 - keep)/ln(s) - 1)/(w - 1):
   1 when all positions pick the same experts, 0 when the union is as large as for independently
@@ -217,7 +217,7 @@ def table(result: dict) -> str:
         lines.append(f"| {name} | {r['nll']:.4f} | {r['ppl']:.3f} | {rel} |")
     e, k = result["routing"]["num_experts"], result["routing"]["top_k"]
     lines += ["", f"| num_steps S | mean accepted length | union of experts per layer (of {e}; top-{k}) "
-              "| jaccard ∩/∪ | rho (seed 001) | prompts = plain greedy | tokens before the first difference |",
+              "| jaccard ∩/∪ | rho | prompts = plain greedy | tokens before the first difference |",
               "|---|---|---|---|---|---|---|"]
     n = result["prompts"]["count"]
     for r in result["speculative"]:
@@ -228,7 +228,7 @@ def table(result: dict) -> str:
 
 def record(result: dict, path: str = RESULTS) -> None:
     p = result["prompts"]
-    text = (f"\n## ling-small: held-out perplexity, NEXTN acceptance, expert sharing (issue 8)\n\n"
+    text = (f"\n## ling-small: held-out perplexity, NEXTN acceptance, expert sharing\n\n"
             f"{result['date']}, {result['device']} (jax {result['jax']}, Python {result['python']}). Model "
             f"`{result['model']}` ({result['n_params'] / 1e6:.2f} M parameters). Command: `{result['command']}`.\n"
             f"Perplexity over {result['heldout_tokens']} held-out tokens ({result['heldout_seqs']} sequences of "

@@ -1,5 +1,8 @@
 """Tile-scheduled MoE: decode and prefill tokens of one layer in one persistent launch, decode first.
 
+Experimental: no serving path calls it yet (the server runs `fused_moe` for decode and
+`grouped_gemm` for prefill chunks); `bench/mixed_moe.py` measures it.
+
     y [M, D] = sum_k topk_weights[m, k] * expert_{topk_ids[m, k]}(x[m])   (fused_moe's maths)
     tokens [0, M_d) are the decode class, [M_d, M) the prefill class (M_d = n_decode).
 
@@ -7,7 +10,7 @@ Why. Two launches (decode, then prefill) make decode wait for nothing but read e
 both classes use twice; one grouped launch over the union reads each expert once but makes the
 decode outputs wait for the whole prefill. Here one launch aligns the union, and the blocks that
 hold decode pairs run first: every one of their tiles is claimed before any other GEMM tile
-(seed 002, ExpertPlex's adaptive persistent kernel, §4.2).
+(ExpertPlex's adaptive persistent kernel, §4.2).
 
 Layout. The union's pairs (p = m*k + slot) grouped by expert, one expert per block. An expert's
 run is split in two: its hot run, ceil(d_e / BM_h) blocks of BM_h rows holding its d_e decode
@@ -120,9 +123,7 @@ from pallas_kernels.quant import QuantizedWeight
 from pallas_kernels.relaxed_atomic import relaxed_atomic_add
 
 H200_SMS = 132
-# Persistent programs per SM by default. H200, 8 decode + 512 / 2048 prefill tokens (BM 16 / 64 of
-# 4 warps): the mixed launch 2018 -> 1586 / 2228 -> 1751 µs from 1 to 2 a SM, 3 no better; at
-# BM 128 of 8 warps (8192 prefill tokens) 1, 2 and 3 tie (bench/RESULTS.md, 2026-12-01).
+# Persistent programs per SM: 2 beat 1 on the H200, 3 no better (bench/history/expert_tiles.md).
 PROGRAMS_PER_SM = 2
 KINDS = ("hot up", "hot down", "cold up", "cold down", "zero", "align")  # hot: blocks holding decode pairs
 ZERO_ROWS = 64  # y32 rows per zero tile (ZR)
@@ -169,13 +170,9 @@ class Plan:
 def plan_for(pairs: int, e: int, quantized: bool) -> Plan:
     """Launch heuristics, by the union's rows an expert: BM 16 up to 24, 64 up to 96, else 128 with
     hot blocks of 16, all of 4 warps (two programs an SM; BM 128 spills ~0.4 KB in its epilogue).
-    H200, 8 decode + 8192 prefill tokens (128 rows an expert), BM 128: hot blocks of 128 (the
-    decode experts' prefill rows ride along, read once) 2480-2564 µs total, decode span
-    295-305 µs; BM 64 2986 and 275; BM 128 of 8 warps (one program an SM) 3179 and 372
-    (bench/RESULTS.md, 2026-12-01, fourth session). Hot blocks of 16 (decode pairs only, two align
-    phases): decode span 1.07-1.11 of the decode-only launch's, total 1.13-1.20 of the union
-    launch's (fifth session); at 2048 prefill tokens they cost 0.12 of the total (decode experts
-    read twice), so BM 64 keeps its hot blocks as tall as the cold ones."""
+    At 128 rows an expert hot blocks of 16 (decode pairs only, two align phases) keep the decode
+    span near the decode-only launch's; at fewer rows BM 64 keeps its hot blocks as tall as the
+    cold ones (the decode experts then read once). H200 figures: bench/history/expert_tiles.md."""
     r = pairs / e
     bm = 16 if r <= 24 else 64 if r <= 96 else 128
     hot = 16 if bm == 128 else None
@@ -428,7 +425,7 @@ def _kernel(*refs, s: _Static):
         """Block j of `rows` rows (BM_h hot, BM cold) -> (expert, pairs [rows], valid [rows], its
         first row in h and the slots). Its arrays were written in this launch by other SMs; plain
         loads see them, as no SM reads their lines before the align's acquire (volatile loads here
-        cost ~40% of a decode launch at BM 64: H200, 2026-12-01)."""
+        cost ~40% of a decode launch at BM 64 on the H200)."""
         row0 = jnp.where(j < n_hot, j * bmh, s.h0 + (j - n_hot) * bm)
         valid = jnp.arange(rows, dtype=jnp.int32) < rows_ref[j]
         pair = pltriton.load(sorted_ref.at[pl.ds(row0, rows)], mask=valid, other=0)

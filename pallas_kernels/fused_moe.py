@@ -53,10 +53,8 @@ U * 3*D*I * (b + 16/G) / 8 quantised (int4 G=128: 24.3 MB); activations are nois
 h (2 * NB*BM*I*2), out (2 * P*D*4), y (M*D*2). A block re-reads its expert only when the expert
 has more than BM pairs ("dot") or more than one pair ("fma").
 
-Measured on the H200 (bench/RESULTS.md, 2026-11-30 and 2026-12-01), µs per layer incl. align and
-combine: bf16 M = 1 / 6 / 16 / 64: 23.6-30 / 138-147 / 312 / 1012 (3.2-4.1 TB/s); int4: 17.4-21.7
-(K split) / 76-92 / 202 / 736 (1.1-1.8 TB/s: latency and instruction bound). M = 1 figures move
-by up to 25% between machines of one kind; compare within a run.
+Timings on the H200 against SGLang's Triton kernel: bench/RESULTS.md; the sweeps behind
+`plan_for`: bench/history/fused_moe.md.
 """
 
 from __future__ import annotations
@@ -76,7 +74,6 @@ from pallas_kernels.quant import QuantizedWeight, _quantize, check_config, dequa
 from pallas_kernels.relaxed_atomic import relaxed_atomic_add
 
 MAX_ALIGN_PAIRS = 64  # the pair-axis align kernel's limit: [64, 64] comparisons stay in registers
-MAX_FUSED_M = 64  # decode / verify sizes; larger M runs the same kernels with a bigger block
 EVICT = "evict_first"  # weights stream once: keep L2 for activations
 
 
@@ -323,12 +320,10 @@ def _align_blocked(ids, s: AlignSizes, n_experts: int, interpret: bool):
     padding, and each pair's slot. An expert's pairs come in the order their blocks reserved:
     stable in p where the blocks run in order (interpret mode: `_align_jnp`'s output exactly), in
     any block order on the GPU. Every consumer reads a block's rows independently, so y does
-    not depend on that order. H200 (bench/fused_moe.py --align-only, 2026-12-03): 15 / 11 / 22 /
-    14 / 18 µs at 128 / 512 / 16k / 32k / 65k pairs; the ten-launch form before it (a histogram,
-    XLA cumsums, a place launch) took 23 / 25 / 33 / 26 / 29."""
+    not depend on that order. Two launches where a histogram, XLA cumsums and
+    a place launch took ten (bench/history/fused_moe.md)."""
     p, bm = s.p, s.bm
-    # pairs a rank program; blocks (of BM slots) a place program. H200, 32k pairs (2026-12-03): PB 32,
-    # 64, 128 take 11.0, 10.8, 12.7 µs (rank + place)
+    # pairs a rank program (64: the H200's best, bench/history/fused_moe.md); blocks (of BM slots) a place program
     pb, jb = 64, 8
     nbk = -(-p // pb)
     n_place = max(nbk, -(-max(-(-s.n_slots // bm), s.nbp) // jb))  # every pair, every slot and block
@@ -367,7 +362,7 @@ def _align_jnp(ids, s: AlignSizes, n_experts: int):
     sorted_pairs = jnp.full((s.n_slots,), p, jnp.int32).at[pos].set(order, mode="drop")
     j = jnp.arange(s.nbp, dtype=jnp.int32)
     # compare_all: one fusion. The default method ("scan") is a while loop, which on the GPU
-    # waits on the host once per step: ~150 µs an align on the H200 (2026-12-01).
+    # waits on the host once per step (~150 µs an align on the H200).
     expert = jnp.searchsorted(bend, j, side="right", method="compare_all").astype(jnp.int32)
     return sorted_pairs, jnp.where(j < bend[-1], expert, -1)
 
@@ -438,19 +433,15 @@ def _fill(gp: GemmPlan, w, n_blocks: int, programs: int = 2 * H200_SMS) -> GemmP
 
 
 def plan_for(m: int, k: int, quantized: bool, k_groups: tuple[int, int] = (1, 1)) -> Plan:
-    """Launch heuristics: the H200 sweep's winners (bench/fused_moe.py, bench/RESULTS.md 2026-11-30,
-    2026-12-01). k_groups: quantised weights' groups of K in the up and down GEMMs (D/G, I/G).
+    """Launch heuristics: the H200 sweep's winners (bench/fused_moe.py; the figures in
+    bench/history/fused_moe.md). k_groups: quantised weights' groups of K in the up and down GEMMs
+    (D/G, I/G).
 
     bf16: block 16, tensor-core dot, weight tiles pipelined by cp.async; [64, 128] tiles, 6 / 5
-    stages won at M = 1, 6, 16 (27.0 / 138.1 / 369.5 us); M = 64 was measured on [128, 64] x 4.
-    Quantised: "fma" (~6 SASS instructions per weight, the dot path more) waits on its loads
-    (ncu at M = 1: 7 cycles of long-scoreboard stall per issued instruction, 18% occupancy: 192
-    up programs). Splitting K among programs, 2 groups each in the up GEMM and 1 in the down
-    GEMM, 4 warps: at M = 1 the best of three interleaved rounds went 24.2 -> 18.5, 23.9 -> 17.4
-    and 24.5 -> 21.7 us on three machines, though split plans vary more from round to round; at
-    M = 6 (1152 up programs already) splits gained nothing reproducible.
-    M = 6 and 16: 4 warps; M = 64: the dot path.
-    Beyond 512 pairs (prefill): block 64, not measured on the GPU.
+    stages at M = 1 to 16, [128, 64] x 4 at 64.
+    Quantised: "fma" waits on its loads at M = 1 (few programs), so K is split among programs
+    (2 groups each in the up GEMM, 1 in the down GEMM); M = 6 and 16: 4 warps; M = 64: the dot path.
+    Beyond 512 pairs (prefill): block 64, not tuned on the GPU.
     """
     if quantized:
         if m == 1:

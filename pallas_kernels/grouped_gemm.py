@@ -63,19 +63,12 @@ Bytes: the U distinct experts' weights once, U*3*D*I*2 (bf16) or U*3*D*I*(b + 16
 Ling (E 512, top-8, D 2560, I 768) at M = 4096 tokens, P = 32768, U = 512 (every expert):
   386.5 GFLOP useful (0.39 ms at the H200's 989 TFLOP/s dense bf16);
   bf16 weights 6.04 GB -> 1.40 ms at 4.3 TB/s: the floor (x + y add 0.04 GB); h 0.10 GB and the
-  "sum" combine's out 0.67 GB ("sum16": 0.34) more -> ~1.6 ms as designed; 250 TFLOP/s (issue
-  11) is 1.55 ms. Measured (H200, "sum16", 2026-12-03): 1543-1586 µs by machine, and on each
-  machine cuBLAS streaming only the weights (dense dots at 64 rows) takes 0.93 of it; a TMA +
-  wgmma Mosaic GPU kernel streams them no faster than cuBLAS. x's rows come back from DRAM for
-  each of a token's k blocks (~43 µs: the weight stream turns L2 over long before a token's next
-  expert); keeping them would need an L2 policy on the pipelined loads, which neither the Triton
-  lowering (cp.async drops the hint) nor Mosaic GPU's TMA copy can express.
+  "sum" combine's out 0.67 GB ("sum16": 0.34) more -> ~1.6 ms as designed; 250 TFLOP/s would be
+  1.55 ms. Measured and compared with cuBLAS and a Mosaic GPU kernel: bench/history/grouped_gemm.md.
   int4 G128 weights 1.56 GB -> 0.36 ms: the compute floor 0.39 ms binds.
-`plan_for`'s bf16 plans are the H200 sweeps' winners (its docstring; bench/RESULTS.md), its
-quantised plans are not measured; bench/grouped_gemm.py sweeps them. Every plan it times compiles
-for sm_90a offline (triton 3.6 from jax 0.11.2's Triton IR, 2026-11-30): no spills, <= 144 KB
-shared memory, HGMMA (BM 64/128 or swap) or HMMA, LDGSTS (cp.async) loads, the swapped int4 dot
-reads the dequantised tile from registers, "atomic" adds 4 floats per ATOMG.
+`plan_for`'s bf16 plans are the H200 sweeps' winners (bench/history/grouped_gemm.md); its quantised
+plans are not measured (bench/grouped_gemm.py sweeps them). Every plan compiles for sm_90a without
+spills, within 144 KB of shared memory.
 """
 
 from __future__ import annotations
@@ -126,17 +119,9 @@ class Plan:
 
 def plan_for(p: int, e: int, quantized: bool) -> Plan:
     """Launch heuristics: BM near the mean rows per expert P/E, so an expert takes ~one block
-    (its weights read once) without mostly padding. Measured for bf16 at Ling's 4096 tokens (64
-    rows an expert; H200, bench/RESULTS.md): BM 128 of 8 warps 1767 µs, BM 64 of 4 warps 1878 µs,
-    BN 256, 6 stages, the atomic combine (then fenced; relaxed since 2026-12-01, it ties "sum":
-    1717 vs 1714 µs) and BM 32 all slower; so BM 128 from 48 rows an expert. bf16 pair rows
-    ("sum16") at 4096 tokens: 1613 µs against "sum"'s 1738 (512 and 16384 tokens: ties), so bf16
-    weights take it; the quantised plans keep "sum" (not measured). Half blocks at BM 128 (bf16,
-    4096 tokens, one run 2026-12-02): the call 1604 µs against 1637, gate/up 983 against 1046; the
-    quantised BM 128 plan does not take them (not measured). The down GEMM takes K steps of 32 at 6
-    stages (5 × 8 KB of weights in flight in the shared memory of 3 steps of 64, 2 × 16 KB): 521-526
-    against 527-533 µs at 4096 tokens, in three runs (2026-12-03); the up GEMM lost with them (985
-    against 971 µs); steps of 16, and BN 64, lost on both GEMMs; 7 stages tie 6."""
+    (its weights read once) without mostly padding: BM 128 from 48 rows an expert; bf16 weights
+    take bf16 pair rows ("sum16") and half blocks at BM 128; the down GEMM K steps of 32 at 6
+    stages. The H200 timings behind each choice: bench/history/grouped_gemm.md."""
     r = p / e
     if quantized:
         if r <= 24:

@@ -113,9 +113,8 @@ class KdaOut(NamedTuple):
 
 
 def default_bv(v: int, t: int) -> int:
-    """V-block from the H200 sweep in bench/attention.py (RESULTS.md, 2026-11-30): at T = 6,
-    BV 16 / 4 warps 10.2 µs, BV 32 / 4 11.4, BV 8 / 2 12.1, BV 4 / 2 22.6; at T = 1 only
-    BV 8 / 2 warps was measured (6.6 µs)."""
+    """V-block from the H200 sweep of bench/attention.py (BV 16 at T = 6 and 8 at T = 1 won;
+    the figures: bench/history/kda.md)."""
     return min(v, 16 if t > 1 else 8)
 
 

@@ -48,11 +48,8 @@ Kernels (Triton lowering), in this order:
   conv   one launch for q, k and v, grid (B, T/CONV_ROWS, 3H): conv + SiLU of a row block of one
          head, the W-1 rows before it from the previous block or, for block 0, the conv state (a
          gather under lax.cond); q and k also store each row's L2-norm factor, and the block
-         holding row valid-1 the conv state after it. (Three launches and three XLA gathers of
-         the states took 163 + 5.6 µs, one launch 160, H200 profiler, 2026-12-02.)
-         Bandwidth-bound, with registers for many programs an SM: inside the intra kernel the
-         conv's taps cost ~1.6k of ~6.4k instructions a thread and its registers kept the kernel
-         at 4 warps (H200, 8192 tokens, one run: the layer 1168 -> 1017 µs with the pass, 2026-12-02).
+         holding row valid-1 the conv state after it. A pass of its own: inside the intra kernel the
+         taps' instructions and registers held that kernel at 4 warps.
   intra  grid (B, N, H), one program per (sequence, chunk, head), all independent: the chunk's
          q/k/v rows, times their norm factors, gate, decays, A and Aqk, the inverse, w and u;
          stores w, u, qg, kg, aqk, gc. Rows past valid are padding (g = 0, β = 0: u = w = 0).
@@ -65,45 +62,10 @@ Kernels (Triton lowering), in this order:
          each step's loads issued during the step before (XLA's fusion of it ran at 1.7 TB/s).
   The conv states after valid[b] are a gather of W-1 rows (XLA).
 
-Cost at Ling shapes (B 1, T 8192, H 32, K = V = 128, C 64 unless said, bf16), per layer:
-  FLOPs (useful), per token and head: A and Aqk lower halves 2·C·K, the solve C·(K + V), the
-  state part (w S, q S, kᵀ v_new) 6·K·V and Aqk v_new C·V ≈ 139 k → 36.5 GFLOP a layer, 0.074 ms
-  at the H200's ~495 TFLOP/s dense tf32.
-  Bytes that must move: q, k, v, g_in, gate_in in and o out, 6 × 67.1 MB, + b_in, conv states
-  and the fp32 state in and out ≈ 408 MB → 0.095 ms at 4.3 TB/s: the floor of any implementation.
-  This design also writes and reads the intermediates (w, u, qg, kg 4 × 67.1 MB, aqk 33.6 MB,
-  gc 2 MB: 304 MB each way), the conv outputs (201 MB each way) and, with BV < V, o once more
-  (134 MB written and read): ≈ 1.55 GB → 0.36 ms at 4.3 TB/s, the floor of this design.
-  The intra kernel is instruction-bound rather than byte-bound. Compiled offline for sm_90a
-  (triton 3.6; jax 0.10.2 and 0.11.2 lower alike; 2026-11-30), with the halves and the inverse's
-  levels as loops: 8 warps ~7.0k SASS instructions a thread (~56k warp-instructions a program),
-  255 registers, ~0.5 KB spilled; 4 warps ~10.4k. At 4096 programs that is 0.23 G
-  warp-instructions, 0.22 ms at the H200's issue peak (132 SMs × 4 a cycle × 1.98 GHz), above the
-  byte floors. Unrolled, it was ~20k instructions and ncu found half its stalls in instruction
-  fetch, at 12.5% occupancy (the registers allow 2 programs of 4 warps an SM).
-  Chunks of 32 (CHUNK, since 2026-12-01) halve that code: 5.0k instructions at 4 warps (76 B
-  spilled), for 8192 programs and twice the state kernel's steps. Executed (ncu): 12.5k
-  warp-instructions a warp, 41% of issue slots; the static count with the half loop run twice and
-  the inverse's levels 4 times gives ~10.2k a thread, 3.2k of it the 3xtf32 inverse. Since then
-  (offline counts; timed below): the inverse as FMA dots (INV_PRECISION), bf16 dot operands
-  (default_plan, 16-bit activations), unmasked loads when T is a multiple of the chunk and the
-  gate's exponent as one FMA: 4.35k static, ~6.4k executed a thread by the same count (-37%),
-  255 registers, 52 B spilled. What remains is mostly elementwise: the conv's 4 taps (bf16 → fp32
-  converts and FMAs, ~1.6k), SiLU, L2 norms and the decay factors' exp2s, the cumsum (~0.5k).
-  Measured (H200, bench/RESULTS.md 2026-12-01): chunks of 32, intra 0.98-1.10 ms (4 warps; 8
-  warps 2.3), state 0.57-0.62 ms with hi + lo dots, 0.42 rounded; the layer 1.65-1.68 ms, 1.47
-  rounded; chunks of 64 (intra 8 warps) 2.83 ms; fla's chunk_kda 0.96 ms without conv and gated
-  norm; target ≤ 1.0 ms. With the cuts above (bf16 dots, FMA inverse): the layer 1180 µs (fla
-  959 in the same run), o / state rel. err at T = 8192 unchanged (7.5e-3 / 3.7e-3).
-  2026-12-02: the conv in its own pass (with the norm factors: 3.2k instructions a thread at 2
-  warps, 212 B spilled; the carries keg, v and kt in bf16 where the dots round them anyway), the
-  intra kernel at 2 warps, the norm in a Pallas pass: conv 148-250 µs, intra 464-553 µs, state +
-  norm 379-407 µs (bench/RESULTS.md 2026-12-02); the layer 1007-1021 µs over three timings on two
-  machines (fla 960 in the same runs); o / state rel. err at T = 8192 unchanged.
-  2026-12-02, third session, device spans from the profiler (bench/kda_prefill_check.py --trace:
-  first kernel's start to last kernel's end; the loop timer above adds its loop's ~20-45 µs an
-  iteration): three conv launches 1006-1007 µs, the one-launch pass 986 µs (intra 447, state 323,
-  conv 160, norm 54; fla 960 in the same run).
+Cost at Ling's shapes (B 1, T 8192, H 32, K = V = 128, bf16), per layer: 36.5 GFLOP (0.074 ms of
+dense tf32); the bytes any implementation must move ≈ 408 MB (0.095 ms); this design also writes
+and reads its intermediates, ≈ 1.55 GB (0.36 ms). The intra kernel is bound by instructions, not
+bytes. The derivation, instruction counts and timings: bench/history/kda_prefill.md.
 """
 
 from __future__ import annotations
@@ -321,11 +283,8 @@ def _dot(a, b, precision, *, trans_b: bool = False):
 # ----------------------------------------------------------------------------------------------
 # Kernel 0: the short conv + SiLU (and q's and k's L2-norm factors), one program per row block and head.
 
-CONV_ROWS = 16  # rows per program of the conv pass. Bandwidth-bound, it wants many programs' loads in
-# flight: sm_90a registers a thread at 16 / 32 / 64 / 128 rows of 4 warps 76 / 124 / 168 / 255. H200, T 8192,
-# three projections: 148 µs at 16 rows; 154-250 at 32, 183-186 at 64, 288 at 128 (runs of 2026-12-02). The
-# norm pass's form (programs of several row steps, the next step's tap windows loaded during this one) was
-# slower: 168-310 µs over 2-16 steps of 8-32 rows, against 138-157 for this form in the same runs
+CONV_ROWS = 16  # rows per program of the conv pass: bandwidth-bound, it wants many loads in flight (H200 sweep:
+# bench/history/kda_prefill.md)
 
 
 def _conv_rows(x_ref, cs_ref, w_ref, y_ref, rn_ref, s_ref, valid, i, *, t_len: int, block_t: int, scale: float):
@@ -608,7 +567,7 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, rnq_ref, rnk_ref
         h-1's k ⊙ e^{O_h - G}, k ⊙ e^G, v, inverse and β for the cross block — zeros at h = 0,
         where the cross terms then vanish. A loop rather than two unrolled halves: the unrolled
         kernel was ~20k SASS instructions, and on the H200 half its stalls were instruction
-        fetches (ncu, 2026-11-30)."""
+        fetches (ncu)."""
         o_h, kt0, keg0, v0, inv0, beta0 = carry
         sl = pl.ds(pl.multiple_of(h * hf, hf), hf)
         other = pl.ds(pl.multiple_of((1 - h) * hf, hf), hf)  # h = 1: half 0's columns; h = 0: above the diagonal
@@ -818,10 +777,8 @@ def _state(inter, x: KdaInputs, w: KdaWeights, rec, *, chunk, eps, bv, precision
 # Kernel 3 (BV < V): the gated RMSNorm over whole V rows, one program per NORM_STEPS row blocks and head.
 
 NORM_ROWS = 32  # rows per step of the norm pass
-NORM_STEPS = 4  # steps per program, the next step's loads issued before this step's maths: bytes in flight
-# that one-step programs lack. H200, T 8192, 201 MB, two runs (2026-12-02): 61.5 and 81.1 / 138.5 µs at 4
-# steps of 32 rows, against 129.2 and 97.9 at one step of 64 (the form before; 91 in an earlier run): the
-# spread of this short kernel between timings is as large as the gain
+NORM_STEPS = 4  # steps per program, the next step's loads issued before this step's maths (bytes in flight;
+# H200 timings: bench/history/kda_prefill.md)
 
 
 def _norm_kernel(o_ref, gate_ref, wn_ref, y_ref, *, t_len: int, block_t: int, n_steps: int, eps: float):

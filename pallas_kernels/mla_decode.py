@@ -236,8 +236,8 @@ def mla_decode(q_lat, q_rope, c, k_rope, lengths, *, scale: float, block_rows: i
     BR for at least two programs an SM, looping over the splits in blocks (an XLA fusion for it was
     slower on the H200: 18.9 against 14.1 µs at 8k, T = 1).
     BL = 64 and 2 stages fit one program per SM (188 KB of shared memory). 4 warps (255
-    registers, 620 B spilled: triton 3.6, sm_90a) beat 8 (252, no spills) on the H200: 8k, T = 1
-    13.8 against 14.1 µs, T = 6 31.5 against 43.7 (bench/RESULTS.md, 2026-12-01).
+    registers, 620 B spilled: triton 3.6, sm_90a) beat 8 (252, no spills) on the H200 at T = 1 and
+    6 (bench/history/mla_decode.md).
     Bytes that must move: lengths[b]·(R + P)·e (the cache, read once from HBM; further row
     blocks hit L2) + T·H·(R + P + R)·e (queries in, output out), e = element bytes; the
     partials, B·S·T·H·(R·e + 4), are written and read back (ncu at 8k, S = 128, fp32 partials:

@@ -36,8 +36,8 @@ and 0.11) is called, which takes MLA dims and returns the lse in fp32 ([B, H, T]
 FLOPs that must be done, per sequence: chunk 2·H·(N+P+V)·T(T+1)/2; prefix 2·H·(N+P+V)·T·lengths;
 expanding latents 2·R·H·(N+V) per position (the chunk's T once, each prefix position once per
 chunk). Bytes: q, k, v of the chunk and the prefix's latents, far below the FLOPs' time.
-Not yet run on a GPU (2026-11-30): bench/prefill.py checks the cuDNN path against `reference` there
-(ragged B = 2, a prefix over several blocks) before it times it.
+On the GPU, bench/prefill.py checks the cuDNN path against `reference` (ragged B = 2, a prefix over
+several blocks) before it times it; its figures are in bench/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Grouped low-bit weight codec in the tile-transposed layout (seed 001).
+"""Grouped low-bit weight codec in the tile-transposed layout.
 
 A weight W [N, K] (out, in — a torch Linear weight) is cut into groups of G input columns. Each
 group of one row has a bf16 scale s (and, when asymmetric, an integer zero z stored as bf16) and
