@@ -145,7 +145,7 @@ def main():
     rows = []
     ctx = args.prompt
     # Floors at the weights' stored width (the routed experts stay bf16 under --quantize: the
-    # projections' share is small, so the bf16 floor is used for both; see RESULTS.md).
+    # projections' share is small, so the bf16 floor is used for both; see bench/history/chronicle.md).
     # Under EP each GPU reads the replicated weights and 1/ep of the routed experts, in parallel.
     floor_decode = step_bytes(cfg, 1, ctx).floor_seconds(bw, ep=args.ep)
     floor_verify = step_bytes(cfg, s + 1, ctx).floor_seconds(bw, ep=args.ep)

@@ -10,7 +10,7 @@ Parts (each checked against its reference in the same run before it is timed):
         (bench/grouped_gemm.py's `torch_grouped_mm_us`). Ceilings from the same run: its bytes (the
         used experts' weights once, x, y, h and the bf16 pair rows written and read) over the copy
         ceiling, and the experts' weights streamed by XLA's dense dot (cuBLAS) at 64 rows (a TMA
-        kernel streamed them no faster, bench/RESULTS.md). Target >= 250 TFLOP/s at 4096 tokens.
+        kernel streamed them no faster, bench/history/chronicle.md). Target >= 250 TFLOP/s at 4096 tokens.
   kda   KDA prefill at 8192 tokens, B 1, H 32, K = V 128, bf16 activations, fp32 state, one layer
         between its projections (conv + delta rule + gated norm): `pallas_kernels.kda_prefill`
         against the jnp chunked form under jit (ling/kda.py) and fla's Triton `chunk_kda` (delta rule
@@ -29,7 +29,7 @@ Timing: JAX calls are queued back to back and the difference of two batch sizes 
 (dispatch and sync cancel); torch peers with CUDA events; TTFT is wall clock around the engine's
 prefill (best of two after a compiling run). --budget skips what would start after it.
 Run with fla (carry .whl): install .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl into a
---target directory on PYTHONPATH first (bench/RESULTS.md, attention decode).
+--target directory on PYTHONPATH first (bench/history/chronicle.md, attention decode).
 """
 
 from __future__ import annotations

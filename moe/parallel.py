@@ -37,7 +37,7 @@ RULES: dict[str, str | None] = {
 }
 
 # From this many tokens in one MoE call the all-to-all dispatch replaces the replicated psum.
-# Measured on two H200s (NVLink; bench/decode.py --ep 2, bench/RESULTS.md): one Ling MoE layer
+# Measured on two H200s (NVLink; bench/decode.py --ep 2, bench/history/chronicle.md): one Ling MoE layer
 # at 256 / 1024 / 4096 / 8192 tokens takes 1424 / 1521 / 2110 / 2230 µs by the psum path and
 # 1.10 / 1.10 / 1.61 / 1.98x that by the all-to-all. With the attention replicated every rank
 # holds every token anyway, and the psum moves M·D fp32 where the all-to-all moves M·k·D/ep

@@ -254,7 +254,7 @@ class Plan:
 
 
 def default_plan(v: int, dtype) -> Plan:
-    """The H200 sweep's best at Ling's shapes (bench/kda_prefill_check.py, bench/RESULTS.md):
+    """The H200 sweep's best at Ling's shapes (bench/kda_prefill_check.py, bench/history/chronicle.md):
     BV 32 of 4 warps and 3 stages for the state kernel (4 and 5 stages: within the spread). fp32
     intermediates (4 B each) do not fit two pipeline stages of the state kernel's loads in
     shared memory. 16-bit activations: the intra kernel's dots on bf16 operands (their outputs

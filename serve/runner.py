@@ -40,18 +40,24 @@ class Runner:
         self._temperature = np.zeros(max_batch, np.float32)
 
     def prefill(self, chunk: PrefillChunk):
-        """Dispatches one prefill chunk; returns the device array of first tokens [B] (-1 where the
+        """Dispatches one prefill chunk over the slots it touches (in the smallest batch bucket
+        that holds them); returns what `read_first` turns into the first tokens [B] (-1 where the
         prompt does not end), to be read after the next step is dispatched."""
         from spec.sampling import SamplingParams, any_sampling
+        from spec.stepper import bucket_rows
 
-        params = SamplingParams.make(self.max_batch, chunk.temperature, chunk.top_k, chunk.top_p, chunk.seed)
         start = np.asarray(chunk.start, bool)
         self._temperature[start] = np.asarray(chunk.temperature, np.float32)[start]
+        rows = bucket_rows(start | (np.asarray(chunk.valid) > 0), self.stepper.buckets, self.max_batch)
+        pick = (lambda a: np.asarray(a)) if rows is None else (lambda a: np.asarray(a)[rows])
+        params = SamplingParams.make(len(pick(start)), pick(chunk.temperature), pick(chunk.top_k), pick(chunk.top_p),
+                                     pick(chunk.seed))
         self.stepper.slots, first = self.prefiller(
-            self.stepper.slots, start=chunk.start, params=params, max_new=chunk.max_new, eos=chunk.eos,
-            tokens=chunk.tokens, next_tokens=chunk.next_tokens, valid=chunk.valid, ends=chunk.ends,
-            sampling=any_sampling(self._temperature, chunk.ends))
-        return first
+            self.stepper.slots, start=pick(chunk.start), params=params, max_new=pick(chunk.max_new),
+            eos=pick(chunk.eos), tokens=pick(chunk.tokens), next_tokens=pick(chunk.next_tokens),
+            valid=pick(chunk.valid), ends=pick(chunk.ends), sampling=any_sampling(self._temperature, chunk.ends),
+            rows=rows)
+        return first, rows
 
     def step(self, owners: list) -> StepResult | None:
         """Dispatches a decode (or speculative) step for the slots; returns the previous step's result."""
@@ -103,23 +109,31 @@ class Runner:
         tokens, done = report
         return StepResult(self._owners.popleft(), tokens, done)
 
-    @staticmethod
-    def read_first(first) -> np.ndarray:
-        return np.asarray(first)
+    def read_first(self, dispatched) -> np.ndarray:
+        """The first tokens [B] of a dispatched prefill chunk (a host sync)."""
+        first, rows = dispatched
+        first = np.asarray(first)
+        if rows is None:
+            return first
+        out = np.full(self.max_batch, -1, first.dtype)
+        out[rows[::-1]] = first[::-1]  # a padded duplicate repeats its slot's value
+        return out
 
     def warmup_prefill(self, chunk_size: int) -> None:
-        """Compiles the prefill chunk, all-greedy and sampling (with JAX's persistent cache, a
-        restart loads them instead), by prefilling one token into slot 0 with max_tokens 1, which
-        leaves the slot done."""
-        b, one = self.max_batch, np.eye(self.max_batch, dtype=bool)[0]
-        for temperature in (0.0, 1.0):
-            chunk = PrefillChunk(start=one, tokens=np.zeros((b, chunk_size), np.int32),
-                                 next_tokens=np.zeros((b, chunk_size), np.int32), valid=one.astype(np.int32),
-                                 ends=one, owners=[None] * b, temperature=np.full(b, temperature, np.float32),
-                                 top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),
-                                 seed=np.zeros(b, np.uint32), max_new=np.ones(b, np.int32),
-                                 eos=np.full(b, -1, np.int32))
-            self.read_first(self.prefill(chunk))
+        """Compiles the prefill chunk for every batch bucket, all-greedy and sampling (with JAX's
+        persistent cache, a restart loads them instead), by prefilling one token into the first k
+        slots with max_tokens 1, which leaves them done."""
+        b = self.max_batch
+        for k in self.stepper.buckets:
+            some = np.arange(b) < k
+            for temperature in (0.0, 1.0):
+                chunk = PrefillChunk(start=some, tokens=np.zeros((b, chunk_size), np.int32),
+                                     next_tokens=np.zeros((b, chunk_size), np.int32), valid=some.astype(np.int32),
+                                     ends=some, owners=[None] * b, temperature=np.full(b, temperature, np.float32),
+                                     top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),
+                                     seed=np.zeros(b, np.uint32), max_new=np.ones(b, np.int32),
+                                     eos=np.full(b, -1, np.int32))
+                self.read_first(self.prefill(chunk))
         self._temperature[:] = 0
 
     def warmup_step(self) -> None:

@@ -26,6 +26,27 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(1 << i for i in range(max(max_batch - 1, 0).bit_length()) if 1 << i < max_batch) + (max_batch,)
 
 
+def bucket_rows(live, buckets: tuple[int, ...], batch: int) -> np.ndarray | None:
+    """The slot indices a call over the `live` [B] bool slots runs: the live ones, padded by
+    repeating the first to the smallest bucket that holds them (None: that bucket is the whole
+    batch, run in place)."""
+    ids = np.flatnonzero(np.asarray(live, bool))
+    k = next(b for b in buckets if b >= max(len(ids), 1))
+    if k == batch:
+        return None
+    return np.concatenate([ids, np.full(k - len(ids), ids[0] if len(ids) else 0)]).astype(np.int32)
+
+
+def gather_rows(tree, rows):
+    """Every leaf's rows `rows` (all leaves batch-first); the tree itself when rows is None."""
+    return tree if rows is None else jax.tree_util.tree_map(lambda a: a[rows], tree)
+
+
+def scatter_rows(tree, rows, sub):
+    """tree with its rows `rows` replaced by sub's (a padded duplicate writes its row's own values)."""
+    return sub if rows is None else jax.tree_util.tree_map(lambda a, b: a.at[rows].set(b), tree, sub)
+
+
 class Stepper:
     """Steps the slots one compiled step at a time, dispatching step k+1 before it reads step k's
     results (JAX dispatch is asynchronous, so the device never waits for the host between steps).
@@ -63,16 +84,14 @@ class Stepper:
 
         def run(param_leaves, slot_leaves, rows, sampling):
             full = jax.tree_util.tree_unflatten(slot_def, slot_leaves)
-            s = full if rows is None else jax.tree_util.tree_map(lambda a: a[rows], full)
+            s = gather_rows(full, rows)
             before = s.n_out
             s = step_fn(speculative, num_steps, sampling)(merge(param_leaves), s)
             idx = jnp.minimum(before[:, None] + jnp.arange(self.width)[None], s.out.shape[1] - 1)
             new = jnp.take_along_axis(s.out, idx, axis=1)
             # One packed report [K, width + 2]: a fresh buffer, so donating the slots never frees it.
             report = jnp.concatenate([new, (s.n_out - before)[:, None], s.done[:, None].astype(jnp.int32)], axis=1)
-            if rows is not None:
-                s = jax.tree_util.tree_map(lambda a, b: a.at[rows].set(b), full, s)
-            return jax.tree_util.tree_leaves(s), report
+            return jax.tree_util.tree_leaves(scatter_rows(full, rows, s)), report
 
         self._step = jax.jit(run, donate_argnums=1, static_argnums=3)
         self._pending = None
@@ -89,13 +108,8 @@ class Stepper:
         self._slots = leaves
 
     def rows(self, live) -> np.ndarray | None:
-        """The slot indices a step over `live` [B] bool runs, padded to the smallest bucket that
-        holds them (None: every slot, in place)."""
-        ids = np.flatnonzero(np.asarray(live, bool)) if live is not None else np.arange(self.batch)
-        k = next(b for b in self.buckets if b >= max(len(ids), 1))
-        if k == self.batch:
-            return None
-        return np.concatenate([ids, np.full(k - len(ids), ids[0] if len(ids) else 0)]).astype(np.int32)
+        """The slot indices a step over `live` [B] bool runs (`bucket_rows`; None: every slot)."""
+        return bucket_rows(np.ones(self.batch, bool) if live is None else live, self.buckets, self.batch)
 
     def _unpack(self, pending):
         if pending is None:
@@ -148,22 +162,27 @@ def prefill_step(model: LingModel, slots: Slots, start, params: SamplingParams, 
 
 
 class ChunkPrefiller:
-    """`prefill_step` compiled once for the slots' shapes (and each `sampling` variant); the
-    arguments are host arrays ([B] and [B, C]). The slots are donated: pass the Stepper's current
-    slots and put the result back. The weights cross the jit boundary as a flat list (`Stepper`)."""
+    """`prefill_step` compiled once for the slots' shapes (and each `sampling` variant and batch
+    bucket); the arguments are host arrays, [K] and [K, C] for the K slots `rows` names (all B
+    slots when rows is None): those rows of the slots are gathered, prefilled and scattered back,
+    so the slots a chunk does not touch cost nothing. The slots are donated: pass the Stepper's
+    current slots and put the result back. The weights cross the jit boundary as a flat list
+    (`Stepper`). Returns (slots, first [K])."""
 
     def __init__(self, model: LingModel):
         self._params, merge = _flat_weights(model)
 
-        def run(param_leaves, slots, start, sampling_params, max_new, eos, tokens, next_tokens, valid, ends, sampling):
-            return prefill_step(merge(param_leaves), slots, start, sampling_params, max_new, eos, tokens, next_tokens, valid, ends,
-                                sampling=sampling)
+        def run(param_leaves, slots, rows, start, sampling_params, max_new, eos, tokens, next_tokens, valid, ends,
+                sampling):
+            sub, first = prefill_step(merge(param_leaves), gather_rows(slots, rows), start, sampling_params, max_new,
+                                      eos, tokens, next_tokens, valid, ends, sampling=sampling)
+            return scatter_rows(slots, rows, sub), first
 
-        self._call = jax.jit(run, donate_argnums=1, static_argnums=10)
+        self._call = jax.jit(run, donate_argnums=1, static_argnums=11)
 
     def __call__(self, slots: Slots, *, start, params: SamplingParams, max_new, eos, tokens, next_tokens, valid,
-                 ends, sampling: bool):
+                 ends, sampling: bool, rows=None):
         i32 = lambda a: jnp.asarray(np.asarray(a, np.int32))
         b = lambda a: jnp.asarray(np.asarray(a, bool))
-        return self._call(self._params, slots, b(start), params, i32(max_new), i32(eos), i32(tokens), i32(next_tokens),
-                          i32(valid), b(ends), bool(sampling))
+        return self._call(self._params, slots, None if rows is None else i32(rows), b(start), params, i32(max_new),
+                          i32(eos), i32(tokens), i32(next_tokens), i32(valid), b(ends), bool(sampling))
