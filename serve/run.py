@@ -31,7 +31,9 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "defaul
 DEFAULT_MODEL_NAME = "ling-default"
 DEFAULT_CACHE = os.path.join("~", ".cache", "ling-serve", "jax")
 DEFAULT_SPEC_STEPS = 5
-DEFAULT_MAX_SEQ_LEN = 8192
+# Defaults by platform (max_batch, max_seq_len cap, prefill_chunk): on a CPU the smaller slots and
+# chunks keep a newcomer's first request near a second with the embedded model on 2 cores.
+DEFAULTS = {"gpu": (16, 8192, 256), "cpu": (4, 1024, 64)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,14 +49,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--speculative-num-steps", type=int, default=None,
                     help=f"NEXTN draft steps per verify (0 = plain decoding; default {DEFAULT_SPEC_STEPS} when the "
                     "model has a NEXTN layer, else 0)")
-    ap.add_argument("--max-batch", type=int, default=16, help="state slots: requests decoded at once (default 16)")
+    ap.add_argument("--max-batch", type=int, default=None, help="state slots: requests decoded at once (default 16 "
+                    "on an accelerator, 4 on CPU)")
     ap.add_argument("--max-seq-len", type=int, default=None, help="context length per request, prompt + output "
-                    f"(default: the model's max_position_embeddings, at most {DEFAULT_MAX_SEQ_LEN})")
+                    "(default: the model's max_position_embeddings, at most 8192 on an accelerator, 1024 on CPU)")
     ap.add_argument("--batch-buckets", default="auto", help="batch sizes the decode step is compiled for, "
                     "comma-separated; a step runs the smallest that holds the decoding requests (default auto: "
                     "powers of two up to --max-batch; off: every step runs all --max-batch slots)")
-    ap.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per slot per prefill chunk "
-                    "(with --tile-model: the widest chunk)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per slot per prefill chunk "
+                    "(with --tile-model: the widest chunk; default 256 on an accelerator, 64 on CPU)")
     ap.add_argument("--tile-model", default=None, metavar="PATH", help="fitted MoE tile model (JSON from "
                     "bench/fused_moe.py --profile-tiles): size prefill chunks to --tpot-slo-ms")
     ap.add_argument("--tpot-slo-ms", type=float, default=None, help="with --tile-model: the budget of one iteration "
@@ -93,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             sizes = sorted({int(x) for x in args.batch_buckets.split(",")})
         except ValueError:
             ap.error(f"--batch-buckets takes auto, off or comma-separated sizes, got {args.batch_buckets!r}")
-        if sizes[0] < 1 or sizes[-1] > args.max_batch:
+        if sizes[0] < 1 or args.max_batch is not None and sizes[-1] > args.max_batch:
             ap.error(f"--batch-buckets sizes must lie in [1, --max-batch {args.max_batch}], got {args.batch_buckets}")
     if not 0 < args.mem_fraction <= 1:
         ap.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
@@ -109,6 +112,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 class StartupError(Exception):
     """A start-up step failed; the message says which and why."""
+
+
+def platform_defaults(args, platform: str) -> int:
+    """Fills --max-batch and --prefill-chunk left out with the platform's defaults (`DEFAULTS`)
+    and checks --batch-buckets against the batch; returns the cap on the default --max-seq-len."""
+    max_batch, seq_cap, chunk = DEFAULTS[platform]
+    args.max_batch = args.max_batch or max_batch
+    args.prefill_chunk = args.prefill_chunk or chunk
+    if args.batch_buckets not in ("auto", "off") and max(map(int, args.batch_buckets.split(","))) > args.max_batch:
+        raise StartupError(f"--batch-buckets {args.batch_buckets}: sizes must lie in [1, --max-batch {args.max_batch}]")
+    return seq_cap
 
 
 def _enable_compile_cache(path: str) -> None:
@@ -262,8 +276,10 @@ def start(args, bar) -> Loaded:
 
     initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     _enable_compile_cache(args.compile_cache)
+    platform = "cpu" if jax.default_backend() == "cpu" else "gpu"
     if args.dtype == "auto":
-        args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        args.dtype = "float32" if platform == "cpu" else "bfloat16"
+    seq_cap = platform_defaults(args, platform)
     try:
         model = _load_model(args)
     except (OSError, ValueError) as e:
@@ -272,7 +288,7 @@ def start(args, bar) -> Loaded:
     if tokenizer.vocab_size > cfg.vocab_size:
         raise StartupError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                            f"{cfg.vocab_size}: they do not belong together")
-    max_seq_len = args.max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+    max_seq_len = args.max_seq_len or min(cfg.max_position_embeddings, seq_cap)
     if max_seq_len > cfg.max_position_embeddings:
         raise StartupError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings "
                            f"{cfg.max_position_embeddings}")

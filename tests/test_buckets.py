@@ -87,3 +87,21 @@ def test_a_slot_left_out_is_untouched_and_idle_slots_add_no_expert_pairs(model, 
     assert int(stepper.slots.n_out[2]) > 1 and jnp.all(stepper.slots.n_out[jnp.array([0, 1, 3])] == 1)
     k = model.cfg.num_experts_per_tok
     assert pairs and all(shape[0] * shape[1] <= (S + 1) * k for shape in pairs), pairs  # one slot's tokens only
+
+
+def test_server_defaults_by_platform_and_bucket_flags():
+    from serve.run import StartupError, parse_args, platform_defaults
+
+    args = parse_args([])
+    assert platform_defaults(args, "cpu") == 1024 and (args.max_batch, args.prefill_chunk) == (4, 64)
+    args = parse_args([])
+    assert platform_defaults(args, "gpu") == 8192 and (args.max_batch, args.prefill_chunk) == (16, 256)
+    args = parse_args(["--max-batch", "8", "--prefill-chunk", "128"])
+    platform_defaults(args, "cpu")
+    assert (args.max_batch, args.prefill_chunk) == (8, 128)
+    with pytest.raises(StartupError, match="--batch-buckets 1,8"):
+        platform_defaults(parse_args(["--batch-buckets", "1,8"]), "cpu")  # the CPU's 4 slots
+    with pytest.raises(SystemExit):
+        parse_args(["--batch-buckets", "1,x"])
+    with pytest.raises(SystemExit):
+        parse_args(["--batch-buckets", "4,32", "--max-batch", "16"])
