@@ -599,30 +599,13 @@ class Bench:
 
 
 def kda_jnp(x, w, st, valid, *, gate="safe", lower_bound=-5.0, eps=1e-6):
-    """One KDA layer between its projections in the model's jnp chunked form (ling/kda.py's
-    KDAttention prefill branch): conv, l2 norms, gate, chunked delta rule, gated RMSNorm; for a
-    tree without pallas_kernels.kda_prefill (whose `reference` is this). x KdaInputs, w KdaWeights,
-    st KdaState (pallas_kernels.kda). Returns (o [B, T, H, V], recurrent state [B, H, K, V])."""
-    import jax
-    import jax.numpy as jnp
+    """One KDA layer between its projections in plain jnp (`pallas_kernels.kda_prefill.reference`,
+    the model's chunked form). x KdaInputs, w KdaWeights, st KdaState (pallas_kernels.kda).
+    Returns (o [B, T, H, V], recurrent state [B, H, K, V])."""
+    from pallas_kernels import kda_prefill
 
-    from ling.kda import causal_conv, chunked, decay_gate, l2_normalize
-    from ling.layers import gated_rms_norm
-
-    b, t, c = x.q.shape
-    h = x.b_in.shape[2]
-    kd = c // h
-    q, k, v = (causal_conv(a, s, wt)[0] for a, s, wt in
-               zip((x.q, x.k, x.v), (st.conv_q, st.conv_k, st.conv_v), (w.conv_q, w.conv_k, w.conv_v)))
-    q = l2_normalize(q.reshape(b, t, h, kd)) * kd**-0.5
-    k = l2_normalize(k.reshape(b, t, h, kd))
-    g = decay_gate(x.g_in, w.A_log, w.dt_bias, kind=gate, lower_bound=lower_bound)
-    beta = jax.nn.sigmoid(x.b_in.astype(jnp.float32))
-    real = jnp.arange(t)[None, :] < valid[:, None]
-    g = jnp.where(real[..., None, None], g, 0.0)
-    beta = jnp.where(real[..., None], beta, 0.0)
-    o, s = chunked(q, k, v.reshape(b, t, h, -1), g, beta, st.recurrent)
-    return gated_rms_norm(o.astype(x.q.dtype), x.gate_in.reshape(b, t, h, -1), w.o_norm, eps), s
+    o, new = kda_prefill.reference(x, w, st, valid, gate=gate, lower_bound=lower_bound, eps=eps)
+    return o, new.recurrent
 
 
 def table():

@@ -6,8 +6,10 @@ Per head (K = V = head dim), for token t:
   β = σ(W_b x);   g = gate(W_f x) ∈ R^K, g ≤ 0                    (log-decay per key channel)
   S' = diag(exp g) S_{t-1};   S_t = S' + β k̂ (v - S'ᵀ k̂)ᵀ          S [K, V] fp32
   o = S_tᵀ q̂;   y = W_o [rmsnorm(o) * w * σ(W_g x)]
-Two forms that agree: `recurrent` (one token at a time: decode and verify) and `chunked` (the WY
-form over chunks of 64: prefill).
+Two forms that agree, both specified once in `pallas_kernels.kda_reference`: the recurrent one
+(one token at a time: decode and verify, `kda_verify`) and the chunked WY form (prefill,
+`kda_prefill`). The layer runs them through the kernels' entries, whose "reference" backend is
+that specification in plain jnp (the CPU's path).
 """
 
 from __future__ import annotations
@@ -17,31 +19,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling.config import ModelConfig
-from ling.layers import gated_rms_norm
+from moe.nn import Linear, param
 from pallas_kernels import kda as kda_kernel
 from pallas_kernels.backend import resolve as resolve_kernels
-# The chunked (prefill) form and the conv / norm / gate steps are the prefill kernel's reference:
-# one specification for the model and the kernel.
-from pallas_kernels.kda_prefill import (CHUNK, causal_conv, chunked, conv_state_after, decay_gate,  # noqa: F401
-                                        kda_prefill, l2_normalize)
-from moe.nn import Linear, param
-
-
-def recurrent(q, k, v, g, beta, state):
-    """Token-by-token delta rule. q, k [B, T, H, K] (normalised, q scaled); v [B, T, H, V];
-    g [B, T, H, K]; beta [B, T, H]; state [B, H, K, V] fp32.
-    Returns (o [B, T, H, V] fp32, states after each token [B, T, H, K, V] fp32)."""
-
-    def step(s, xs):
-        q_t, k_t, v_t, g_t, b_t = xs  # [B, H, *]
-        s = s * jnp.exp(g_t)[..., None]
-        delta = b_t[..., None] * (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t))
-        s = s + k_t[..., None] * delta[..., None, :]
-        return s, (jnp.einsum("bhkv,bhk->bhv", s, q_t), s)
-
-    xs = [jnp.moveaxis(a.astype(jnp.float32), 1, 0) for a in (q, k, v, g, beta)]
-    _, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), xs)
-    return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)
+from pallas_kernels.kda_prefill import kda_prefill
 
 
 class KDAttention(nnx.Module):
@@ -91,38 +72,15 @@ class KDAttention(nnx.Module):
         b, t, _ = x.shape
         h, kd = self.num_heads, self.head_dim
         inputs = self.inputs(x)
-        weights = (self.q_conv[...], self.k_conv[...], self.v_conv[...])
+        weights = kda_kernel.KdaWeights(self.q_conv[...], self.k_conv[...], self.v_conv[...], self.A_log[...],
+                                        self.dt_bias[...], self.o_norm[...])
+        state = kda_kernel.KdaState(*conv_state, rec_state)
         kernels = resolve_kernels()
-        if kernels != "reference" and form == "recurrent" and t <= kda_kernel.MAX_T:
-            out = kda_kernel.kda_verify(
-                inputs, kda_kernel.KdaWeights(*weights, self.A_log[...], self.dt_bias[...], self.o_norm[...]),
-                kda_kernel.KdaState(*conv_state, rec_state), all_states=True, gate=self.gate_kind, eps=self.eps,
-                lower_bound=self.lower_bound, backend=kernels)
-            o, rec, conv = out.o, out.states, (out.window_q, out.window_k, out.window_v)
-            return self.o_proj(o.reshape(b, t, h * kd)), conv, rec
-        pre_q, pre_k, pre_v, f, b_in, gate = kda_kernel.materialize(inputs)  # [B, T, C] .. [B, T, H]
-        if kernels != "reference" and form == "chunked":
-            o, new = kda_prefill(
-                kda_kernel.KdaInputs(pre_q, pre_k, pre_v, f, b_in, gate),
-                kda_kernel.KdaWeights(*weights, self.A_log[...], self.dt_bias[...], self.o_norm[...]),
-                kda_kernel.KdaState(*conv_state, rec_state), valid, gate=self.gate_kind, eps=self.eps,
-                lower_bound=self.lower_bound, backend=kernels)
-            return self.o_proj(o.reshape(b, t, h * kd)), (new.conv_q, new.conv_k, new.conv_v), new.recurrent
-        convs = [causal_conv(a, s, w) for a, s, w in zip((pre_q, pre_k, pre_v), conv_state, weights)]
-        q, k, v = (a.reshape(b, t, h, kd) for a, _ in convs)
-        q = l2_normalize(q) * kd**-0.5
-        k = l2_normalize(k)
-        g = decay_gate(f, self.A_log[...], self.dt_bias[...], kind=self.gate_kind, lower_bound=self.lower_bound)
-        beta = jax.nn.sigmoid(b_in.astype(jnp.float32))  # [B, T, H]
-        if form == "chunked":
-            # Padding positions: no decay (g = 0) and no write (β = 0) leave the state as it was.
-            real = jnp.arange(t)[None, :] < valid[:, None]  # [B, T]
-            g = jnp.where(real[..., None, None], g, 0.0)
-            beta = jnp.where(real[..., None], beta, 0.0)
-            o, rec = chunked(q, k, v, g, beta, rec_state)
-            conv = tuple(conv_state_after(w, valid, conv_state[0].shape[1]) for _, w in convs)
-        else:
-            o, rec = recurrent(q, k, v, g, beta, rec_state)
-            conv = tuple(w for _, w in convs)
-        o = gated_rms_norm(o.astype(x.dtype), gate.reshape(b, t, h, kd), self.o_norm[...], self.eps)
-        return self.o_proj(o.reshape(b, t, h * kd)), conv, rec
+        if form == "recurrent":
+            out = kda_kernel.kda_verify(inputs, weights, state, all_states=True, gate=self.gate_kind, eps=self.eps,
+                                        lower_bound=self.lower_bound,
+                                        backend=kernels if t <= kda_kernel.MAX_T else "reference")
+            return self.o_proj(out.o.reshape(b, t, h * kd)), (out.window_q, out.window_k, out.window_v), out.states
+        o, new = kda_prefill(kda_kernel.materialize(inputs), weights, state, valid, gate=self.gate_kind, eps=self.eps,
+                             lower_bound=self.lower_bound, backend=kernels)
+        return self.o_proj(o.reshape(b, t, h * kd)), (new.conv_q, new.conv_k, new.conv_v), new.recurrent

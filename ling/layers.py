@@ -26,12 +26,6 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(x.dtype) * rms_normalize(x, self.eps).astype(x.dtype)
 
 
-def gated_rms_norm(x, gate, weight, eps: float):
-    """rmsnorm(x) * weight * sigmoid(gate), all in fp32, rounded once to x's dtype (KDA's output norm)."""
-    y = rms_normalize(x, eps) * weight.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
-    return y.astype(x.dtype)
-
-
 def rope_angles(positions, dim: int, theta: float):
     """positions [B, T] -> (cos, sin) [B, T, dim // 2] in fp32."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))

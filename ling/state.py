@@ -69,7 +69,7 @@ def commit(pending: State, n) -> State:
     """Keeps the first n[b] tokens of the last forward in each slot: KDA conv and recurrent state
     taken at that position, MLA entries past it left behind the slot's length (masked, then
     overwritten), lengths advanced by n."""
-    from ling.kda import conv_state_after
+    from pallas_kernels.kda_reference import conv_state_after
 
     layers = []
     for c in pending.layers:

@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import resolve
+from pallas_kernels.kda_reference import gated_norm, recurrent
 
 MAX_T = 8  # tokens per call: decode (1) and verify (draft steps + 1)
 
@@ -146,8 +147,9 @@ def _silu(x):
 
 def reference(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "safe", eps: float = 1e-6,
               lower_bound: float = -5.0, all_states: bool = True) -> KdaOut:
-    """Plain-jnp KDA step; same signature and outputs as `kda_verify`. Reductions are written as
-    multiply + sum (not einsum) so that no backend rounds them through tf32."""
+    """Plain-jnp KDA step; same signature and outputs as `kda_verify`: the conv (its output kept in
+    fp32), L2 norms and gate here, the delta rule and the gated norm of `kda_reference`. Reductions
+    are multiply + sum (not einsum) so that no backend rounds them through tf32."""
     f32 = jnp.float32
     x = materialize(x)
     b, t, c = x.q.shape
@@ -173,25 +175,10 @@ def reference(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "safe
     g = _gate(z, jnp.exp(w.A_log.astype(f32))[:, None], gate=gate, lower_bound=lower_bound)  # [B, T, H, K]
     beta = jax.nn.sigmoid(x.b_in.astype(f32))  # [B, T, H]
 
-    s = state.recurrent.astype(f32)  # [B, H, K, V]
-    os, ss = [], []
-    for i in range(t):
-        s = s * jnp.exp(g[:, i])[..., None]
-        kv = jnp.sum(s * k[:, i, :, :, None], axis=2)  # S'ᵀ k̂  [B, H, V]
-        u = beta[:, i, :, None] * (v[:, i] - kv)
-        s = s + k[:, i, :, :, None] * u[:, :, None, :]
-        os.append(jnp.sum(s * q[:, i, :, :, None], axis=2))  # Sᵀ q̂  [B, H, V]
-        ss.append(s)
-    o = jnp.stack(os, axis=1)  # [B, T, H, V]
-    o = _gated_norm(o, x.gate_in.reshape(b, t, h, vd), w.o_norm, eps).astype(x.q.dtype)
-    states = jnp.stack(ss, axis=1) if all_states else s
+    o, ss = recurrent(q, k, v, g, beta, state.recurrent)  # [B, T, H, V], states [B, T, H, K, V]
+    o = gated_norm(o, x.gate_in.reshape(b, t, h, vd), w.o_norm, eps).astype(x.q.dtype)
+    states = ss if all_states else ss[:, -1]
     return KdaOut(o, states, win_q, win_k, win_v)
-
-
-def _gated_norm(o, gate_in, weight, eps):
-    """o [..., V] fp32 -> rmsnorm(o) · weight · σ(gate_in), fp32."""
-    o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps)
-    return o * weight.astype(jnp.float32) * jax.nn.sigmoid(gate_in.astype(jnp.float32))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,7 +325,7 @@ def _kda_pallas(xs: tuple, w: KdaWeights, state: KdaState, *, dims, starts, gate
       w.conv_q, w.conv_k, w.conv_v, w.A_log, w.dt_bias, w.o_norm, state.recurrent)
     if not fuse_norm:  # the norm needs the whole V row, spread over V-blocks: one XLA fusion
         gate_in = xs[5][..., sgate:sgate + h * vd].reshape(b, t, h, vd)
-        o = _gated_norm(o, gate_in, w.o_norm, eps).astype(act)
+        o = gated_norm(o, gate_in, w.o_norm, eps).astype(act)
     return KdaOut(o, states, wq, wk, wv)
 
 
@@ -387,11 +374,11 @@ def kda_verify(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "saf
     """
     dims = check_args(x, w, state, gate)
     t, kd, vd = dims.t, dims.k, dims.v
+    backend = resolve(backend)
+    if backend == "reference":  # any T
+        return reference(x, w, state, gate=gate, eps=eps, lower_bound=lower_bound, all_states=all_states)
     if not 1 <= t <= MAX_T:
         raise ValueError(f"kda_verify takes T = 1..{MAX_T} tokens, got T={t}")
-    backend = resolve(backend)
-    if backend == "reference":
-        return reference(x, w, state, gate=gate, eps=eps, lower_bound=lower_bound, all_states=all_states)
     bv = default_bv(vd, t) if bv is None else bv
     if vd % bv or bv & (bv - 1) or kd & (kd - 1):
         raise ValueError(f"K={kd} and BV={bv} must be powers of two and BV must divide V={vd}")

@@ -80,7 +80,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import resolve
-from pallas_kernels.kda import KdaInputs, KdaState, KdaWeights, _gated_norm, check_args
+from pallas_kernels.kda import KdaInputs, KdaState, KdaWeights, check_args
+from pallas_kernels.kda_reference import causal_conv, chunked, conv_state_after, decay_gate, gated_norm, l2_normalize
 
 CHUNK = 32  # tokens per chunk of the WY form. H200, 8192 tokens: the layer 1656 µs vs 2792 at 64
 # (the intra kernel's code halves, 3.5-5k SASS instructions; the state kernel takes twice the steps)
@@ -103,98 +104,7 @@ PRECISIONS = {
 
 
 # ----------------------------------------------------------------------------------------------
-# The reference (plain jnp): the model's chunked form and the steps around it. ling.kda imports
-# these, so the model and this kernel share one specification.
-
-
-def causal_conv(x, conv_state, weight):
-    """Depthwise causal conv + SiLU over new tokens, continuing from the conv state.
-
-    x [B, T, C]; conv_state [B, W-1, C] (the last W-1 inputs, oldest first); weight [C, W].
-    Returns (y [B, T, C] in x's dtype, window [B, W-1+T, C]): the conv state after the first n
-    new tokens is window[:, n : n + W-1] (`conv_state_after`).
-    """
-    w = weight.shape[1]
-    window = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
-    t = x.shape[1]
-    xf = window.astype(jnp.float32)
-    y = sum(xf[:, j : j + t] * weight[:, j].astype(jnp.float32) for j in range(w))
-    return jax.nn.silu(y).astype(x.dtype), window.astype(conv_state.dtype)
-
-
-def conv_state_after(window, n, state_len: int):
-    """window [B, W-1+T, C], n [B] new tokens kept -> conv state [B, W-1, C] (state_len = W-1)."""
-    return jax.vmap(lambda w, i: jax.lax.dynamic_slice_in_dim(w, i, state_len, axis=0))(window, n)
-
-
-def l2_normalize(x, eps: float = 1e-6):
-    x = x.astype(jnp.float32)
-    return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
-def decay_gate(f, A_log, dt_bias, *, kind: str, lower_bound: float):
-    """Log-decay g [B, T, H, K] fp32 from the gate projection f [B, T, H, K].
-
-    safe (Ling):     g = lower_bound * σ(exp(A_log) (f + dt_bias))   ∈ (lower_bound, 0)
-    softplus (Kimi): g = -exp(A_log) softplus(f + dt_bias)
-    """
-    h, k = f.shape[-2:]
-    z = f.astype(jnp.float32) + dt_bias.astype(jnp.float32).reshape(h, k)
-    a = jnp.exp(A_log.astype(jnp.float32)).reshape(h, 1)
-    if kind == "safe":
-        return lower_bound * jax.nn.sigmoid(a * z)
-    return -a * jax.nn.softplus(z)
-
-
-def chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
-    """The delta rule over chunks, in the WY form. q, k [B, T, H, K] (normalised, q scaled);
-    v [B, T, H, V]; g [B, T, H, K]; beta [B, T, H]; state [B, H, K, V] fp32.
-    Returns (o [B, T, H, V] fp32, final state [B, H, K, V] fp32).
-
-    Within a chunk with cumulative log-decay G_t = Σ_{s≤t} g_s, write the state as
-      S_t = D_t (S_0 + Σ_{s≤t} D_s⁻¹ k_s u_sᵀ),  D_t = diag(exp G_t),
-    where u_s = β_s (v_s - S'_sᵀ k_s) is the applied correction. Substituting gives the unit
-    lower-triangular system (I + diag(β) A) u = diag(β) (v - (k ⊙ e^G) S_0) with
-    A[t, s] = Σ_c k_t[c] k_s[c] e^{G_t[c] - G_s[c]} (s < t); then
-      o = (q ⊙ e^G) S_0 + Bu,  B[t, s] = Σ_c q_t[c] k_s[c] e^{G_t[c] - G_s[c]} (s ≤ t),
-      S_C = D_C S_0 + Σ_s (k_s ⊙ e^{G_C - G_s}) u_sᵀ.
-    Every exponent is ≤ 0 (masked before exp), so nothing overflows.
-    """
-    b, t, h, kd = k.shape
-    n = -(-t // chunk)
-    pad = n * chunk - t
-
-    def prep(a):  # [B, T, H, (X)] -> [N, B, H, C, (X)]; zero padding leaves the state unchanged (β = 0, g = 0)
-        a = jnp.pad(a.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-        a = a.reshape(b, n, chunk, *a.shape[2:])
-        return a.transpose(1, 0, 3, 2, 4) if a.ndim == 5 else a.transpose(1, 0, 3, 2)
-
-    qc, kc, vc, gc = (prep(a) for a in (q, k, v, g))
-    bc = prep(beta)  # [N, B, H, C]
-    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
-    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
-
-    def step(s0, xs):
-        q_c, k_c, v_c, g_c, b_c = xs  # [B, H, C, X]
-        G = jnp.cumsum(g_c, axis=-2)  # [B, H, C, K]
-        diff = G[..., :, None, :] - G[..., None, :, :]  # [B, H, C(t), C(s), K]
-        decay = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))
-        A = jnp.einsum("bhtc,bhsc,bhtsc->bhts", k_c, k_c, decay) * strict
-        Bm = jnp.einsum("bhtc,bhsc,bhtsc->bhts", q_c, k_c, decay)
-        eG = jnp.exp(G)
-        rhs = b_c[..., None] * (v_c - jnp.einsum("bhtk,bhkv->bhtv", k_c * eG, s0))
-        lhs = jnp.eye(chunk) + b_c[..., None] * A
-        u = jax.scipy.linalg.solve_triangular(lhs, rhs, lower=True, unit_diagonal=True)
-        o = jnp.einsum("bhtk,bhkv->bhtv", q_c * eG, s0) + jnp.einsum("bhts,bhsv->bhtv", Bm, u)
-        tail = jnp.exp(G[..., -1:, :] - G)  # [B, H, C, K]
-        s1 = jnp.exp(G[..., -1, :])[..., None] * s0 + jnp.einsum("bhsk,bhsv->bhkv", k_c * tail, u)
-        return s1, o
-
-    with jax.default_matmul_precision("highest"):  # fp32 state math, also on GPUs that default to tf32
-        s, o = jax.lax.scan(step, state.astype(jnp.float32), (qc, kc, vc, gc, bc))
-    o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, V]
-    o = jnp.moveaxis(o, 2, 3).reshape(b, n * chunk, h, -1)[:, :t]
-    return o, s
+# The reference (plain jnp), from the one specification in kda_reference.
 
 
 def reference_delta(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate: str = "safe",
@@ -228,7 +138,7 @@ def reference(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate: str 
     h = x.b_in.shape[2]
     valid = jnp.clip(jnp.asarray(valid, jnp.int32), 0, t)
     o, new = reference_delta(x, w, state, valid, gate=gate, lower_bound=lower_bound, chunk=chunk)
-    o = _gated_norm(o.astype(x.q.dtype).astype(jnp.float32), x.gate_in.reshape(b, t, h, -1), w.o_norm, eps)
+    o = gated_norm(o.astype(x.q.dtype).astype(jnp.float32), x.gate_in.reshape(b, t, h, -1), w.o_norm, eps)
     return o.astype(x.q.dtype), new
 
 
@@ -718,7 +628,7 @@ def _state_kernel(w_ref, qg_ref, kg_ref, u_ref, aqk_ref, gc_ref, s0_ref, gate_re
         o = o.astype(o_ref.dtype)
         if fuse_norm:  # BV == V: the whole row is here; the norm reads o rounded, as the model's
             gate = pltriton.load(gate_ref.at[rows, :], mask=real[:, None], other=0.0)
-            o = _gated_norm(o.astype(f32), gate, wn_ref[...], eps).astype(o_ref.dtype)
+            o = gated_norm(o.astype(f32), gate, wn_ref[...], eps).astype(o_ref.dtype)
         pltriton.store(o_ref.at[rows, :], o, mask=real[:, None])
         return s
 

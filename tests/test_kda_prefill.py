@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import kda, kda_prefill as kp
+from pallas_kernels import kda, kda_reference
+from pallas_kernels import kda_prefill as kp
 from test_kda_kernel import make_inputs, token_loop
 
 H, K = 2, 32  # heads, head dim (K = V): BV 16 takes the unfused norm, BV 32 the fused one
@@ -116,7 +117,7 @@ def test_conv_and_norm_passes(t, dtype):
     """The conv pass over q, k and v in one launch (rows past a block edge, the conv state reached
     by block 0, T not a multiple of its rows, ragged valid lengths down to 0 and 1: the conv state
     after them partly the old one) against the model's `causal_conv`, `l2_normalize` and
-    `conv_state_after`, and the norm pass against `kda._gated_norm` of the rounded o; outputs start
+    `conv_state_after`, and the norm pass against `kda_reference.gated_norm` of the rounded o; outputs start
     as NaN in interpret mode, so every element checked was written."""
     seed = _seed()
     b = 4
@@ -143,7 +144,7 @@ def test_conv_and_norm_passes(t, dtype):
                                           err_msg="conv state " + m)
     # The norm pass at its defaults, and programs of 2 steps of 8 rows (steps past T, programs past T)
     o = x.v.reshape(b, t, H, K)
-    want_o = kda._gated_norm(o.astype(jnp.float32), x.gate_in.reshape(b, t, H, K), w.o_norm, 1e-6)
+    want_o = kda_reference.gated_norm(o.astype(jnp.float32), x.gate_in.reshape(b, t, H, K), w.o_norm, 1e-6)
     for rows, steps in ((kp.NORM_ROWS, kp.NORM_STEPS), (8, 2)):
         got = kp._norm_pass(o, x.gate_in, w.o_norm, eps=1e-6, interpret=True, block_t=rows, n_steps=steps)
         _close(got, want_o, 1e-5 if dtype == jnp.float32 else 2.0**-7,

@@ -84,7 +84,7 @@ def test_batched_slots_of_different_lengths(case):
 
 
 def test_chunked_and_recurrent_kda_agree():
-    from ling.kda import chunked, l2_normalize, recurrent
+    from pallas_kernels.kda_reference import chunked, l2_normalize, recurrent
 
     r = np.random.default_rng(3)
     b, t, h, k, v = 2, 130, 2, 8, 12

@@ -14,11 +14,12 @@ from safetensors.numpy import load_file
 
 import ling
 import oracle
-from ling import checkpoint, data, routing
-from offline import eval as ling_eval
-from offline import train
+from ling import checkpoint
 from ling.convert import main as convert_main
 from ling.model import LingModel
+from offline import data, routing
+from offline import eval as ling_eval
+from offline import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = [os.path.join(ROOT, "serve", "default_model")]
@@ -66,7 +67,7 @@ def test_tokenizer_round_trips_text():
 def test_chunked_kda_gradients_equal_the_recurrences():
     """Training differentiates the chunked form (lax.scan over chunks, solve_triangular inside);
     the token-by-token recurrence is the same function, so their gradients must agree."""
-    from ling.kda import chunked, l2_normalize, recurrent
+    from pallas_kernels.kda_reference import chunked, l2_normalize, recurrent
 
     rng = np.random.default_rng(0)
     b, t, h, k = 2, 80, 2, 16  # two chunks, the second one padded
