@@ -1,6 +1,8 @@
 """The HTTP API (FastAPI): OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus
-/health, /metrics and the profiler switches. Handlers validate, tokenize, hand a Request to the
-engine and relay its events, as one JSON body or as server-sent events."""
+/health, /metrics and the profiler switches. Handlers admit (queue limit, shutdown), read the body
+under a size limit, then parse, validate, render and tokenize in a worker thread (the event loop
+keeps answering), hand a Request to the engine and relay its events, as one JSON body or as
+server-sent events, until it ends, times out or the server's shutdown grace runs out."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import logging
 import math
 import random
 import time
 from collections.abc import Callable
+
+import numpy as np
 
 from fastapi import Depends, FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,7 +31,11 @@ from serve.request import Delta, Failed, Finished, Request, Sampling
 from serve.tokenizer import TemplateError, Tokenizer
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-DISCONNECT_POLL_S = 0.5
+POLL_S = 0.5  # how often a waiting handler looks at its client, its deadline and the shutdown
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # sampling runs in float32: smaller top_p would flush to 0
+
+access_log = logging.getLogger("serve.access")
 
 
 @dataclasses.dataclass
@@ -36,17 +45,29 @@ class ServerInfo:
     vocab_size: int  # the model's: token-id prompts must lie below it
     api_key: str | None = None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    max_request_bytes: int = 8 << 20  # larger bodies get 413 before they are read
+    max_queue: int | None = None  # requests waiting for a slot beyond which new ones get 429 (None: no limit)
+    request_timeout: float | None = None  # seconds; caps a request's own "timeout"
+    shutdown_grace: float = 30.0  # seconds running requests may go on after SIGINT/SIGTERM
 
 
 @dataclasses.dataclass
 class Context:
-    """What every handler reaches through `request.app.state.ctx`."""
+    """What every handler reaches through `request.app.state.ctx`. in_flight and shutdown_at are
+    touched on the event loop only."""
 
     engine: Engine
     tokenizer: Tokenizer
     metrics: Metrics
     profiler: Profiler
     info: ServerInfo
+    in_flight: int = 0  # requests handed to the engine and not yet ended
+    shutdown_at: float | None = None  # monotonic time after which running requests are ended
+
+    def begin_shutdown(self) -> None:
+        """Stop admitting; requests already running may finish within the grace period."""
+        if self.shutdown_at is None:
+            self.shutdown_at = time.monotonic() + self.info.shutdown_grace
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, metrics: Metrics, profiler: Profiler, info: ServerInfo) -> FastAPI:
@@ -73,7 +94,7 @@ def _ctx(request: HTTPRequest) -> Context:
 # -- errors, all in OpenAI's shape ---------------------------------------------------------------
 
 async def _api_error(_, e: APIError):
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 async def _http_error(_, e: StarletteHTTPException):
@@ -116,7 +137,8 @@ async def models(request: HTTPRequest):
 
 
 async def start_profile(request: HTTPRequest):
-    body = await _json(request, optional=True)
+    raw = await _body(_ctx(request), request)
+    body = protocol.load(raw) if raw.strip() else {}
     output_dir = body.get("output_dir") if isinstance(body, dict) else None
     if output_dir is not None and not isinstance(output_dir, str):
         raise APIError(400, "'output_dir' must be a string", param="output_dir")
@@ -139,7 +161,34 @@ async def stop_profile(request: HTTPRequest):
 
 async def completions(request: HTTPRequest):
     c = _ctx(request)
-    req = protocol.parse(CompletionRequest, await _json(request))
+    _admit(c)
+    raw = await _body(c, request)
+    req, ids, sampling = await asyncio.to_thread(_prepare_completion, c, raw)
+    return await _generate(c, request, req, ids, sampling, "cmpl", COMPLETION_CHUNKS, protocol.completion)
+
+
+async def chat_completions(request: HTTPRequest):
+    c = _ctx(request)
+    _admit(c)
+    raw = await _body(c, request)
+    req, ids, sampling = await asyncio.to_thread(_prepare_chat, c, raw)
+    return await _generate(c, request, req, ids, sampling, "chatcmpl", CHAT_CHUNKS, protocol.chat_completion)
+
+
+async def _generate(c: Context, http: HTTPRequest, req, ids: list[int], sampling: Sampling, prefix: str,
+                    shape: "Chunks", whole: Callable):
+    _admit(c)  # again: the queue may have filled, or shutdown begun, while the body was prepared
+    r = Request(ids, sampling, loop=asyncio.get_running_loop())
+    rid, timeout = protocol.new_id(prefix), _timeout(c, req)
+    if req.stream:
+        return _sse(_stream(c, r, shape, rid, timeout, _include_usage(req)))
+    text, reason, use = await _collect(c, http, r, rid, timeout)
+    return whole(rid, c.info.model_name, text, reason, use)
+
+
+def _prepare_completion(c: Context, raw: bytes):
+    """Worker thread: the body -> (request, prompt ids, sampling)."""
+    req = protocol.parse(CompletionRequest, protocol.load(raw))
     _check_model(c, req.model)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -147,24 +196,21 @@ async def completions(request: HTTPRequest):
             raise APIError(400, "only one prompt per request is supported (n=1, no batched prompts)", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        _check_length(c, prompt, "prompt")
         ids = c.tokenizer.encode(prompt)
     else:
         ids = list(prompt)
+        _check_tokens(c, len(ids))  # before looking at each of a huge list
         bad = next((t for t in ids if not 0 <= t < c.info.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {c.info.vocab_size})",
                            param="prompt")
-    r = _request(c, ids, req, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
-    rid = protocol.new_id("cmpl")
-    if req.stream:
-        return _sse(_stream(c, r, COMPLETION_CHUNKS, rid, _include_usage(req)))
-    text, reason, use = await _collect(c, request, r)
-    return protocol.completion(rid, c.info.model_name, text, reason, use)
+    return req, ids, _sampling(c, ids, req, req.max_tokens, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
 
 
-async def chat_completions(request: HTTPRequest):
-    c = _ctx(request)
-    req = protocol.parse(ChatRequest, await _json(request))
+def _prepare_chat(c: Context, raw: bytes):
+    """Worker thread: the body -> (request, rendered prompt ids, sampling)."""
+    req = protocol.parse(ChatRequest, protocol.load(raw))
     _check_model(c, req.model)
     if not req.messages:
         raise APIError(400, "'messages' must hold at least one message", param="messages")
@@ -177,21 +223,67 @@ async def chat_completions(request: HTTPRequest):
                                param=f"messages.{i}.content")
             content = "".join(p.text for p in content)
         messages.append({"role": m.role, "content": content or ""})
+    _check_length(c, "".join(m["content"] for m in messages), "messages")
     try:
         text = c.tokenizer.apply_chat_template(messages)
     except TemplateError as e:
         raise APIError(400, str(e), param="messages") from None
     ids = c.tokenizer.encode(text, special=False)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    r = _request(c, ids, req, max_tokens, None)
-    rid = protocol.new_id("chatcmpl")
-    if req.stream:
-        return _sse(_stream(c, r, CHAT_CHUNKS, rid, _include_usage(req)))
-    text, reason, use = await _collect(c, request, r)
-    return protocol.chat_completion(rid, c.info.model_name, text, reason, use)
+    if req.max_completion_tokens is not None:
+        return req, ids, _sampling(c, ids, req, req.max_completion_tokens, "max_completion_tokens", None)
+    return req, ids, _sampling(c, ids, req, req.max_tokens, "max_tokens", None)
 
 
-# -- helpers -------------------------------------------------------------------------------------
+# -- admission, limits, checks ---------------------------------------------------------------------
+
+def _admit(c: Context) -> None:
+    """503 while shutting down or after an engine failure; 429 when the queue is full."""
+    if c.shutdown_at is not None:
+        raise APIError(503, "the server is shutting down", code="shutting_down")
+    if c.engine.error:
+        raise APIError(503, c.engine.error)
+    limit = c.info.max_queue
+    if limit is not None and c.in_flight >= c.engine.runner.max_batch + limit:
+        raise APIError(429, f"the server is at capacity: every slot is busy and {limit} requests wait; retry later",
+                       code="queue_full", type="rate_limit_error", headers={"Retry-After": "1"})
+
+
+async def _body(c: Context, request: HTTPRequest) -> bytes:
+    """The raw body, at most --max-request-bytes (413 beyond, before reading it when the client
+    says its length)."""
+    limit = c.info.max_request_bytes
+    too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes "
+                         "(--max-request-bytes)", code="request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _check_length(c: Context, text: str, param: str) -> None:
+    """Refuses text that cannot fit the context whatever it tokenizes to, before tokenizing it."""
+    least, limit = c.tokenizer.min_tokens(text), c.info.max_seq_len
+    if least >= limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has {len(text)} "
+                       f"characters, at least {least} tokens", param=param, code="context_length_exceeded")
+
+
+def _check_tokens(c: Context, n: int) -> None:
+    """The prompt's token count: at least one, and one fewer than the context at most."""
+    limit = c.info.max_seq_len
+    if n == 0:
+        raise APIError(400, "the prompt is empty (it tokenizes to no tokens)", param="prompt")
+    if n >= limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has {n} tokens "
+                       "(at least one must be left for the completion)", param="prompt",
+                       code="context_length_exceeded")
+
 
 def _check_model(c: Context, name: str | None) -> None:
     if name is not None and name != c.info.model_name:
@@ -199,61 +291,108 @@ def _check_model(c: Context, name: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def _request(c: Context, ids: list[int], req, max_tokens: int | None, default: int | None) -> Request:
-    """Checks the numbers against the limits and makes the engine request (not yet submitted)."""
-    if c.engine.error:
-        raise APIError(503, c.engine.error)
+def _sampling(c: Context, ids: list[int], req, max_tokens: int | None, max_name: str,
+              default: int | None) -> Sampling:
+    """Checks the numbers against the limits, at the precision the device uses (float32), and
+    names the field the client sent."""
     n, limit = len(ids), c.info.max_seq_len
-    if n == 0:
-        raise APIError(400, "the prompt is empty (it tokenizes to no tokens)", param="prompt")
-    if n >= limit:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has {n} tokens "
-                       "(at least one must be left for the completion)", param="prompt",
-                       code="context_length_exceeded")
+    _check_tokens(c, n)
     if max_tokens is None:
         max_tokens = limit - n if default is None else min(default, limit - n)
     elif max_tokens <= 0:
-        raise APIError(400, f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
+        raise APIError(400, f"'{max_name}' must be at least 1, got {max_tokens}", param=max_name)
     elif n + max_tokens > limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens; you requested "
                        f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion)",
-                       param="max_tokens", code="context_length_exceeded")
-    if not math.isfinite(req.temperature) or req.temperature < 0:
-        raise APIError(400, f"'temperature' must be >= 0, got {req.temperature}", param="temperature")
-    if not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
-        raise APIError(400, f"'top_p' must be in (0, 1], got {req.top_p}", param="top_p")
+                       param=max_name, code="context_length_exceeded")
+    temperature, top_p = float(np.float32(req.temperature)), float(np.float32(req.top_p))
+    if not math.isfinite(temperature) or temperature < 0:
+        raise APIError(400, f"'temperature' must be >= 0 and finite in float32, got {req.temperature}",
+                       param="temperature")
+    if not (FLOAT32_TINY <= top_p <= 1):
+        raise APIError(400, f"'top_p' must be in [{FLOAT32_TINY:.3g}, 1] (float32, which sampling uses), got "
+                       f"{req.top_p}", param="top_p")
     if req.top_k < -1:
         raise APIError(400, f"'top_k' must be -1 or 0 (off) or positive, got {req.top_k}", param="top_k")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) != 0:
             raise APIError(400, f"'{name}' is not supported by this server", param=name)
+    if req.timeout is not None and not (math.isfinite(req.timeout) and req.timeout > 0):
+        raise APIError(400, f"'timeout' must be a positive number of seconds, got {req.timeout}", param="timeout")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if len(stop) > MAX_STOP:
+        raise APIError(400, f"'stop' holds {len(stop)} strings; at most {MAX_STOP} are allowed", param="stop")
     seed = random.getrandbits(32) if req.seed is None else req.seed % 2**32
-    sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                        top_k=max(req.top_k, 0), seed=seed, stop=stop, ignore_eos=req.ignore_eos)
-    return Request(ids, sampling, loop=asyncio.get_running_loop())
+    return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                    top_k=min(max(req.top_k, 0), c.info.vocab_size), seed=seed, stop=stop, ignore_eos=req.ignore_eos)
 
 
-async def _events(engine: Engine, r: Request):
-    """The request's events until it ends; aborts it in the engine if the consumer stops early
-    (the client disconnected: the stream task is cancelled, or the generator closed)."""
-    engine.submit(r)
-    ended = False
+def _timeout(c: Context, req) -> float | None:
+    """Seconds the request may take: its own 'timeout', capped by --request-timeout."""
+    limits = [t for t in (req.timeout, c.info.request_timeout) if t is not None]
+    return min(limits) if limits else None
+
+
+# -- relaying the engine's events ------------------------------------------------------------------
+
+async def _events(c: Context, r: Request, rid: str, timeout: float | None):
+    """The request's events until it ends. APIError 408 past its timeout and 503 past the
+    shutdown grace. Aborts it in the engine if it does not end here (the client disconnected: the
+    stream task is cancelled or the generator closed; a timeout; the shutdown)."""
+    c.engine.submit(r)
+    c.in_flight += 1
+    deadline = None if timeout is None else time.monotonic() + timeout
+    ended, last = False, None
     try:
         while True:
-            ev = await r.events.get()
-            ended = isinstance(ev, (Finished, Failed))
+            ev = await _next_event(c, r, deadline, timeout)
+            ended, last = isinstance(ev, (Finished, Failed)), ev
             yield ev
             if ended:
                 return
+    except APIError as e:
+        last = e
+        raise
     finally:
+        c.in_flight -= 1
         if not ended:
-            engine.abort(r)
+            c.engine.abort(r)
+        if access_log.isEnabledFor(logging.INFO):
+            _log_request(rid, r, last, ended)
 
 
-async def _collect(c: Context, http: HTTPRequest, r: Request):
+async def _next_event(c: Context, r: Request, deadline: float | None, timeout: float | None):
+    while True:
+        now = time.monotonic()
+        if c.shutdown_at is not None and now >= c.shutdown_at:
+            raise APIError(503, "the server is shutting down: the request was ended after the grace period",
+                           code="shutting_down")
+        if deadline is not None and now >= deadline:
+            raise APIError(408, f"the request did not finish within its timeout of {timeout:g} s",
+                           code="timeout")
+        wait = min([POLL_S, *(t - now for t in (deadline, c.shutdown_at) if t is not None)])
+        try:
+            return await asyncio.wait_for(r.events.get(), wait)
+        except TimeoutError:
+            continue
+
+
+def _log_request(rid: str, r: Request, last, ended: bool) -> None:
+    """One access line: id, prompt / completion tokens, TTFT, duration and how it ended."""
+    if isinstance(last, Finished):
+        outcome, tokens = last.reason, last.completion_tokens
+    else:
+        outcome = ("error" if ended else "timeout" if isinstance(last, APIError) and last.status == 408 else
+                   "shutdown" if isinstance(last, APIError) else "disconnect")
+        tokens = last.completion_tokens if isinstance(last, Delta) else "-"
+    ttft = "-" if r.first_token_time is None else f"{(r.first_token_time - r.arrival) * 1e3:.0f}ms"
+    access_log.info("%s prompt_tokens=%d completion_tokens=%s ttft=%s e2e=%.0fms finish=%s", rid,
+                    len(r.prompt_ids), tokens, ttft, (time.perf_counter() - r.arrival) * 1e3, outcome)
+
+
+async def _collect(c: Context, http: HTTPRequest, r: Request, rid: str, timeout: float | None):
     """The whole output of a non-streaming request; aborts it if the client disconnects."""
-    parts, events = [], _events(c.engine, r)
+    parts, events = [], _events(c, r, rid, timeout)
 
     async def gather():
         async for ev in events:
@@ -267,7 +406,7 @@ async def _collect(c: Context, http: HTTPRequest, r: Request):
     task = asyncio.ensure_future(gather())
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            done, _ = await asyncio.wait({task}, timeout=POLL_S)
             if done:
                 fin = task.result()
                 return "".join(parts), fin.reason, protocol.usage(fin.prompt_tokens, fin.completion_tokens)
@@ -312,11 +451,12 @@ CHAT_CHUNKS = Chunks(opening=lambda rid, model: protocol.chat_chunk(rid, model, 
                      usage_object="chat.completion.chunk")
 
 
-async def _stream(c: Context, r: Request, shape: Chunks, rid: str, include_usage: bool):
+async def _stream(c: Context, r: Request, shape: Chunks, rid: str, timeout: float | None, include_usage: bool):
     """The payloads of one streamed request: the opening chunk, a chunk per piece of text, the
-    closing chunk and (if asked) the usage; an error payload if the request fails."""
+    closing chunk and (if asked) the usage; an error payload if the request fails, times out or
+    outlives the shutdown grace."""
     model = c.info.model_name
-    events = _events(c.engine, r)
+    events = _events(c, r, rid, timeout)
     try:
         if shape.opening is not None:
             yield shape.opening(rid, model)
@@ -331,19 +471,11 @@ async def _stream(c: Context, r: Request, shape: Chunks, rid: str, include_usage
                                                protocol.usage(ev.prompt_tokens, ev.completion_tokens))
             else:
                 yield protocol.error_body(ev.message, "server_error")
+    except APIError as e:
+        yield e.body()
     finally:
         await events.aclose()
 
 
 def _include_usage(req) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
-
-
-async def _json(request: HTTPRequest, optional: bool = False):
-    raw = await request.body()
-    if optional and not raw.strip():
-        return {}
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None

@@ -3,19 +3,21 @@ an error, not a coercion), response bodies, stream chunks and the error body."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 
 class APIError(Exception):
-    """Answered as {"error": {"message", "type", "param", "code"}} with this HTTP status."""
+    """Answered as {"error": {"message", "type", "param", "code"}} with this HTTP status (and
+    these extra response headers)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:
@@ -28,7 +30,16 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 class _Strict(BaseModel):
     # Unknown fields are ignored (clients send "user", "metadata", ...); known ones are type-checked.
+    # null on an optional field means its default, as in OpenAI's API.
     model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if isinstance(data, dict):
+            optional = {k for k, f in cls.model_fields.items() if not f.is_required()}
+            data = {k: v for k, v in data.items() if v is not None or k not in optional}
+        return data
 
 
 class StreamOptions(_Strict):
@@ -49,6 +60,7 @@ class _Sampling(_Strict):
     ignore_eos: bool = False  # an extension (vLLM, SGLang): generate exactly max_tokens tokens
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    timeout: float | None = None  # seconds from arrival; an extension: the server's --request-timeout caps it
 
 
 class CompletionRequest(_Sampling):
@@ -75,6 +87,42 @@ class ChatRequest(_Sampling):
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
                "n": (1,)}
+
+
+MAX_DEPTH = 64  # nesting of a request body: OpenAI's bodies need under 10, tool schemas a few more
+
+
+def load(raw: bytes):
+    """A request body as JSON, refused (400) when it is not JSON, nests deeper than MAX_DEPTH or
+    holds a string that is not valid Unicode (a lone UTF-16 surrogate such as "\\ud800", which JSON
+    can spell but no tokenizer can take); the error names the field."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    stack = [(body, (), 0)]  # iterative: a deep body cannot exhaust the stack here
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                field = ".".join(map(str, path)) or None
+                raise APIError(400, f"'{field}' is not valid Unicode: it holds {value[e.start:e.end]!r} at "
+                               f"character {e.start}, a lone UTF-16 surrogate", param=field) from None
+        elif isinstance(value, (dict, list)):
+            if depth >= MAX_DEPTH:
+                raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels",
+                               param=".".join(map(str, path[:3])) or None)
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for k, v in items:
+                if isinstance(k, str) and not k.isascii():
+                    stack.append((k, path, depth + 1))
+                if isinstance(v, (str, dict, list)):  # numbers need no look (a token-id prompt has millions)
+                    stack.append((v, path + (k,), depth + 1))
+    return body
 
 
 def parse(model: type[_Strict], body) -> _Strict:

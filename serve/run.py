@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 
 import uvicorn
 
@@ -78,6 +79,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and the "
                     "profiler endpoints")
+    ap.add_argument("--max-request-bytes", type=int, default=8 << 20, help="largest request body; larger ones "
+                    "get 413 before they are read (default 8 MiB)")
+    ap.add_argument("--max-queue", type=int, default=None, help="requests that may wait for a slot; beyond, new ones "
+                    "get 429 with Retry-After (default: no limit)")
+    ap.add_argument("--request-timeout", type=float, default=None, help="seconds a request may take from arrival, "
+                    "queueing included; it ends with 408 or, streaming, an error event (default: no limit; a "
+                    "request's own 'timeout' field may ask for less)")
+    ap.add_argument("--shutdown-grace", type=float, default=30.0, help="on SIGINT/SIGTERM: seconds running requests "
+                    "may go on before each ends with an error event (default 30; new requests get 503)")
+    ap.add_argument("--log-requests", action="store_true", help="an access line per request on stderr (id, "
+                    "prompt and completion tokens, TTFT, duration, finish reason)")
     ap.add_argument("--profile-dir", default="profiles", help="where /start_profile writes traces (default "
                     "./profiles; a request body may name another)")
     ap.add_argument("--compile-cache", default=DEFAULT_CACHE, help="JAX persistent compilation cache directory "
@@ -102,8 +114,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
     if args.tpot_slo_ms is not None and args.tpot_slo_ms <= 0:
         ap.error(f"--tpot-slo-ms must be positive, got {args.tpot_slo_ms}")
+    if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
+        ap.error(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
+    if not 0 <= args.shutdown_grace < float("inf"):
+        ap.error(f"--shutdown-grace must be a number of seconds >= 0, got {args.shutdown_grace}")
     for name, low in (("max_batch", 1), ("prefill_chunk", 1), ("max_seq_len", 2), ("speculative_num_steps", 0),
-                      ("num_layers", 1)):
+                      ("num_layers", 1), ("max_request_bytes", 1), ("max_queue", 0)):
         v = getattr(args, name)
         if v is not None and v < low:
             ap.error(f"--{name.replace('_', '-')} must be at least {low}, got {v}")
@@ -139,7 +155,7 @@ def _load_model(args):
     return ling.load(args.model, dtype=args.dtype, seed=args.seed, quantize=args.quantize,
                      group_size=args.group_size, quantize_experts=args.quantize_experts,
                      quantize_lm_head=args.quantize_lm_head, ep_size=args.ep_size,
-                     num_layers=args.num_layers)
+                     num_layers=args.num_layers, progress=sys.stderr.isatty())
 
 
 def chunk_sizer(args, cfg):
@@ -328,15 +344,20 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(args.mem_fraction))  # read when JAX starts
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from tqdm import tqdm
+    if args.log_requests:
+        access = logging.getLogger("serve.access")
+        access.setLevel(logging.INFO)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        access.addHandler(handler)
+        access.propagate = False
 
     default = args.model is None
     args.model = DEFAULT_MODEL if default else args.model
     name = args.served_model_name or (DEFAULT_MODEL_NAME if default else
                                       os.path.basename(os.path.normpath(args.model)))
     try:
-        with tqdm(total=5, unit="stage", file=sys.stderr, leave=False,
-                  bar_format="{desc:<28} {bar} {n_fmt}/{total_fmt} [{elapsed}]") as bar:
+        with _stages(total=5) as bar:
             s = start(args, bar)
     except StartupError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -356,14 +377,18 @@ def main(argv=None) -> int:
                     stop_ids=tokenizer.stop_token_ids(args.tokenizer or args.model), sizer=s.sizer)
     app = create_app(engine, tokenizer, metrics, Profiler(args.profile_dir),
                      ServerInfo(model_name=name, max_seq_len=s.max_seq_len, vocab_size=cfg.vocab_size,
-                                api_key=args.api_key))
+                                api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                                max_queue=args.max_queue, request_timeout=args.request_timeout,
+                                shutdown_grace=args.shutdown_grace))
     decoding = f"speculative {s.speculative_steps} steps" if s.speculative_steps else "plain decoding"
     about = (f"{args.max_batch} slots x {s.max_seq_len} tokens, {decoding}, {args.dtype}"
              f"{', ' + args.quantize if args.quantize else ''}, {jax.devices()[0].platform}")
     engine.start()
+    # uvicorn waits for open responses a little longer than the grace: by then each has ended itself.
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                                    lifespan="off", timeout_graceful_shutdown=5),
-                     lambda host, port: f"ling-serve: serving '{name}' at http://{host}:{port} ({about})")
+                                    lifespan="off", timeout_graceful_shutdown=args.shutdown_grace + 5),
+                     lambda host, port: f"ling-serve: serving '{name}' at http://{host}:{port} ({about})",
+                     app.state.ctx)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on
@@ -374,17 +399,59 @@ def main(argv=None) -> int:
 
 
 class _Server(uvicorn.Server):
-    """Prints the one start-up line once the socket listens (so the address already answers)."""
+    """Prints the one start-up line once the socket listens (so the address already answers). On
+    SIGINT/SIGTERM it stops listening and the API stops admitting, while running requests go on
+    for --shutdown-grace seconds; a second Ctrl-C exits at once."""
 
-    def __init__(self, config, banner):
+    def __init__(self, config, banner, ctx):
         super().__init__(config)
-        self.banner = banner
+        self.banner, self.ctx = banner, ctx
 
     async def startup(self, sockets=None):
         await super().startup(sockets=sockets)
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             print(self.banner(host, port), flush=True)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.ctx.shutdown_at is None and self.started:
+            self.ctx.begin_shutdown()
+            print(f"ling-serve: shutting down; running requests have {self.ctx.info.shutdown_grace:g} s to finish",
+                  file=sys.stderr, flush=True)
+        super().handle_exit(sig, frame)
+
+
+class _PlainStages:
+    """The start-up stages as plain lines, for logs (stderr not a terminal): no carriage returns."""
+
+    def __init__(self, total: int):
+        self.total, self.n, self.t0 = total, 0, time.monotonic()
+
+    def set_description(self, desc: str) -> None:
+        print(f"ling-serve: [{self.n + 1}/{self.total}] {desc} ({time.monotonic() - self.t0:.0f} s)",
+              file=sys.stderr, flush=True)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def write(self, text: str, file=None) -> None:
+        print(text, file=file or sys.stderr, flush=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _stages(total: int):
+    """A progress bar of the start-up stages on a terminal, plain lines otherwise."""
+    if not sys.stderr.isatty():
+        return _PlainStages(total)
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="stage", file=sys.stderr, leave=False,
+                bar_format="{desc:<28} {bar} {n_fmt}/{total_fmt} [{elapsed}]")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,11 @@ class Tokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self._template = _compile(self.chat_template)
+        # The most characters of text one token can stand for: its vocabulary string's length (one
+        # character per byte or per character, whichever the model spells), four times that when
+        # a normalizer may first fold several characters into one. `min_tokens` bounds with it.
+        longest = max(map(len, self.tok.get_vocab(with_added_tokens=True)), default=1)
+        self.max_chars_per_token = longest * (1 if self.tok.normalizer is None else 4)
 
     @property
     def vocab_size(self) -> int:
@@ -64,6 +69,11 @@ class Tokenizer:
                 eos = json.load(f).get("eos_token_id")
             ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
         return ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), without encoding: a prompt whose bound already
+        exceeds the context is refused before the (long) tokenisation of a huge text."""
+        return -(-len(text) // self.max_chars_per_token)
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         """special=False for rendered chat prompts: the template already wrote BOS and friends."""

@@ -44,7 +44,7 @@ def probs(logits, p: SamplingParams):
     sorted_x = jnp.where(jnp.arange(v) < per(k), sorted_x, -jnp.inf)
     sorted_p = jax.nn.softmax(sorted_x, axis=-1)
     before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each sorted entry
-    keep = before < per(p.top_p)
+    keep = (before < per(p.top_p)) | (jnp.arange(v) == 0)  # the top token always: top_p may flush to 0
     cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
     x = jnp.where(x >= cutoff, x, -jnp.inf)
     return jax.nn.softmax(x, axis=-1)

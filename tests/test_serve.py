@@ -5,9 +5,6 @@ outputs. Nothing here asserts a timing."""
 import asyncio
 import json
 import os
-import queue
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,47 +14,30 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serve.run import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from serve.tokenizer import Tokenizer
+from serving import Server
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "test-key"
 BATCH = 4  # slots
 CONTEXT = 384
 CHUNK = 32  # prefill chunk: the longer prompts below take several, interleaved with decode steps
 AUTH = {"Authorization": f"Bearer {KEY}"}
-START_TIMEOUT_S = 600  # a bound for a hung start-up, not a timing assertion
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def running(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    cmd = [sys.executable, "-m", "serve.run", "--port", "0", "--max-batch", str(BATCH), "--max-seq-len", str(CONTEXT),
-           "--prefill-chunk", str(CHUNK), "--dtype", "float32", "--speculative-num-steps", "3", "--api-key", KEY,
-           "--profile-dir", str(tmp / "profiles"), "--compile-cache", str(tmp / "jax-cache")]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-    lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
-    url, deadline = None, time.monotonic() + START_TIMEOUT_S
-    while url is None:
-        try:
-            line = lines.get(timeout=1)
-        except queue.Empty:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"the server did not start:\n{open(tmp / 'server.log').read()[-4000:]}")
-            continue
-        if "http://" in line:
-            url = line.split("http://")[1].split()[0]
+    s = Server(["--max-batch", str(BATCH), "--max-seq-len", str(CONTEXT), "--prefill-chunk", str(CHUNK), "--dtype",
+                "float32", "--speculative-num-steps", "3", "--api-key", KEY, "--profile-dir", str(tmp / "profiles")],
+               tmp)
     try:
-        yield f"http://{url}"
+        yield s
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(running):
+    return running.url
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +238,27 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": -1}, 400, "top_p"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404, "model"),
     ("/v1/nothing", {}, 404, None),
+    # Hostile bodies: each was once a 500.
+    ("/v1/completions", b'{"prompt": "x", "foo": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
+    ("/v1/completions", b'{"prompt": "x", "foo": ' + b"[" * 70 + b"]" * 70 + b"}", 400, "foo.0.0"),
+    ("/v1/completions", b'{"prompt": "abc \\ud800 def"}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": ["abc \\udfff"]}', 400, "prompt.0"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud83d"]}', 400, "stop.0"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "abc \\ud800 def"}]}', 400,
+     "messages.0.content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     400, "messages.0.content.0.text"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1e-44}, 400, "top_p"),  # 0 in float32
+    ("/v1/completions", {"prompt": "x", "temperature": 1e39}, 400, "temperature"),  # inf in float32
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": CONTEXT},
+     400, "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "x", "stop": ["s"] * 17}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "timeout": 0}, 400, "timeout"),
+    ("/v1/completions", {"prompt": None}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "y" * 2_000_000}, 400, "prompt"),  # refused before it is tokenized
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 2_000_000}]}, 400, "messages"),
 ]
 
 
@@ -280,6 +281,73 @@ def test_api_key_is_required(server, headers):
         assert r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(server + "/health").status_code == 200  # health and metrics stay open
     assert httpx.get(server + "/metrics").status_code == 200
+
+
+def test_null_means_default(client):
+    nulls = dict.fromkeys(("temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty", "stream",
+                           "stream_options", "seed", "stop", "max_tokens", "logprobs", "echo", "timeout"))
+    out = complete(client, prompt="x = 1", **{**nulls, "temperature": 0})
+    assert out["usage"]["completion_tokens"] >= 1  # max_tokens null: the default (16)
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                  **nulls, "max_completion_tokens": None})
+    assert r.status_code == 200, r.text
+
+
+def test_sampling_keeps_the_top_token_at_tiny_top_p(client):
+    """top_p at float32's smallest normal samples the most likely token: greedy's output."""
+    body = {"prompt": "def main(", "max_tokens": 8, "ignore_eos": True}
+    greedy = complete(client, **body)["choices"][0]["text"]
+    assert complete(client, **body, temperature=1.0, top_p=1.2e-38, seed=3)["choices"][0]["text"] == greedy
+
+
+def test_body_limit_and_refusals_free_their_memory(running, client):
+    """Bodies over --max-request-bytes (8 MiB) get 413; a huge prompt under it is refused by its
+    length without being tokenized, while /health keeps answering; the server's memory comes back."""
+    big = json.dumps({"prompt": "x" * (9 << 20)}).encode()
+    r = client.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    rss = running.rss_bytes()
+    answers, posts, done = [], [], threading.Event()  # (sent, answered) of /health; (start, end) of the posts
+
+    def poll_health():
+        with httpx.Client(base_url=running.url) as h:
+            while not done.is_set():
+                sent = time.monotonic()
+                assert h.get("/health").status_code == 200
+                answers.append((sent, time.monotonic()))
+
+    poller = threading.Thread(target=poll_health)
+    poller.start()
+    text = json.dumps({"prompt": "def f(x):\n" * 700_000}).encode()  # 7.7 MB as JSON
+    ids = json.dumps({"prompt": [1] * 2_700_000}).encode()  # 8.1 MB: parsing and checking it takes a while
+    try:
+        while len(answers) < 2:
+            time.sleep(0.01)
+        for body in (text, ids, text, ids):
+            start = time.monotonic()
+            r = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+            posts.append((start, time.monotonic()))
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+            if body is text:
+                assert "characters" in r.json()["error"]["message"]  # the bound refused it, not the tokenizer
+    finally:
+        done.set()
+        poller.join()
+    # The event loop kept answering while the requests were parsed in a worker thread: no /health
+    # sent during a post waited for most of that post (as it would behind a parse on the loop).
+    during = [got - sent for sent, got in answers for s0, s1 in posts if s0 <= sent <= s1]
+    assert during and max(during) < 0.5 * min(s1 - s0 for s0, s1 in posts[1::2])
+    assert running.rss_bytes() - rss < 256 << 20
+
+
+def test_timeout(client):
+    body = {"prompt": "x", "max_tokens": CONTEXT - 8, "ignore_eos": True, "timeout": 0.5}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 408 and r.json()["error"]["code"] == "timeout", r.text
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "timeout"
+    assert wait_idle(client)["free_slots"] == BATCH
 
 
 def test_bad_input_changed_nothing(client):

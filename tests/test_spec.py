@@ -125,6 +125,13 @@ def test_top_k_top_p_filtering():
                                atol=1e-6)
 
 
+def test_top_p_at_zero_keeps_the_top_token():
+    """top_p that float32 flushes to 0 (1e-44) still samples: the most likely token only."""
+    logits = jnp.log(jnp.asarray([[0.2, 0.5, 0.3]] * 2))
+    p = SamplingParams(jnp.ones(2), jnp.zeros(2, jnp.int32), jnp.asarray([0.0, 1e-44]), jnp.zeros(2, jnp.uint32))
+    np.testing.assert_array_equal(probs(logits, p), [[0, 1, 0], [0, 1, 0]])
+
+
 def test_speculative_needs_a_nextn_layer():
     m = ling.load("kimi-tiny", dtype="float32")
     with pytest.raises(ValueError, match="NEXTN"):
