@@ -27,7 +27,7 @@ touch far more than the 60 MB L2); many dispatches are queued and the difference
 is divided out, so host dispatch and the final sync cancel. Achieved TB/s is over the bytes that
 must move: the distinct experts' weights (+ scales) once, x, y. The floor is those bytes over
 the copy bandwidth measured in the same run (XLA, 1 GiB read + write). Every kernel variant is
-checked against `fused_moe.reference` before it is timed. A table is printed last.
+checked against `experts.reference` before it is timed. A table is printed last.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def log(*a):
 
 def plans():
     """The sweep: (format, M) -> [Plan], timed after the default plan (`plan_for`); E, D, I as set."""
-    from pallas_kernels.fused_moe import GemmPlan as GP, Plan, _split
+    from pallas_kernels.fused_moe import GemmPlan as GP, Plan, split_groups
 
     dot = lambda up, down: Plan("dot", 16, up, down)  # noqa: E731
     fma = lambda up, down: Plan("fma", 1, up, down)  # noqa: E731
@@ -75,7 +75,7 @@ def plans():
     # quantised: (warps, groups of K an up program, a down program; 0: no split), against
     # D / G = 20 and I / G = 6 groups at Ling's shapes
     ku, kd = D // G, I // G
-    split = lambda n, per: _split(n, per) if per else 1  # noqa: E731
+    split = lambda n, per: split_groups(n, per) if per else 1  # noqa: E731
     q = lambda w, pu=0, pd=0: fma(GP(0, 0, w, 1, split=split(ku, pu)), GP(0, 0, w, 1, split=split(kd, pd)))  # noqa: E731
     qdot = lambda pu=0, pd=0: dot(GP(0, 0, 4, 4, split=split(ku, pu)), GP(0, 0, 4, 4, split=split(kd, pd)))  # noqa: E731
     return {("bf16", 1): m1, ("bf16", 6): tiles, ("bf16", 16): tiles[:1],
@@ -141,6 +141,7 @@ def run(args):
     import jax.numpy as jnp
 
     from moe.block import _experts_gathered, _experts_grouped
+    from pallas_kernels import experts, moe_align
     from pallas_kernels import fused_moe as fm
 
     backend = "interpret" if args.smoke else "pallas"
@@ -221,7 +222,7 @@ def run(args):
         if args.lower or ys is None:
             return None
         if (fmt, m) not in refs:
-            refs[(fmt, m)] = jax.jit(lambda x, i, s, w: fm.reference(x, i, s, *w))(x, ids[0], ws[0], w)
+            refs[(fmt, m)] = jax.jit(lambda x, i, s, w: experts.reference(x, i, s, *w))(x, ids[0], ws[0], w)
         ref = refs[(fmt, m)].astype(jnp.float32)
         y = ys[0].astype(jnp.float32)
         err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
@@ -333,12 +334,12 @@ def run(args):
         (one alone is shorter than the host's dispatch: the queue would time the host)."""
         x, ids, ws, _ = routing(m)
         bm, n = fm.plan_for(m, K, False).block_m, 32
-        f = jax.jit(lambda ids: [fm.moe_align((i + j) % E, E, bm, backend=backend) for i in ids for j in range(n)])
+        f = jax.jit(lambda ids: [moe_align.moe_align((i + j) % E, E, bm, backend=backend) for i in ids for j in range(n)])
         jax.block_until_ready(f(ids))
         us = 0.0 if args.smoke else queued_us(f, ids, hi=12, lo=3) / (n * len(ids))
         for fmt in fmts:
             rows[(fmt, m)]["align"] = us
-        log(f"align M={m} ({m * K} pairs, block {bm}, {'kernel' if m * K <= fm.MAX_ALIGN_PAIRS else 'blocked'}): "
+        log(f"align M={m} ({m * K} pairs, block {bm}, {'kernel' if m * K <= moe_align.MAX_ALIGN_PAIRS else 'blocked'}): "
             f"{us:.1f} µs")
 
     def interleaved(fmt, m, rounds=3):

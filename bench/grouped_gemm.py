@@ -178,6 +178,7 @@ def run(args):
     import jax.numpy as jnp
     import numpy as np
 
+    from pallas_kernels import experts
     from pallas_kernels import grouped_gemm as gg
 
     backend = "interpret" if args.smoke else "pallas"
@@ -248,7 +249,7 @@ def run(args):
         x, ids, ws, _ = routing(m)
         s = min(CHECK_TOKENS, m)
         if (fmt, m) not in refs:
-            refs[(fmt, m)] = jax.jit(lambda x, i, t, w: gg.reference(x, i, t, *w))(x[:s], ids[:s], ws[:s], w)
+            refs[(fmt, m)] = jax.jit(lambda x, i, t, w: experts.reference(x, i, t, *w))(x[:s], ids[:s], ws[:s], w)
         ref = refs[(fmt, m)].astype(jnp.float32)
         got = y[:s].astype(jnp.float32)
         err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))

@@ -37,7 +37,7 @@ def main():
     import jax.numpy as jnp
 
     from pallas_kernels import grouped_gemm as gg
-    from pallas_kernels.fused_moe import align_sizes, moe_align
+    from pallas_kernels.moe_align import align_sizes, moe_align
 
     if jax.devices()[0].platform != "gpu":
         sys.exit("bench/grouped_parts.py times GPU kernels: no GPU here")

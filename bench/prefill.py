@@ -190,6 +190,7 @@ class Bench:
         import jax.numpy as jnp
         import numpy as np
 
+        from pallas_kernels import experts
         from pallas_kernels import grouped_gemm as gg
 
         e, k, d, inter = (13, 4, 256, 128) if self.tiny else (512, 8, 2560, 768)
@@ -199,7 +200,7 @@ class Bench:
         w13 = jax.random.normal(k1, (e, d, 2 * inter), jnp.bfloat16) * 0.03  # std: h and y stay O(1)
         w2 = jax.random.normal(k2, (e, inter, d), jnp.bfloat16) * 0.05
         ours = jax.jit(lambda x, i, s, a, b: gg.grouped_moe(x, i, s, a, b, backend=self.backend))
-        ref = jax.jit(lambda x, i, s, a, b: gg.reference(x, i, s, a, b))
+        ref = jax.jit(lambda x, i, s, a, b: experts.reference(x, i, s, a, b))
         ceiling = copy_ceiling_tbs(1 << (20 if self.tiny else 30))
         stream = self.weight_stream_us(w13, w2)
         log(f"copy ceiling {ceiling:.2f} TB/s; the experts' weights through XLA's dense dot at 64 rows "

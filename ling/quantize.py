@@ -26,7 +26,7 @@ from flax import nnx
 
 from moe.block import MoE, QExperts, SwiGLUMLP
 from moe.nn import Linear
-from pallas_kernels.fused_moe import quantize_experts
+from pallas_kernels.experts import quantize_experts
 from pallas_kernels.qmatvec import MAX_M, qmatvec
 from pallas_kernels.quant import QuantizedWeight, check_config, dequantize, quantize
 

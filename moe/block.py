@@ -3,11 +3,11 @@
 Expert weights are stacked per layer: w13 [E, D, 2I] with gate and up interleaved column by column
 (column 2j is gate j, column 2j+1 is up j, so a fused kernel forms silu(gate) * up from adjacent
 columns), and w2 [E, I, D]; or, once `ling.quantize` stored them low-bit, the fused MoE kernel's
-grouped format (`QExperts`, `fused_moe.quantize_experts`). The routed experts (`routed_experts`)
+grouped format (`QExperts`, `experts.quantize_experts`). The routed experts (`routed_experts`)
 run Pallas kernels when the kernel backend is not the reference: the fused MoE kernels
 (pallas_kernels/fused_moe.py) at decode and verify sizes, the grouped GEMM
-(pallas_kernels/grouped_gemm.py) beyond GATHER_MAX_PAIRS pairs (prefill); otherwise plain jnp
-(`experts_reference`).
+(pallas_kernels/grouped_gemm.py) beyond GATHER_MAX_PAIRS pairs (prefill); otherwise the plain-jnp
+specification both are checked against (`pallas_kernels.experts.reference`).
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ from moe.nn import param, swiglu
 from moe.parallel import expert_parallel
 from moe.router import route
 from pallas_kernels.backend import resolve
-from pallas_kernels.fused_moe import fused_moe, num_experts
+from pallas_kernels.experts import GATHER_MAX_PAIRS, num_experts
+from pallas_kernels.experts import reference as experts_reference
+from pallas_kernels.fused_moe import fused_moe
 from pallas_kernels.grouped_gemm import grouped_moe
 from pallas_kernels.quant import QuantizedWeight, dequantize
-
-
-GATHER_MAX_PAIRS = 64  # decode and verify sizes: read only the routed experts
 
 
 @jax.named_scope("experts")
@@ -51,52 +50,11 @@ def routed_experts(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, bac
     return experts_reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit)
 
 
-def experts_reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None):
-    """y [M, D] = sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x), fp32 accumulation.
-
-    x [M, D]; topk_ids, topk_weights [M, k]; w13 [E, D, 2I] (interleaved); w2 [E, I, D], or
-    both stacked `QuantizedWeight`s (dequantised here: the gathered experts, or all of them).
-    Up to GATHER_MAX_PAIRS (token, slot) pairs gather their experts' weights (XLA's GPU ragged_dot
-    reads every expert, ~6 GB a layer at Ling's size); beyond, pairs are sorted by expert and run
-    as one grouped matmul (`lax.ragged_dot`).
-    """
-    if topk_ids.size <= GATHER_MAX_PAIRS:
-        return _experts_gathered(x, topk_ids, topk_weights, w13, w2, swiglu_limit)
-    return _experts_grouped(x, topk_ids, topk_weights, w13, w2, swiglu_limit)
 
 
-def _dense(w, ids=None):
-    """Experts in x @ W orientation: w[ids] ([..., K, N]; all of them [E, K, N] when ids is None),
-    dequantised from a stacked `QuantizedWeight` (only the experts asked for)."""
-    if not isinstance(w, QuantizedWeight):
-        return w if ids is None else w[ids]
-    if ids is not None:
-        w = jax.tree.map(lambda a: a[ids.reshape(-1)], w)  # the pairs' experts, still low-bit
-    dense = jnp.swapaxes(jax.vmap(dequantize)(w), 1, 2)  # [n, K, N]
-    return dense if ids is None else dense.reshape(*ids.shape, *dense.shape[1:])
-
-
-def _experts_gathered(x, topk_ids, topk_weights, w13, w2, swiglu_limit):
-    h = jnp.einsum("md,mkdn->mkn", x, _dense(w13, topk_ids).astype(x.dtype), preferred_element_type=jnp.float32)
-    h = swiglu(h[..., 0::2], h[..., 1::2], swiglu_limit).astype(x.dtype)  # [M, k, I]
-    out = jnp.einsum("mki,mkid->mkd", h, _dense(w2, topk_ids).astype(x.dtype), preferred_element_type=jnp.float32)
-    return jnp.sum(out * topk_weights[..., None].astype(jnp.float32), axis=1).astype(x.dtype)
-
-
-def _experts_grouped(x, topk_ids, topk_weights, w13, w2, swiglu_limit):
-    m, k = topk_ids.shape
-    w13, w2 = _dense(w13), _dense(w2)
-    e = w13.shape[0]
-    flat_ids = topk_ids.reshape(-1)  # [M*k]
-    order = jnp.argsort(flat_ids, stable=True)
-    rows = x[order // k]  # [M*k, D] sorted by expert
-    group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
-    h = jax.lax.ragged_dot(rows, w13.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)  # [M*k, 2I]
-    h = swiglu(h[:, 0::2], h[:, 1::2], swiglu_limit).astype(x.dtype)  # [M*k, I]
-    out = jax.lax.ragged_dot(h, w2.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)  # [M*k, D]
-    out = out * topk_weights.reshape(-1)[order, None].astype(jnp.float32)
-    y = jnp.zeros((m, x.shape[1]), jnp.float32).at[order // k].add(out)
-    return y.astype(x.dtype)
+def _dense(w):
+    """Stacked experts as an array [E, K, N] (x @ W orientation), dequantised if low-bit."""
+    return jnp.swapaxes(jax.vmap(dequantize)(w), 1, 2) if isinstance(w, QuantizedWeight) else w
 
 
 class QExperts(nnx.Module):

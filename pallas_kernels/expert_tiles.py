@@ -25,7 +25,7 @@ rows precede its cold rows. All of it is built inside the launch, by the align t
 (below): sorted (the pair at each slot), blk (each block's expert), rows (each block's pairs, its
 first rows; the rest are padding, masked, never written). h holds the blocks' rows.
 Weights: fused_moe's formats, w13 [E, D, 2I] (gate/up interleaved by column) and w2 [E, I, D] in
-bf16, or both fields of `fused_moe.quantize_experts` (grouped low-bit, dequantised in registers
+bf16, or both fields of `experts.quantize_experts` (grouped low-bit, dequantised in registers
 on the tensor-core "dot" path of fused_moe; its helpers `weight_operands`, `expert_tile`,
 `swiglu_columns` are shared, not copied).
 
@@ -117,8 +117,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import resolve
-from pallas_kernels.fused_moe import (_dims, _pow2, align_sizes, check_args, expert_tile, pop_weight_refs, reference,
-                                      swiglu_columns, weight_operands)
+from pallas_kernels.experts import check_args, expert_dims, reference
+from pallas_kernels.fused_moe import expert_tile, pop_weight_refs, swiglu_columns, weight_operands
+from pallas_kernels.moe_align import align_sizes, next_pow2
 from pallas_kernels.quant import QuantizedWeight
 from pallas_kernels.relaxed_atomic import relaxed_atomic_add
 
@@ -617,7 +618,7 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
     m, k = topk_ids.shape
     if not 0 <= n_decode <= m:
         raise ValueError(f"n_decode must be in [0, M={m}], got {n_decode}")
-    e, d, i = _dims(w13, w2)
+    e, d, i = expert_dims(w13, w2)
     quant = isinstance(w13, QuantizedWeight)
     act = jnp.bfloat16 if quant else w13.dtype
     plan = plan or plan_for(m * k, e, quant)
@@ -651,7 +652,7 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, bac
     nbh = align_sizes(p_d, e, bmh).nb if p_d else 0
     nbc = align_sizes(p - p_d, e, bm).nb if p > p_d else 0
     nb, rows = nbh + nbc, nbh * bmh + nbc * bm  # blocks and h's rows (hot region first)
-    e_pad = max(32, _pow2(e))
+    e_pad = max(32, next_pow2(e))
     zr = ZERO_ROWS
     chunks = -(-(m + 1) // zr)  # y32 rows: whole zero tiles covering M + 1
     split = bmh < bm  # hot blocks hold decode pairs only: two align phases

@@ -9,23 +9,11 @@ Layouts (x @ W orientation, every stacked weight passed whole, never sliced in f
   w13 [E, D, 2I] gate and up INTERLEAVED by column (column 2j = gate j, 2j+1 = up j): one output
       tile holds both halves of its SwiGLU, so the epilogue pairs them in registers.
   w2  [E, I, D].
-  Or grouped low-bit (`quantize_experts`): a `QuantizedWeight` (pallas_kernels/quant.py) whose
-  arrays carry a leading E axis -- expert e's matrix in torch orientation, w13_e^T [2I, D] and
-  w2_e^T [D, I] (the interleave kept on the N axis), tile-transposed words [E, T, K*b/32, B_N],
-  bf16 scales [E, T, K/G, B_N]. `jax.vmap(quant.dequantize)` gives the experts back.
-
-Pairs. p = m*k + slot is the (token, slot) pair index, P = M*k.
-
-Align (one Pallas launch for P <= 64, `_align_kernel`; beyond, `_align_blocked`: two Pallas
-launches, no sort; the reference backend's `_align_jnp` is a stable argsort, the same outputs,
-except that on the GPU the blocked align orders an expert's pairs by the order in which their
-blocks of pairs ran): pairs ordered by expert, each expert's run padded to a multiple of BM rows:
-  sorted_pairs [S] int32  pair at each padded slot, P where the slot is padding (S > NB*BM),
-  block_expert [NBP] int32 expert of block j (slots [j*BM, (j+1)*BM)), -1 for an unused block.
-NB = n + (P - n) // BM with n = min(P, E) bounds the blocks any routing needs (NBP = next pow2).
-The kernel ranks pairs against pairs ([PP, PP] comparisons, PP = pow2 >= P): rank in bucket,
-bucket size, bucket block offset from the bucket representatives (rank 0); nothing grows with E.
-At M = 1 ("direct") there is no align: block j is pair j (a token's top-k experts are distinct).
+  Or grouped low-bit: `experts.quantize_experts` (pallas_kernels/experts.py holds the formats and
+  the reference, `experts.reference`).
+Pairs p = m*k + slot (P = M*k) are grouped by expert (`moe_align.moe_align`) into blocks of BM
+rows, block_expert [NBP] naming each block's expert; at M = 1 ("direct") there is no align:
+block j is pair j (a token's top-k experts are distinct).
 
 GEMMs (`_gemm_kernel`, Triton lowering), grid (NB, N / BN, S): program (j, t, s) reads block j's
 rows and streams the s-th of S shares of expert e_j's [K, BN] weight tile t once (unused blocks
@@ -37,14 +25,14 @@ sum them in a fixed order.
   down: rows h[slot] @ W2_e[:, tile]                   -> out [S, P + 1, D] float32 (pair rows;
         row P is the masked padding's address)
   path "dot": BM rows (>= 16), tensor-core dot, fp32 accumulator [BM, BN] (quantised: qmatvec's
-        `_lanes` unpack to bf16 in registers); Triton pipelines the weight tiles (cp.async).
+        `lanes` unpack to bf16 in registers); Triton pipelines the weight tiles (cp.async).
   path "fma": BM = 1 (one pair per block, never padded), CUDA-core multiply-adds into a [BK, BN]
         fp32 tile summed once (quantised: codes or-ed into magic floats, see `_acc_quant`).
 Combine (one XLA fusion): y = sum_k w * out[m*k + slot] in fp32, rounded once to x's dtype.
 Shared with the tile-scheduled kernel (expert_tiles.py): `weight_operands` (either weight format as
 pallas_call inputs), `pop_weight_refs`, `expert_tile` (one block's rows times one weight tile) and
 `swiglu_columns` (the interleaved gate/up epilogue).
-Rounding: h is rounded to the activation dtype between the GEMMs (as in moe.block); nothing else
+Rounding: h is rounded to the activation dtype between the GEMMs (as in `experts.reference`); nothing else
 (the quantised "fma" path sums terms up to ~(256 + 2^b) / 2^b times larger in fp32: ~1e-6).
 
 Bytes moved per layer: the distinct experts' weights once each, U * (3*D*I*2) bytes in bf16
@@ -69,323 +57,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import resolve
-from pallas_kernels.qmatvec import H200_SMS, _lanes
-from pallas_kernels.quant import QuantizedWeight, _quantize, check_config, dequantize
-from pallas_kernels.relaxed_atomic import relaxed_atomic_add
+from pallas_kernels.experts import check_args, expert_dims, k_groups, reference, swiglu
+from pallas_kernels.moe_align import align_sizes, moe_align
+from pallas_kernels.qmatvec import H200_SMS, lanes
+from pallas_kernels.quant import QuantizedWeight
 
-MAX_ALIGN_PAIRS = 64  # the pair-axis align kernel's limit: [64, 64] comparisons stay in registers
 EVICT = "evict_first"  # weights stream once: keep L2 for activations
-
-
-# ---------------------------------------------------------------------------------- weights
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["w13", "w2"], meta_fields=[])
-@dataclasses.dataclass(frozen=True)
-class QuantizedExperts:
-    """Stacked quantised experts: w13 per expert [2I, D] (interleaved rows), w2 per expert [D, I]."""
-
-    w13: QuantizedWeight
-    w2: QuantizedWeight
-
-
-def quantize_experts(w13, w2, *, bits=4, group_size=128, symmetric=True, block_n=64) -> QuantizedExperts:
-    """Quantise stacked experts w13 [E, D, 2I], w2 [E, I, D] (x @ W) into the grouped format.
-
-    Each expert's matrix is transposed to torch orientation and quantised alone (pallas_kernels/
-    quant.py), one expert at a time (`lax.map`: no fp32 copy of the whole stack); the arrays are
-    stacked on a leading E axis. block_n must divide 2I and D.
-    """
-
-    def stack(w, name):
-        if getattr(w, "ndim", None) != 3:
-            raise ValueError(f"{name} must be [E, K, N], got shape {getattr(w, 'shape', None)}")
-        _, k, n = w.shape
-        check_config(k, bits, group_size, block_n)
-        if n % block_n:
-            raise ValueError(f"block_n={block_n} must divide {name}'s output dimension {n}")
-        quant = functools.partial(_quantize, bits=bits, group_size=group_size, symmetric=symmetric,
-                                  block_n=block_n)
-        words, scales, zeros = lax.map(lambda we: quant(we.T), w)
-        return QuantizedWeight(words, scales, zeros, bits, group_size, symmetric, (n, k))
-
-    return QuantizedExperts(stack(w13, "w13"), stack(w2, "w2"))
-
-
-def _expert_matrices(w, ids):
-    """Experts ids [P] of w as float32 [P, K, N] (x @ W orientation); dequantised exactly."""
-    if isinstance(w, QuantizedWeight):
-        sub = jax.tree.map(lambda a: a[ids], w)
-        return jax.vmap(dequantize)(sub).transpose(0, 2, 1)
-    return w[ids].astype(jnp.float32)
-
-
-def check_args(x, topk_ids, topk_weights, w13, w2) -> None:
-    """Raises ValueError naming the argument whose shape or dtype does not fit the others."""
-    _, d, _ = _dims(w13, w2)
-    if x.ndim != 2 or x.shape[1] != d:
-        raise ValueError(f"x must be [M, D={d}], got shape {x.shape}")
-    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_ids and topk_weights must both be [M={x.shape[0]}, k], got "
-                         f"{topk_ids.shape} and {topk_weights.shape}")
-    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
-        raise ValueError(f"topk_ids must be integers, got {topk_ids.dtype}")
-
-
-def _dims(w13, w2):
-    """(E, D, I) from either weight format, with the shapes checked against each other."""
-    if isinstance(w13, QuantizedWeight):
-        if not isinstance(w2, QuantizedWeight):
-            raise ValueError("w13 and w2 must both be quantised or both be arrays")
-        e, (n13, d), (d2, i) = w13.words.shape[0], w13.shape, w2.shape
-        e2 = w2.words.shape[0]
-    else:
-        if w13.ndim != 3 or w2.ndim != 3:
-            raise ValueError(f"w13 must be [E, D, 2I] and w2 [E, I, D], got {w13.shape}, {w2.shape}")
-        (e, d, n13), (e2, i, d2) = w13.shape, w2.shape
-    if e != e2 or d != d2 or n13 != 2 * i:
-        raise ValueError(f"w13 (E={e}, D={d}, 2I={n13}) and w2 (E={e2}, I={i}, D={d2}) disagree")
-    return e, d, i
-
-
-def num_experts(w) -> int:
-    """E of stacked experts in either format ([E, K, N] array or a stacked `QuantizedWeight`)."""
-    return w.words.shape[0] if isinstance(w, QuantizedWeight) else w.shape[0]
-
-
-def _k_groups(w13: QuantizedWeight, w2: QuantizedWeight) -> tuple[int, int]:
-    """Groups of K of the up and down GEMMs (D / G, I / G)."""
-    return tuple(w.shape[1] // w.group_size for w in (w13, w2))
-
-
-# ---------------------------------------------------------------------------------- reference
-def _swiglu(g, u, limit):
-    """silu(g) * u in float32, with the optional clamp min(silu(g), L) * clamp(u, -L, L)."""
-    g = g * jax.nn.sigmoid(g)
-    if limit is not None:
-        g = jnp.minimum(g, limit)
-        u = jnp.clip(u, -limit, limit)
-    return g * u
-
-
-def reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None):
-    """Plain jnp, float32 products at HIGHEST precision; h rounded to the activation dtype."""
-    m, k = topk_ids.shape
-    e, d, i = _dims(w13, w2)
-    act = jnp.bfloat16 if isinstance(w13, QuantizedWeight) else w13.dtype
-    ids = topk_ids.reshape(-1)
-    xs = jnp.repeat(x.astype(act).astype(jnp.float32), k, axis=0)  # [P, D]
-    hi = lax.Precision.HIGHEST
-    h = jnp.einsum("pd,pdn->pn", xs, _expert_matrices(w13, ids), precision=hi)  # [P, 2I]
-    h = _swiglu(h[:, 0::2], h[:, 1::2], swiglu_limit).astype(act).astype(jnp.float32)  # [P, I]
-    out = jnp.einsum("pi,pid->pd", h, _expert_matrices(w2, ids), precision=hi)  # [P, D]
-    y = jnp.sum(out.reshape(m, k, d) * topk_weights.astype(jnp.float32)[..., None], axis=1)
-    return y.astype(x.dtype)
-
-
-# ---------------------------------------------------------------------------------- align
-def _pow2(n):
-    return 1 << max(0, n - 1).bit_length()
-
-
-@dataclasses.dataclass(frozen=True)
-class AlignSizes:
-    p: int  # pairs
-    bm: int  # block rows
-    nb: int  # blocks any routing can need (the GEMM grid's first axis)
-    nbp: int  # len(block_expert): next pow2 of nb
-    pp: int  # the align kernel's pair vector: pow2 >= max(P, 16); also its slots per program
-    n_slots: int  # len(sorted_pairs) > nb * bm
-
-
-def align_sizes(p: int, e: int, bm: int) -> AlignSizes:
-    n = min(p, e)
-    nb = n + (p - n) // bm  # sum_e ceil(c_e / bm) <= n + (P - n) // bm (see the module doc)
-    pp = max(16, _pow2(p))
-    # S > NB*BM: the last slot is never a pair's (the blocked align points masked-off lanes there)
-    return AlignSizes(p, bm, nb, _pow2(nb), pp, -(-(nb * bm + 1) // pp) * pp)
-
-
-def _align_kernel(ids_ref, sorted_ref, blk_ref, *, s: AlignSizes, n_experts: int):
-    """Program c writes slots [c*PP, (c+1)*PP) of sorted_pairs; program 0 also writes block_expert.
-
-    Every program ranks all pairs ([PP, PP] in registers; cheaper than a second launch).
-    """
-    q = jnp.arange(s.pp, dtype=jnp.int32)
-    ids = pltriton.load(ids_ref.at[pl.ds(0, s.pp)], mask=q < s.p, other=n_experts)  # [PP], pad: E
-    valid = (q < s.p) & (ids < n_experts)  # ids >= E: skipped pairs, in no block
-    ip, iq = ids[:, None], ids[None, :]  # rows: pair p, columns: pair q
-    earlier = q[None, :] < q[:, None]
-    same = iq == ip
-    one = jnp.int32(1)
-    zero = jnp.int32(0)
-    within = jnp.sum(jnp.where(same & earlier, one, zero), axis=1)  # rank in its expert's bucket
-    count = jnp.sum(jnp.where(same, one, zero), axis=1)  # its bucket's size
-    nblk = jnp.where(valid, (count + (s.bm - 1)) // s.bm, 0)  # blocks of its bucket
-    first = valid & (within == 0)  # one representative per bucket
-    lower = first[None, :] & (iq < ip)
-    bstart = jnp.sum(jnp.where(lower, nblk[None, :], zero), axis=1)  # first block of its bucket
-    pos = bstart * s.bm + within  # its padded slot
-
-    slot = pl.program_id(0) * s.pp + q  # [PP] the slots this program writes
-    hit = (pos[None, :] == slot[:, None]) & valid[None, :]  # [slots, pairs]
-    n_hit = jnp.sum(jnp.where(hit, one, zero), axis=1)
-    pair = jnp.sum(jnp.where(hit, q[None, :], zero), axis=1)
-    sorted_ref[pl.ds(pl.program_id(0) * s.pp, s.pp)] = jnp.where(n_hit > 0, pair, s.p)
-
-    @pl.when(pl.program_id(0) == 0)
-    def _():
-        j = jnp.arange(s.nbp, dtype=jnp.int32)[:, None]  # [NBP, 1]
-        own = first[None, :] & (bstart[None, :] <= j) & (j < (bstart + nblk)[None, :])  # [NBP, PP]
-        owned = jnp.sum(jnp.where(own, one, zero), axis=1)
-        expert = jnp.sum(jnp.where(own, iq, zero), axis=1)
-        blk_ref[...] = jnp.where(owned > 0, expert, -1)
-
-
-def _rank_kernel(ids_ref, _, off_ref, rep_ref, cnt_ref, *, p: int, pb: int, cb: int, n_experts: int,
-                 interpret: bool):
-    """Program b, pairs [b*PB, (b+1)*PB): each pair's rank among the block's earlier pairs of its
-    expert and the block's first such pair (its lead), from [PB, CB] comparisons a step; each lead
-    reserves its expert's pairs of the block with one atomic add on cnt (returning the expert's
-    pairs in the blocks that reserved before). off: the lead's reservation, or the rank."""
-    b = pl.program_id(0)
-    q = b * pb + jnp.arange(pb, dtype=jnp.int32)  # [PB] pair indices
-    ids = pltriton.load(ids_ref.at[pl.ds(b * pb, pb)], mask=q < p, other=n_experts)
-    within = jnp.zeros((pb,), jnp.int32)
-    n_same = jnp.zeros((pb,), jnp.int32)
-    rep = q
-    for c0 in range(0, pb, cb):  # columns: the block's pairs c0 .. c0 + CB
-        qc = b * pb + c0 + jnp.arange(cb, dtype=jnp.int32)
-        ic = pltriton.load(ids_ref.at[pl.ds(b * pb + c0, cb)], mask=qc < p, other=n_experts)
-        same = ic[None, :] == ids[:, None]  # [PB, CB]
-        within = within + jnp.sum((same & (qc[None, :] < q[:, None])).astype(jnp.int32), axis=1)
-        n_same = n_same + jnp.sum(same.astype(jnp.int32), axis=1)
-        rep = jnp.minimum(rep, jnp.min(jnp.where(same, qc[None, :], q[:, None]), axis=1))
-    lead = (ids < n_experts) & (within == 0)
-    # The interpreter has no masked atomics: its other lanes add 0 to the spare counter cnt[E]
-    old = relaxed_atomic_add(cnt_ref, (jnp.where(lead, ids, n_experts),), jnp.where(lead, n_same, 0),
-                             mask=None if interpret else lead)
-    off_ref[pl.ds(b * pb, pb)] = jnp.where(lead, old, within)
-    rep_ref[pl.ds(b * pb, pb)] = rep
-
-
-def _place_kernel(ids_ref, off_ref, rep_ref, cnt_ref, sorted_ref, blk_ref, first_ref, *, p: int, pb: int,
-                  jb: int, e_pow: int, n_experts: int, bm: int, interpret: bool):
-    """Program b: from the experts' counts (complete: the rank launch has ended), each expert's
-    first slot (exclusive cumsum of its padded blocks, recomputed by every program: [E] in
-    registers); then block_expert and the padding of blocks [b*JB, (b+1)*JB), and the slot of
-    each valid pair of block b: its expert's first slot + its lead's reservation + its rank."""
-    b = pl.program_id(0)
-    ev = jnp.arange(e_pow, dtype=jnp.int32)
-    cnt = pltriton.load(cnt_ref.at[pl.ds(0, e_pow)], mask=ev < n_experts, other=0)  # [E_pow]
-    nblk = (cnt + bm - 1) // bm
-    bend = jnp.cumsum(nblk)  # [E_pow] one past each expert's last block
-    first = (bend - nblk) * bm
-    # A register vector cannot be gathered: this program's copy of `first`, read back by index
-    # (its own row: no other program writes it; the barrier orders the threads' stores and loads).
-    first_ref[b, :] = first
-    if not interpret:
-        pltriton.debug_barrier()
-
-    j = b * jb + jnp.arange(jb, dtype=jnp.int32)  # [JB] blocks
-    used = j < jnp.sum(nblk)
-    e_j = jnp.where(used, jnp.sum((bend[None, :] <= j[:, None]).astype(jnp.int32), axis=1), -1)
-    pltriton.store(blk_ref.at[pl.ds(b * jb, jb)], e_j, mask=j < blk_ref.shape[0])
-    ec = jnp.where(used, e_j, 0)
-    first_j = pltriton.load(first_ref.at[b, ec], mask=used, other=0)  # [JB]
-    cnt_j = pltriton.load(cnt_ref.at[ec], mask=used, other=0)
-    slot = j[:, None] * bm + jnp.arange(bm, dtype=jnp.int32)[None, :]  # [JB, BM]
-    pad = (~used[:, None]) | (slot - first_j[:, None] >= cnt_j[:, None])
-    n_slots = sorted_ref.shape[0]
-    pad = (pad & (slot < n_slots)).reshape(jb * bm)
-    pltriton.store(sorted_ref.at[pl.ds(b * jb * bm, jb * bm)], jnp.full((jb * bm,), p, jnp.int32), mask=pad)
-
-    @pl.when(b * pb < p)  # programs past the pairs only place blocks
-    def _():
-        q = b * pb + jnp.arange(pb, dtype=jnp.int32)  # [PB] pairs
-        ids = pltriton.load(ids_ref.at[pl.ds(b * pb, pb)], mask=q < p, other=n_experts)
-        valid = ids < n_experts  # padding and skipped pairs (id >= E): in no block
-        off = off_ref[pl.ds(b * pb, pb)]
-        rep = rep_ref[pl.ds(b * pb, pb)]
-        reserved = pltriton.load(off_ref.at[rep], mask=valid & (rep != q), other=0)  # the lead's; a lead: 0
-        e = jnp.where(valid, ids, 0)
-        dst = pltriton.load(first_ref.at[b, e], mask=valid, other=0) + reserved + off
-        # Unmasked: the other lanes write P to the last slot, which is padding (S > NB*BM), so every
-        # write there agrees (the interpreter's masked scatter would write back a stale value)
-        pltriton.store(sorted_ref.at[jnp.where(valid, dst, n_slots - 1)], jnp.where(valid, q, p))
-
-
-def _align_blocked(ids, s: AlignSizes, n_experts: int, interpret: bool):
-    """The layout for any P without a sort, in two Pallas launches over blocks of PB pairs:
-    (1) ranks within each block, and each block's pairs of an expert reserved with one atomic add
-    on the expert's count; (2) from the counts, each expert's first slot, block_expert, the
-    padding, and each pair's slot. An expert's pairs come in the order their blocks reserved:
-    stable in p where the blocks run in order (interpret mode: `_align_jnp`'s output exactly), in
-    any block order on the GPU. Every consumer reads a block's rows independently, so y does
-    not depend on that order. Two launches where a histogram, XLA cumsums and
-    a place launch took ten (bench/history/fused_moe.md)."""
-    p, bm = s.p, s.bm
-    # pairs a rank program (64: the H200's best, bench/history/fused_moe.md); blocks (of BM slots) a place program
-    pb, jb = 64, 8
-    nbk = -(-p // pb)
-    n_place = max(nbk, -(-max(-(-s.n_slots // bm), s.nbp) // jb))  # every pair, every slot and block
-    e_pow = _pow2(n_experts)
-    params = pltriton.CompilerParams(num_warps=4, num_stages=1)
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    off, rep, cnt = pl.pallas_call(
-        functools.partial(_rank_kernel, p=p, pb=pb, cb=32, n_experts=n_experts, interpret=interpret),
-        grid=(nbk,),
-        out_shape=(i32(nbk * pb), i32(nbk * pb), i32(e_pow + 1)),
-        input_output_aliases={1: 2},  # counts from 0; cnt[E]: the rank kernel's spare (E <= E_pow)
-        compiler_params=params, interpret=interpret, name="moe_align_rank",
-    )(ids, jnp.zeros((e_pow + 1,), jnp.int32))
-    sorted_pairs, block_expert, _ = pl.pallas_call(
-        functools.partial(_place_kernel, p=p, pb=pb, jb=jb, e_pow=e_pow, n_experts=n_experts, bm=bm,
-                          interpret=interpret),
-        grid=(n_place,),
-        out_shape=(i32(s.n_slots), i32(s.nbp), i32(n_place, e_pow)),
-        compiler_params=params, interpret=interpret, name="moe_align_place",
-    )(ids, off, rep, cnt)
-    return sorted_pairs, block_expert
-
-
-def _align_jnp(ids, s: AlignSizes, n_experts: int):
-    """The same outputs for any P, from a stable argsort (its work grows with E: bincount).
-    Pairs with ids >= E sort last and are dropped (skipped pairs)."""
-    p, bm = s.p, s.bm
-    order = jnp.argsort(ids, stable=True).astype(jnp.int32)  # [P]
-    counts = jnp.zeros(n_experts, jnp.int32).at[ids].add(1, mode="drop")  # [E]
-    nblk = (counts + bm - 1) // bm
-    bend = jnp.cumsum(nblk)  # [E] one past each expert's last block
-    cstart = jnp.cumsum(counts) - counts
-    se = ids[order]
-    pos = (bend - nblk)[se] * bm + jnp.arange(p, dtype=jnp.int32) - cstart[se]
-    pos = jnp.where(se < n_experts, pos, s.n_slots)  # skipped pairs: out of bounds, dropped
-    sorted_pairs = jnp.full((s.n_slots,), p, jnp.int32).at[pos].set(order, mode="drop")
-    j = jnp.arange(s.nbp, dtype=jnp.int32)
-    # compare_all: one fusion. The default method ("scan") is a while loop, which on the GPU
-    # waits on the host once per step (~150 µs an align on the H200).
-    expert = jnp.searchsorted(bend, j, side="right", method="compare_all").astype(jnp.int32)
-    return sorted_pairs, jnp.where(j < bend[-1], expert, -1)
-
-
-def moe_align(topk_ids, n_experts: int, block_m: int, *, backend="auto"):
-    """(sorted_pairs [S], block_expert [NBP]) for topk_ids [M, k]; see the module docstring.
-    Pairs whose id is >= n_experts are skipped: in no block (grouped_moe's skipped pairs)."""
-    backend = resolve(backend)
-    ids = topk_ids.reshape(-1).astype(jnp.int32)
-    s = align_sizes(ids.shape[0], n_experts, block_m)
-    if backend == "reference":
-        return _align_jnp(ids, s, n_experts)
-    if s.p > MAX_ALIGN_PAIRS:
-        return _align_blocked(ids, s, n_experts, backend == "interpret")
-    return pl.pallas_call(
-        functools.partial(_align_kernel, s=s, n_experts=n_experts),
-        out_shape=(jax.ShapeDtypeStruct((s.n_slots,), jnp.int32),
-                   jax.ShapeDtypeStruct((s.nbp,), jnp.int32)),
-        grid=(s.n_slots // s.pp,),
-        interpret=backend == "interpret",
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-        name="moe_align",
-    )(ids)
 
 
 # ---------------------------------------------------------------------------------- GEMMs
@@ -413,7 +90,7 @@ class Plan:
     down: GemmPlan
 
 
-def _split(n_groups: int, per_program: int) -> int:
+def split_groups(n_groups: int, per_program: int) -> int:
     """Programs sharing K's n_groups: n_groups / per_program, or the largest divisor below it."""
     return max(d for d in range(1, max(1, n_groups // per_program) + 1) if n_groups % d == 0)
 
@@ -445,7 +122,7 @@ def plan_for(m: int, k: int, quantized: bool, k_groups: tuple[int, int] = (1, 1)
     """
     if quantized:
         if m == 1:
-            up, down = (GemmPlan(0, 0, 4, 1, split=_split(n, per)) for n, per in zip(k_groups, (2, 1)))
+            up, down = (GemmPlan(0, 0, 4, 1, split=split_groups(n, per)) for n, per in zip(k_groups, (2, 1)))
             return Plan("fma", 1, up, down)
         if m * k <= 128:
             return Plan("fma", 1, GemmPlan(0, 0, 4, 1), GemmPlan(0, 0, 4, 1))
@@ -477,7 +154,7 @@ def _acc_dense(w_ref, e, n0, a_load, *, n_k, bk, bn, bm, fma, steps=None):
 
 
 @dataclasses.dataclass(frozen=True)
-class _QMeta:
+class QMeta:
     """Static description of quantised weights (the kernel never closes over arrays)."""
 
     bits: int
@@ -487,11 +164,11 @@ class _QMeta:
     n_groups: int  # groups of K
 
 
-def _acc_quant(qrefs, qm: _QMeta, e, t, a_load, *, bm, fma, groups=None):
+def _acc_quant(qrefs, qm: QMeta, e, t, a_load, *, bm, fma, groups=None):
     """The same for quantised weights, one group of G input rows per loop step; groups = (first,
     count) of K's groups to sum (default: all).
 
-    "dot": qmatvec's `_lanes` unpack to the exact u - z, cast to bf16 (exact), tensor-core dot
+    "dot": qmatvec's `lanes` unpack to the exact u - z, cast to bf16 (exact), tensor-core dot
     with lane i's [BM, WPG] slice of a; the group's scale once per column.
     "fma": no per-weight dequantisation. Each byte of a word is shifted once (not each code) so that
     its codes sit at mantissa offsets off = 15, 15 + b, ..; or-ing the masked bits into the float
@@ -505,7 +182,7 @@ def _acc_quant(qrefs, qm: _QMeta, e, t, a_load, *, bm, fma, groups=None):
     bits, g_size, bn = qm.bits, qm.group_size, qm.block_n
     wpg = g_size * bits // 32
     per_byte = 8 // bits
-    magic = magic_ref[0]  # 2^23: `_lanes`
+    magic = magic_ref[0]  # 2^23: `lanes`
     lane_magic = [magic_ref[1 + i] for i in range(per_byte)]  # 2^(23 - off_i), off_i = 15 + i b
 
     def zero_point(g):  # z: a constant, or [1, B_N] per column
@@ -517,7 +194,7 @@ def _acc_quant(qrefs, qm: _QMeta, e, t, a_load, *, bm, fma, groups=None):
         words = pltriton.load(words_ref.at[e, t, pl.ds(g * wpg, wpg), :], eviction_policy=EVICT)
         scale = scales_ref[e, t, g, :].astype(jnp.float32)  # [B_N]
         part = [jnp.zeros((bm, bn), jnp.float32)] * 2  # two chains: shorter dependency
-        for i, v in _lanes(words, bits, zero_point(g), magic):  # v: [WPG, B_N] f32 = u - z
+        for i, v in lanes(words, bits, zero_point(g), magic):  # v: [WPG, B_N] f32 = u - z
             a = a_load(g * g_size + i * wpg, wpg)  # [BM, WPG] bf16
             part[i % 2] = part[i % 2] + jnp.dot(a, v.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
         return acc + (part[0] + part[1]) * scale[None, :]
@@ -563,7 +240,7 @@ class WeightOperands:
     n_tiles: N / bn; qm: the quantised layout (None: dense)."""
 
     inputs: list
-    qm: _QMeta | None
+    qm: QMeta | None
     bk: int | None
     bn: int
     n_k: int | None
@@ -577,7 +254,7 @@ def weight_operands(w, block_k: int, block_n: int, *, dot: bool, stage: str) -> 
         (_, n_tiles, _, bn), (_, k_in) = w.words.shape, w.shape
         if dot and w.group_size * w.bits // 32 < 16:
             raise ValueError("the dot path needs >= 16 words per group (group_size * bits >= 512)")
-        qm = _QMeta(w.bits, w.group_size, w.symmetric, bn, k_in // w.group_size)
+        qm = QMeta(w.bits, w.group_size, w.symmetric, bn, k_in // w.group_size)
         # Magic floats as register operands (the and-or fuses into one LOP3, qmatvec): 2^23, then
         # 2^(23 - off) for the "fma" path's code offsets off = 15 + i * bits.
         magic = jnp.array([0x4B000000] + [(127 + 8 - i * w.bits) << 23 for i in range(8 // w.bits)],
@@ -594,7 +271,7 @@ def weight_operands(w, block_k: int, block_n: int, *, dot: bool, stage: str) -> 
     return WeightOperands([w], None, bk, bn, k_in // bk, n_out // bn)
 
 
-def pop_weight_refs(refs: list, qm: _QMeta | None):
+def pop_weight_refs(refs: list, qm: QMeta | None):
     """Pops one GEMM's weight refs off the front of refs (the order of `weight_operands`):
     w [E, K, N], or (magic [1], words [E, T, K*b/32, B_N], scales [E, T, K/G, B_N], zeros or None)."""
     if qm is None:
@@ -602,7 +279,7 @@ def pop_weight_refs(refs: list, qm: _QMeta | None):
     return refs.pop(0), refs.pop(0), refs.pop(0), None if qm.symmetric else refs.pop(0)
 
 
-def expert_tile(wrefs, qm: _QMeta | None, e, t, a_load, *, n_k, bk, bn, bm, fma, groups=None):
+def expert_tile(wrefs, qm: QMeta | None, e, t, a_load, *, n_k, bk, bn, bm, fma, groups=None):
     """a @ W_e[:, tile t] in fp32 for either weight format: [BM, BN] ("dot") or [BN] ("fma").
     a_load(k0, size) gives the rows' columns [k0, k0 + size): [BM, size] in the activation dtype
     ("dot") or [size] fp32 ("fma"). groups: (first, count) of K's groups (quantised weights) or of
@@ -621,7 +298,7 @@ def swiglu_columns(acc, limit):
     gate = jnp.arange(2, dtype=jnp.int32) == 0
     g = jnp.sum(jnp.where(gate, pairs, 0.0), axis=-1)
     u = jnp.sum(jnp.where(gate, 0.0, pairs), axis=-1)
-    return _swiglu(g, u, limit)
+    return swiglu(g, u, limit)
 
 
 def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, limit, n_init):
@@ -724,11 +401,11 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
     GEMM's [S, P + 1, D] (S = 1 unless split)."""
     m, k = topk_ids.shape
     p = m * k
-    e, d, i = _dims(w13, w2)
+    e, d, i = expert_dims(w13, w2)
     quant = isinstance(w13, QuantizedWeight)
     act = jnp.bfloat16 if quant else w13.dtype
     default_plan = plan is None
-    plan = plan or plan_for(m, k, quant, _k_groups(w13, w2) if quant else (1, 1))
+    plan = plan or plan_for(m, k, quant, k_groups(w13, w2) if quant else (1, 1))
     if (plan.path == "fma") != (plan.block_m == 1) or plan.path not in ("dot", "fma"):
         raise ValueError(f"plan: path 'fma' goes with block_m 1, 'dot' with block_m >= 16, got {plan}")
     interpret = backend == "interpret"

@@ -9,14 +9,14 @@ average), so the work is a grouped GEMM: one [rows_e, K] @ [K, N] product per ex
 tensor cores. XLA's `lax.ragged_dot` computes every expert against every row (298 ms a layer
 at 4096 tokens on the H200); this reads each expert's weights once per row block.
 
-Layout. Pairs p = m*k + slot. `fused_moe.moe_align` (blocked path beyond 64 pairs) sorts them by
+Layout. Pairs p = m*k + slot. `moe_align.moe_align` (blocked path beyond 64 pairs) sorts them by
 expert (within an expert, in any order: rows are independent), each expert's run padded to BM
 rows, one expert per block:
   sorted_pairs [S] int32 (P = padding), block_expert [NBP] int32 (-1: unused block);
   NB = n + (P - n) // BM, n = min(P, E), bounds the blocks of any routing.
 Weights as in fused_moe: w13 [E, D, 2I] with gate/up INTERLEAVED by column (2j gate, 2j+1 up:
 an output tile holds both halves of its SwiGLU), w2 [E, I, D]; or the grouped low-bit format of
-`fused_moe.quantize_experts` (per expert torch orientation, words [E, T, K*b/32, B_N], bf16
+`experts.quantize_experts` (per expert torch orientation, words [E, T, K*b/32, B_N], bf16
 scales [E, T, K/G, B_N]; the tile B_N is the layout's).
 
 Kernels (Triton lowering; `jnp.dot` -> tt.dot: wgmma on sm_90 for BM >= 64 or plan.swap, mma.sync
@@ -83,8 +83,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import resolve
-from pallas_kernels.fused_moe import _dims, _QMeta, _swiglu, align_sizes, check_args, moe_align
-from pallas_kernels.quant import QuantizedWeight, dequantize
+from pallas_kernels.experts import check_args, expert_dims, reference, swiglu
+from pallas_kernels.fused_moe import QMeta
+from pallas_kernels.moe_align import align_sizes, moe_align
+from pallas_kernels.quant import QuantizedWeight
 from pallas_kernels.relaxed_atomic import relaxed_atomic_add
 
 COMBINES = ("sum", "sum16", "atomic")
@@ -136,36 +138,8 @@ def plan_for(p: int, e: int, quantized: bool) -> Plan:
     return Plan(128, Tile(64, 128, 8, 3), Tile(32, 128, 8, 6), combine="sum16", half=True)
 
 
-# ---------------------------------------------------------------------------------- reference
-def _dense(w):
-    """[E, K, N] float32 (x @ W orientation) from either weight format; exact."""
-    if isinstance(w, QuantizedWeight):
-        return jax.vmap(dequantize)(w).transpose(0, 2, 1)
-    return w.astype(jnp.float32)
-
-
-def reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None):
-    """Plain jnp, any size: pairs sorted by expert, `lax.ragged_dot` at HIGHEST precision in
-    float32 on the (dequantised) weights, h rounded to the activation dtype, fp32 combine."""
-    m, k = topk_ids.shape
-    e, d, _ = _dims(w13, w2)
-    act = jnp.bfloat16 if isinstance(w13, QuantizedWeight) else w13.dtype
-    ids = topk_ids.reshape(-1).astype(jnp.int32)
-    order = jnp.argsort(ids, stable=True)
-    tok = order // k
-    rows = x.astype(act).astype(jnp.float32)[tok]  # [P, D] by expert
-    sizes = jnp.bincount(ids, length=e).astype(jnp.int32)  # skipped pairs (id E) sort last, in no group
-    hi = lax.Precision.HIGHEST
-    h = lax.ragged_dot(rows, _dense(w13), sizes, precision=hi, preferred_element_type=jnp.float32)
-    h = _swiglu(h[:, 0::2], h[:, 1::2], swiglu_limit).astype(act).astype(jnp.float32)  # [P, I]
-    out = lax.ragged_dot(h, _dense(w2), sizes, precision=hi, preferred_element_type=jnp.float32)
-    live = (ids < e)[order, None]
-    out = jnp.where(live, out * topk_weights.reshape(-1)[order, None].astype(jnp.float32), 0.0)
-    return jnp.zeros((m, d), jnp.float32).at[tok].add(out).astype(x.dtype)
-
-
 # ---------------------------------------------------------------------------------- kernels
-def _unpack(words, qm: _QMeta, magic, zero, dtype):
+def _unpack(words, qm: QMeta, magic, zero, dtype):
     """words uint32 [WPG, B_N] -> (u - z) [G, B_N] in dtype, rows in natural K order; exact.
 
     Lane i (bits [i*b, (i+1)*b)) of word w is row w + i*WPG: the lanes stacked on a leading axis
@@ -256,7 +230,7 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half,
             gate = jnp.arange(2, dtype=jnp.int32) == 0  # select + sum: lowers everywhere, exact
             g = jnp.sum(jnp.where(gate, pairs, 0.0), axis=-1)
             u = jnp.sum(jnp.where(gate, 0.0, pairs), axis=-1)
-            h = _swiglu(g, u, limit).astype(out_ref.dtype)
+            h = swiglu(g, u, limit).astype(out_ref.dtype)
             # Pair rows only: an expert's last block is ~half padding at Ling's 64 rows an expert.
             pltriton.store(out_ref.at[pl.ds(j * bm, rows), pl.ds(t * (bn // 2), bn // 2)], h,
                            mask=valid[:, None])
@@ -290,7 +264,7 @@ def _gemm(stage, a, block_expert, sorted_pairs, w, *, tw=None, n_blocks, k, p, p
     qm = None
     if isinstance(w, QuantizedWeight):
         (_, n_tiles, _, bn), (_, k_in) = w.words.shape, w.shape
-        qm = _QMeta(w.bits, w.group_size, w.symmetric, bn, k_in // w.group_size)
+        qm = QMeta(w.bits, w.group_size, w.symmetric, bn, k_in // w.group_size)
         bk = n_k = None
         magic = jnp.array([0x4B000000], jnp.uint32)
         w_inputs = [magic, w.words, w.scales] + ([] if w.symmetric else [w.zeros])
@@ -374,7 +348,7 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
     """The kernel path; returns (y, h, out). poison: h and ("sum", "sum16") out start as NaN (tests)."""
     m, k = topk_ids.shape
     p = m * k
-    e, _, _ = _dims(w13, w2)
+    e, _, _ = expert_dims(w13, w2)
     act = jnp.bfloat16 if isinstance(w13, QuantizedWeight) else w13.dtype
     plan = plan or plan_for(p, e, isinstance(w13, QuantizedWeight))
     ids = topk_ids.reshape(-1).astype(jnp.int32)
@@ -404,7 +378,7 @@ def grouped_moe(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backen
     topk_ids [M, k] int in [0, E], E marking a skipped pair (no expert: it adds nothing and
     costs nothing; expert parallelism's pairs of other ranks); topk_weights [M, k];
     w13 [E, D, 2I] (gate/up interleaved by column), w2 [E, I, D] in bf16 (or any float dtype:
-    x is cast to it), or both fields of `fused_moe.quantize_experts` (x in bf16).
+    x is cast to it), or both fields of `experts.quantize_experts` (x in bf16).
     swiglu_limit: None or L. backend: "pallas" | "interpret" | "reference" | "auto"
     (pallas_kernels.backend.resolve). plan overrides `plan_for`. Any M works; it pays off once
     every expert has rows (prefill chunks).

@@ -86,7 +86,7 @@ def reference(x, qw: QuantizedWeight, *, tiles=None):
     return y.astype(jnp.bfloat16)
 
 
-def _lanes(words, bits, zero, magic):
+def lanes(words, bits, zero, magic):
     """Yield (lane, u - z as f32 [CW, B_N]) for the 32/bits lanes of words uint32 [CW, B_N].
 
     Or-ing the masked code into the mantissa of 2^23 gives 2^23 + u*2^off exactly; scaling by
@@ -150,7 +150,7 @@ def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, 
         part = [jnp.zeros((rows, block_n), jnp.float32)] * 2 if mma else [
             jnp.zeros((cw, block_n), jnp.float32)] * m
         for c, words in enumerate(chunks):
-            for i, v in _lanes(words, bits, zero, magic):  # v: [CW, B_N] f32 = u - z
+            for i, v in lanes(words, bits, zero, magic):  # v: [CW, B_N] f32 = u - z
                 x0 = g * group_size + i * wpg + c * cw  # lane i's contiguous slice of x
                 if mma:
                     xi = pltriton.load(

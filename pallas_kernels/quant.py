@@ -102,7 +102,7 @@ def _round(v):  # round half up: one rounding rule for lo and for every code (se
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "symmetric", "block_n"))
-def _quantize(w, *, bits, group_size, symmetric, block_n):
+def quantize_arrays(w, *, bits, group_size, symmetric, block_n):
     n, k = w.shape
     g, vpw = group_size, 32 // bits
     n_pad = -n % block_n
@@ -145,7 +145,7 @@ def quantize(w, *, bits=4, group_size=128, symmetric=True, block_n=128) -> Quant
     check_config(w.shape[1], bits, group_size, block_n)
     if not isinstance(symmetric, bool):
         raise ValueError(f"symmetric must be a bool, got {symmetric!r}")
-    words, scales, zeros = _quantize(
+    words, scales, zeros = quantize_arrays(
         w, bits=bits, group_size=group_size, symmetric=symmetric, block_n=block_n
     )
     return QuantizedWeight(words, scales, zeros, bits, group_size, symmetric, tuple(w.shape))

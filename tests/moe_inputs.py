@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import experts
 from pallas_kernels import fused_moe as fm
 from pallas_kernels.quant import QuantizedWeight, dequantize
 
@@ -11,12 +12,12 @@ E, D, I = 13, 256, 128  # experts, model dim, expert inter dim: small, E not a p
 
 
 def expert_weights(rng, bits, symmetric=True, group_size=128):
-    """(w13 [E, D, 2I], w2 [E, I, D]) in bf16, or quantised (`fm.quantize_experts`) when bits."""
+    """(w13 [E, D, 2I], w2 [E, I, D]) in bf16, or quantised (`experts.quantize_experts`) when bits."""
     w13 = jnp.asarray(rng.standard_normal((E, D, 2 * I)) * 0.06, jnp.bfloat16)
     w2 = jnp.asarray(rng.standard_normal((E, I, D)) * 0.09, jnp.bfloat16)
     if bits is None:
         return w13, w2
-    q = fm.quantize_experts(w13, w2, bits=bits, group_size=group_size, symmetric=symmetric, block_n=64)
+    q = experts.quantize_experts(w13, w2, bits=bits, group_size=group_size, symmetric=symmetric, block_n=64)
     return q.w13, q.w2
 
 

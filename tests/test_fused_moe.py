@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import experts, moe_align
 from pallas_kernels import fused_moe as fm
 from pallas_kernels.quant import quantize
 
@@ -97,7 +98,7 @@ def test_split_k_partials_match_float64_experts(m, k, bits, kind, limit, plan):
     x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
     ids, w = _routing(rng, m, k, kind)
     if plan is None:  # 4 up groups in 2 programs, 2 down groups in 2
-        plan = fm.plan_for(m, k, True, fm._k_groups(w13, w2))
+        plan = fm.plan_for(m, k, True, experts.k_groups(w13, w2))
         assert (plan.up.split, plan.down.split) == (2, 2)
     y, h, out = fm._run(x, ids, w, w13, w2, swiglu_limit=limit, backend="interpret", plan=plan, poison=True)
     out = np.asarray(out)
@@ -154,7 +155,7 @@ def _check_align(sorted_pairs, block_expert, ids, bm):
     ids = np.asarray(ids).reshape(-1)
     p = ids.size
     sp, be = np.asarray(sorted_pairs), np.asarray(block_expert)
-    s = fm.align_sizes(p, E, bm)
+    s = moe_align.align_sizes(p, E, bm)
     assert sp.shape == (s.n_slots,) and be.shape == (s.nbp,)
     counts = np.bincount(ids[ids < E], minlength=E)
     used = int(np.sum(-(-counts // bm)))
@@ -175,9 +176,9 @@ def _check_align(sorted_pairs, block_expert, ids, bm):
                                          (8, 8, 1, "skewed"), (64, 1, 16, "one"), (7, 3, 4, "random")])
 def test_align_kernel(m, k, bm, kind):
     ids, _ = _routing(np.random.default_rng([m, k, bm]), m, k, kind)
-    got = fm.moe_align(ids, E, bm, backend="interpret")
+    got = moe_align.moe_align(ids, E, bm, backend="interpret")
     _check_align(*got, ids, bm)
-    want = fm.moe_align(ids, E, bm, backend="reference")  # the argsort path
+    want = moe_align.moe_align(ids, E, bm, backend="reference")  # the argsort path
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -191,10 +192,10 @@ def test_align_beyond_the_kernel(m, k, bm, kind):
     them."""
     ids, _ = _routing(np.random.default_rng([m, k]), m, k, kind)
     ids = ids.at[m // 2, 0].set(E)
-    assert m * k > fm.MAX_ALIGN_PAIRS
-    got = fm.moe_align(ids, E, bm, backend="interpret")
+    assert m * k > moe_align.MAX_ALIGN_PAIRS
+    got = moe_align.moe_align(ids, E, bm, backend="interpret")
     _check_align(*got, ids, bm)
-    want = fm.moe_align(ids, E, bm, backend="reference")  # the argsort path
+    want = moe_align.moe_align(ids, E, bm, backend="reference")  # the argsort path
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -207,8 +208,8 @@ def test_blocked_align_with_a_power_of_two_of_experts():
     ids[7, 2] = e  # a skipped pair
     ids = jnp.asarray(ids, jnp.int32)
     for bm in (16, 64):
-        got = fm.moe_align(ids, e, bm, backend="interpret")
-        want = fm.moe_align(ids, e, bm, backend="reference")
+        got = moe_align.moe_align(ids, e, bm, backend="interpret")
+        want = moe_align.moe_align(ids, e, bm, backend="reference")
         for a, b in zip(got, want):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -217,7 +218,7 @@ def test_blocked_align_with_a_power_of_two_of_experts():
 def test_quantize_experts_stacks_per_expert_quantisation():
     rng = np.random.default_rng(3)
     w13, w2 = _weights(rng, None)
-    q = fm.quantize_experts(w13, w2, bits=4, group_size=128, block_n=64)
+    q = experts.quantize_experts(w13, w2, bits=4, group_size=128, block_n=64)
     assert q.w13.words.shape == (E, 2 * I // 64, D * 4 // 32, 64) and q.w13.shape == (2 * I, D)
     assert q.w2.scales.shape == (E, D // 64, I // 128, 64) and q.w2.shape == (D, I)
     for e in (0, E - 1):
@@ -238,7 +239,7 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="disagree"):
         fm.fused_moe(x, ids, w, w13, w2[:, :64], backend="interpret")
     with pytest.raises(ValueError, match="block_n"):
-        fm.quantize_experts(w13, w2, block_n=96)
+        experts.quantize_experts(w13, w2, block_n=96)
 
 
 # ------------------------------------------------------------------------------------- wiring

@@ -1,4 +1,4 @@
-"""The prefill grouped GEMM (interpret mode) against `moe.block.experts_reference` and float64
+"""The prefill grouped GEMM (interpret mode) against `experts.reference` and float64
 experts, and the MoE block / model wired to it above GATHER_MAX_PAIRS pairs.
 
 Small shapes (D 256, I 128, E 13: not a power of two) keep Pallas' interpreter fast; every case
@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe.block import GATHER_MAX_PAIRS, experts_reference
-from pallas_kernels import fused_moe as fm
+from pallas_kernels.experts import GATHER_MAX_PAIRS
+from pallas_kernels.experts import reference as experts_reference
+from pallas_kernels import experts, moe_align
 from pallas_kernels import grouped_gemm as gg
 
 from moe_inputs import D, E, I, dense32 as _dense32, swiglu64 as _swiglu64
@@ -29,7 +30,7 @@ def _weights(rng, kind):
     if kind == "bf16":
         return w13, w2
     bits = 4 if kind == "int4" else 8
-    q = fm.quantize_experts(w13, w2, bits=bits, group_size=128, symmetric=kind == "int4", block_n=64)
+    q = experts.quantize_experts(w13, w2, bits=bits, group_size=128, symmetric=kind == "int4", block_n=64)
     return q.w13, q.w2
 
 
@@ -126,7 +127,7 @@ def test_grouped_moe_matches_experts_reference(m, k, kind, limit, plan):
     out = np.asarray(out.astype(jnp.float32))
     if plan.combine != "atomic":  # pair rows
         assert np.isfinite(out[:p]).all() and np.isnan(out[p]).all()
-    sorted_pairs, block_expert = (np.asarray(a) for a in fm.moe_align(ids, E, plan.block_m, backend="reference"))
+    sorted_pairs, block_expert = (np.asarray(a) for a in moe_align.moe_align(ids, E, plan.block_m, backend="reference"))
     used = int(np.sum(block_expert >= 0))
     bm = plan.block_m
     h = np.asarray(h.astype(jnp.float32)).reshape(-1, bm, I)
@@ -234,12 +235,12 @@ def test_skipped_pairs_add_nothing(m, k, plan):
     want = experts_reference(x, ids, jnp.where(skip, 0.0, w), w13, w2)
     y = gg._run(x, ids_skip, w, w13, w2, swiglu_limit=None, backend="interpret", plan=plan, poison=True)[0]
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), rtol=3e-2, atol=3e-2)
-    ref = gg.reference(x, ids_skip, w, w13, w2)
+    ref = experts_reference(x, ids_skip, w, w13, w2)
     np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(want, np.float32), rtol=3e-2, atol=3e-2)
     flat = np.asarray(ids_skip).reshape(-1)
     for backend in ("interpret", "reference"):  # the align kernel (<= 64 pairs) and the argsort path
         for n in (8, flat.size):
-            sp, be = (np.asarray(a) for a in fm.moe_align(jnp.asarray(flat[:n]), E, 16, backend=backend))
+            sp, be = (np.asarray(a) for a in moe_align.moe_align(jnp.asarray(flat[:n]), E, 16, backend=backend))
             placed = sp[sp < n]
             assert sorted(placed.tolist()) == [p for p in range(n) if flat[p] < E], (backend, n)
     for mm in (m, 5):  # grouped GEMM beyond GATHER_MAX_PAIRS, fused kernel (borrowing) below
@@ -262,8 +263,8 @@ def test_any_order_within_an_expert_gives_the_same_y(combine):
     w13, w2 = _weights(rng, "bf16")
     x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
     ids, w = _half_routing(rng, m, k, plan.block_m)
-    p, nb = m * k, fm.align_sizes(m * k, E, plan.block_m).nb
-    sp, be = fm.moe_align(ids.reshape(-1), E, plan.block_m, backend="interpret")
+    p, nb = m * k, moe_align.align_sizes(m * k, E, plan.block_m).nb
+    sp, be = moe_align.moe_align(ids.reshape(-1), E, plan.block_m, backend="interpret")
     sp_np, be_np = np.asarray(sp).copy(), np.asarray(be)
     used = int(np.sum(be_np >= 0))
     rows = sp_np[: used * plan.block_m].reshape(used, plan.block_m)

@@ -107,15 +107,16 @@ def _dequantised_experts_model(q_model, seed):
 
 def test_quantised_experts_compute_their_dequantised_weights(full):
     """The quantised-expert model (reference kernels: experts dequantised where used) gives the
-    logits of a model holding those dequantised experts in full precision, and stays close to
-    the full-precision model (int8; measured rel 0.059 / cos 0.99946, as with only the
-    projections quantised)."""
+    logits of a model holding those dequantised experts in full precision, up to the bf16
+    rounding of the experts' input and h that low-bit experts take (`experts.reference`, as the
+    kernels), and stays close to the full-precision model (int8; measured rel 0.059 / cos
+    0.99946, as with only the projections quantised)."""
     model = ling.load("ling-tiny", dtype="float32", seed=1, quantize="int8", group_size=32, quantize_experts=True)
     moe = model.layers[1].mlp
     assert isinstance(moe.w13, QExperts) and isinstance(moe.w2, QExperts)
     assert moe.w13.weight.words.shape[0] == model.cfg.num_experts
     q = ling.forward(model, TOKENS)
-    np.testing.assert_allclose(q, ling.forward(_dequantised_experts_model(model, 1), TOKENS), rtol=1e-5, atol=1e-5)
+    assert oracle.rel_err(q, ling.forward(_dequantised_experts_model(model, 1), TOKENS)) <= 2e-3
     assert oracle.rel_err(q, full) <= 0.1 and cosine(q, full) >= 0.999
 
 

@@ -1,0 +1,160 @@
+"""Stacked routed experts: their weight formats, shape checks, the low-bit quantiser, and the
+reference every MoE kernel and the model's reference path are checked against.
+
+    y [M, D] = sum_k topk_weights[m, k] * expert_{topk_ids[m, k]}(x[m])
+    expert_e(x) = swiglu(x @ W13_e) @ W2_e,  swiglu(g, u) = silu(g) * u
+                  (with a limit L: min(silu(g), L) * clamp(u, -L, L))
+
+Layouts (x @ W orientation):
+  x [M, D]; topk_ids, topk_weights [M, k]; ids >= E mark skipped pairs (weight 0, no expert read).
+  w13 [E, D, 2I] gate and up INTERLEAVED by column (column 2j = gate j, 2j+1 = up j).
+  w2  [E, I, D].
+  Or grouped low-bit (`quantize_experts`): a `QuantizedWeight` (pallas_kernels/quant.py) whose
+  arrays carry a leading E axis -- expert e's matrix in torch orientation, w13_e^T [2I, D] and
+  w2_e^T [D, I] (the interleave kept on the N axis), tile-transposed words [E, T, K*b/32, B_N],
+  bf16 scales [E, T, K/G, B_N]. `jax.vmap(quant.dequantize)` gives the experts back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.quant import QuantizedWeight, check_config, dequantize, quantize_arrays
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w13", "w2"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class QuantizedExperts:
+    """Stacked quantised experts: w13 per expert [2I, D] (interleaved rows), w2 per expert [D, I]."""
+
+    w13: QuantizedWeight
+    w2: QuantizedWeight
+
+
+def quantize_experts(w13, w2, *, bits=4, group_size=128, symmetric=True, block_n=64) -> QuantizedExperts:
+    """Quantise stacked experts w13 [E, D, 2I], w2 [E, I, D] (x @ W) into the grouped format.
+
+    Each expert's matrix is transposed to torch orientation and quantised alone (pallas_kernels/
+    quant.py), one expert at a time (`lax.map`: no fp32 copy of the whole stack); the arrays are
+    stacked on a leading E axis. block_n must divide 2I and D.
+    """
+
+    def stack(w, name):
+        if getattr(w, "ndim", None) != 3:
+            raise ValueError(f"{name} must be [E, K, N], got shape {getattr(w, 'shape', None)}")
+        _, k, n = w.shape
+        check_config(k, bits, group_size, block_n)
+        if n % block_n:
+            raise ValueError(f"block_n={block_n} must divide {name}'s output dimension {n}")
+        quant = functools.partial(quantize_arrays, bits=bits, group_size=group_size, symmetric=symmetric,
+                                  block_n=block_n)
+        words, scales, zeros = lax.map(lambda we: quant(we.T), w)
+        return QuantizedWeight(words, scales, zeros, bits, group_size, symmetric, (n, k))
+
+    return QuantizedExperts(stack(w13, "w13"), stack(w2, "w2"))
+
+
+def expert_matrices(w, ids):
+    """Experts ids [P] of w as float32 [P, K, N] (x @ W orientation); dequantised exactly."""
+    if isinstance(w, QuantizedWeight):
+        sub = jax.tree.map(lambda a: a[ids], w)
+        return jax.vmap(dequantize)(sub).transpose(0, 2, 1)
+    return w[ids].astype(jnp.float32)
+
+
+def check_args(x, topk_ids, topk_weights, w13, w2) -> None:
+    """Raises ValueError naming the argument whose shape or dtype does not fit the others."""
+    _, d, _ = expert_dims(w13, w2)
+    if x.ndim != 2 or x.shape[1] != d:
+        raise ValueError(f"x must be [M, D={d}], got shape {x.shape}")
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must both be [M={x.shape[0]}, k], got "
+                         f"{topk_ids.shape} and {topk_weights.shape}")
+    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise ValueError(f"topk_ids must be integers, got {topk_ids.dtype}")
+
+
+def expert_dims(w13, w2):
+    """(E, D, I) from either weight format, with the shapes checked against each other."""
+    if isinstance(w13, QuantizedWeight):
+        if not isinstance(w2, QuantizedWeight):
+            raise ValueError("w13 and w2 must both be quantised or both be arrays")
+        e, (n13, d), (d2, i) = w13.words.shape[0], w13.shape, w2.shape
+        e2 = w2.words.shape[0]
+    else:
+        if w13.ndim != 3 or w2.ndim != 3:
+            raise ValueError(f"w13 must be [E, D, 2I] and w2 [E, I, D], got {w13.shape}, {w2.shape}")
+        (e, d, n13), (e2, i, d2) = w13.shape, w2.shape
+    if e != e2 or d != d2 or n13 != 2 * i:
+        raise ValueError(f"w13 (E={e}, D={d}, 2I={n13}) and w2 (E={e2}, I={i}, D={d2}) disagree")
+    return e, d, i
+
+
+def num_experts(w) -> int:
+    """E of stacked experts in either format ([E, K, N] array or a stacked `QuantizedWeight`)."""
+    return w.words.shape[0] if isinstance(w, QuantizedWeight) else w.shape[0]
+
+
+def k_groups(w13: QuantizedWeight, w2: QuantizedWeight) -> tuple[int, int]:
+    """Groups of K of the up and down GEMMs (D / G, I / G)."""
+    return tuple(w.shape[1] // w.group_size for w in (w13, w2))
+
+
+# ---------------------------------------------------------------------------------- reference
+def swiglu(g, u, limit):
+    """silu(g) * u in float32, with the optional clamp min(silu(g), L) * clamp(u, -L, L)."""
+    g = g * jax.nn.sigmoid(g)
+    if limit is not None:
+        g = jnp.minimum(g, limit)
+        u = jnp.clip(u, -limit, limit)
+    return g * u
+
+
+GATHER_MAX_PAIRS = 64  # up to here the reference gathers each pair's expert; beyond, one grouped matmul
+
+
+def reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None):
+    """The routed experts in plain jnp, any size: the specification the MoE kernels and the
+    model's reference path share.
+
+    x is rounded to the activation dtype (the weights' dtype; bf16 for low-bit weights, as the
+    kernels take it), products are exact float32 (HIGHEST) on the exactly dequantised weights,
+    h is rounded to the activation dtype between the GEMMs, the combine sums in float32 and y is
+    rounded once to x's dtype. Pairs whose id is >= E are skipped (add nothing, read nothing).
+    Up to GATHER_MAX_PAIRS pairs each gathers its expert ([P, K, N] float32); beyond, the pairs
+    are sorted by expert and run as one `lax.ragged_dot` over all E experts."""
+    m, k = topk_ids.shape
+    e, d, _ = expert_dims(w13, w2)
+    act = jnp.bfloat16 if isinstance(w13, QuantizedWeight) else w13.dtype
+    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    live = ids < e
+    weights = jnp.where(live, topk_weights.reshape(-1).astype(jnp.float32), 0.0)  # [P]
+    xs = x.astype(act).astype(jnp.float32)
+    hi = lax.Precision.HIGHEST
+    if ids.shape[0] <= GATHER_MAX_PAIRS:
+        safe = jnp.where(live, ids, 0)
+        rows = jnp.repeat(xs, k, axis=0)  # [P, D]
+        h = jnp.einsum("pd,pdn->pn", rows, expert_matrices(w13, safe), precision=hi)  # [P, 2I]
+        h = swiglu(h[:, 0::2], h[:, 1::2], swiglu_limit).astype(act).astype(jnp.float32)  # [P, I]
+        out = jnp.einsum("pi,pid->pd", h, expert_matrices(w2, safe), precision=hi)  # [P, D]
+        y = jnp.sum((out * weights[:, None]).reshape(m, k, d), axis=1)
+        return y.astype(x.dtype)
+    order = jnp.argsort(ids, stable=True)  # skipped pairs (id >= E) sort last, in no group
+    tok = order // k
+    sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
+    h = lax.ragged_dot(xs[tok], _all(w13), sizes, precision=hi, preferred_element_type=jnp.float32)  # [P, 2I]
+    h = swiglu(h[:, 0::2], h[:, 1::2], swiglu_limit).astype(act).astype(jnp.float32)  # [P, I]
+    out = lax.ragged_dot(h, _all(w2), sizes, precision=hi, preferred_element_type=jnp.float32)  # [P, D]
+    out = jnp.where(live[order, None], out * weights[order, None], 0.0)
+    return jnp.zeros((m, d), jnp.float32).at[tok].add(out).astype(x.dtype)
+
+
+def _all(w):
+    """Every expert of w as float32 [E, K, N] (x @ W orientation); dequantised exactly."""
+    if isinstance(w, QuantizedWeight):
+        return jax.vmap(dequantize)(w).transpose(0, 2, 1)
+    return w.astype(jnp.float32)
