@@ -209,7 +209,7 @@ def main():
             stepper = Stepper(model, fresh(), speculative=mode == "spec", num_steps=s)
             holder = {"stepper": stepper}
             one, sync = stepper.step, stepper.drain
-            lowered = stepper._step.lower(stepper._params, stepper._slots, stepper.sampling)
+            lowered = stepper._step.lower(stepper._params, stepper._slots, None, stepper.sampling, False)
         t = time.perf_counter()
         one(), one(), sync()  # compile, warm up
         print(f"{mode}: compiled in {time.perf_counter() - t:.0f} s", flush=True)

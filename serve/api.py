@@ -29,6 +29,7 @@ from serve.profiler import Profiler, ProfilerError
 from serve.protocol import APIError, ChatRequest, CompletionRequest
 from serve.request import Delta, Failed, Finished, Request, Sampling
 from serve.tokenizer import TemplateError, Tokenizer
+from spec.sampling import MAX_TOP_LOGPROBS
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 POLL_S = 0.5  # how often a waiting handler looks at its client, its deadline and the shutdown
@@ -182,8 +183,9 @@ async def _generate(c: Context, http: HTTPRequest, req, ids: list[int], sampling
     rid, timeout = protocol.new_id(prefix), _timeout(c, req)
     if req.stream:
         return _sse(_stream(c, r, shape, rid, timeout, _include_usage(req)))
-    text, reason, use = await _collect(c, http, r, rid, timeout)
-    return whole(rid, c.info.model_name, text, reason, use)
+    text, reason, use, entries = await _collect(c, http, r, rid, timeout)
+    logprobs = None if sampling.logprobs is None else shape.logprobs(c.tokenizer.token_text, entries, 0)
+    return whole(rid, c.info.model_name, text, reason, use, logprobs)
 
 
 def _prepare_completion(c: Context, raw: bytes):
@@ -205,7 +207,8 @@ def _prepare_completion(c: Context, raw: bytes):
         if bad is not None:
             raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {c.info.vocab_size})",
                            param="prompt")
-    return req, ids, _sampling(c, ids, req, req.max_tokens, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    return req, ids, _sampling(c, ids, req, req.max_tokens, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS,
+                               _top_count(req.logprobs, "logprobs"))
 
 
 def _prepare_chat(c: Context, raw: bytes):
@@ -229,9 +232,18 @@ def _prepare_chat(c: Context, raw: bytes):
     except TemplateError as e:
         raise APIError(400, str(e), param="messages") from None
     ids = c.tokenizer.encode(text, special=False)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    logprobs = _top_count(req.top_logprobs or 0, "top_logprobs") if req.logprobs else None
     if req.max_completion_tokens is not None:
-        return req, ids, _sampling(c, ids, req, req.max_completion_tokens, "max_completion_tokens", None)
-    return req, ids, _sampling(c, ids, req, req.max_tokens, "max_tokens", None)
+        return req, ids, _sampling(c, ids, req, req.max_completion_tokens, "max_completion_tokens", None, logprobs)
+    return req, ids, _sampling(c, ids, req, req.max_tokens, "max_tokens", None, logprobs)
+
+
+def _top_count(n: int | None, param: str) -> int | None:
+    if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"'{param}' must be in [0, {MAX_TOP_LOGPROBS}], got {n}", param=param)
+    return n
 
 
 # -- admission, limits, checks ---------------------------------------------------------------------
@@ -292,7 +304,7 @@ def _check_model(c: Context, name: str | None) -> None:
 
 
 def _sampling(c: Context, ids: list[int], req, max_tokens: int | None, max_name: str,
-              default: int | None) -> Sampling:
+              default: int | None, logprobs: int | None) -> Sampling:
     """Checks the numbers against the limits, at the precision the device uses (float32), and
     names the field the client sent."""
     n, limit = len(ids), c.info.max_seq_len
@@ -324,7 +336,8 @@ def _sampling(c: Context, ids: list[int], req, max_tokens: int | None, max_name:
         raise APIError(400, f"'stop' holds {len(stop)} strings; at most {MAX_STOP} are allowed", param="stop")
     seed = random.getrandbits(32) if req.seed is None else req.seed % 2**32
     return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                    top_k=min(max(req.top_k, 0), c.info.vocab_size), seed=seed, stop=stop, ignore_eos=req.ignore_eos)
+                    top_k=min(max(req.top_k, 0), c.info.vocab_size), seed=seed, stop=stop, ignore_eos=req.ignore_eos,
+                    logprobs=logprobs)
 
 
 def _timeout(c: Context, req) -> float | None:
@@ -391,13 +404,15 @@ def _log_request(rid: str, r: Request, last, ended: bool) -> None:
 
 
 async def _collect(c: Context, http: HTTPRequest, r: Request, rid: str, timeout: float | None):
-    """The whole output of a non-streaming request; aborts it if the client disconnects."""
-    parts, events = [], _events(c, r, rid, timeout)
+    """(text, finish reason, usage, log-probability entries) of a non-streaming request; aborts it
+    if the client disconnects."""
+    parts, entries, events = [], [], _events(c, r, rid, timeout)
 
     async def gather():
         async for ev in events:
             if isinstance(ev, Delta):
                 parts.append(ev.text)
+                entries.extend(ev.logprobs or ())
             elif isinstance(ev, Finished):
                 return ev
             else:
@@ -409,7 +424,7 @@ async def _collect(c: Context, http: HTTPRequest, r: Request, rid: str, timeout:
             done, _ = await asyncio.wait({task}, timeout=POLL_S)
             if done:
                 fin = task.result()
-                return "".join(parts), fin.reason, protocol.usage(fin.prompt_tokens, fin.completion_tokens)
+                return "".join(parts), fin.reason, protocol.usage(fin.prompt_tokens, fin.completion_tokens), entries
             if await http.is_disconnected():
                 raise APIError(499, "client disconnected")
     finally:
@@ -431,24 +446,30 @@ def _sse(chunks) -> StreamingResponse:
 
 @dataclasses.dataclass(frozen=True)
 class Chunks:
-    """The chunk shapes of one streamed endpoint: opening (before any text; None: none), text,
-    the closing chunk with the finish reason, and the usage chunk's object name."""
+    """The shapes of one endpoint: the stream's opening chunk (before any text; None: none), a
+    text chunk (with its logprobs object or None), the closing chunk with the finish reason, the
+    usage chunk's object name, and the logprobs object of some tokens (token_text, entries,
+    characters of text before them)."""
 
     opening: Callable[[str, str], dict] | None
-    text: Callable[[str, str, str], dict]
+    text: Callable[[str, str, str, dict | None], dict]
     end: Callable[[str, str, str], dict]
     usage_object: str
+    logprobs: Callable[[Callable, list, int], dict]
 
 
 COMPLETION_CHUNKS = Chunks(opening=None,
-                           text=lambda rid, model, t: protocol.completion_chunk(rid, model, t, None),
+                           text=lambda rid, model, t, lp: protocol.completion_chunk(rid, model, t, None, lp),
                            end=lambda rid, model, reason: protocol.completion_chunk(rid, model, "", reason),
-                           usage_object="text_completion")
+                           usage_object="text_completion",
+                           logprobs=lambda token_text, entries, offset: protocol.completion_logprobs(
+                               entries, token_text, offset))
 CHAT_CHUNKS = Chunks(opening=lambda rid, model: protocol.chat_chunk(rid, model, {"role": "assistant", "content": ""},
                                                                     None),
-                     text=lambda rid, model, t: protocol.chat_chunk(rid, model, {"content": t}, None),
+                     text=lambda rid, model, t, lp: protocol.chat_chunk(rid, model, {"content": t}, None, lp),
                      end=lambda rid, model, reason: protocol.chat_chunk(rid, model, {}, reason),
-                     usage_object="chat.completion.chunk")
+                     usage_object="chat.completion.chunk",
+                     logprobs=lambda token_text, entries, _: protocol.chat_logprobs(entries, token_text))
 
 
 async def _stream(c: Context, r: Request, shape: Chunks, rid: str, timeout: float | None, include_usage: bool):
@@ -457,13 +478,17 @@ async def _stream(c: Context, r: Request, shape: Chunks, rid: str, timeout: floa
     outlives the shutdown grace."""
     model = c.info.model_name
     events = _events(c, r, rid, timeout)
+    sent = 0  # characters of text streamed so far
     try:
         if shape.opening is not None:
             yield shape.opening(rid, model)
         async for ev in events:
             if isinstance(ev, Delta):
-                if ev.text:
-                    yield shape.text(rid, model, ev.text)
+                if ev.logprobs:
+                    yield shape.text(rid, model, ev.text, shape.logprobs(c.tokenizer.token_text, ev.logprobs, sent))
+                elif ev.text:
+                    yield shape.text(rid, model, ev.text, None)
+                sent += len(ev.text)
             elif isinstance(ev, Finished):
                 yield shape.end(rid, model, ev.reason)
                 if include_usage:

@@ -17,7 +17,7 @@ import traceback
 
 from serve.metrics import Metrics
 from serve.output import TextOutput
-from serve.request import Delta, Failed, Finished, Request
+from serve.request import Delta, Failed, Finished, Request, TokenLogprob
 from serve.runner import Runner, StepResult
 from serve.scheduler import PrefillChunk, Scheduler
 from serve.tokenizer import Tokenizer
@@ -90,7 +90,7 @@ class Engine:
         if result is not None:
             self._on_step(result)
         if chunk is not None:
-            self._on_first_tokens(chunk, self.runner.read_first(first))
+            self._on_first_tokens(chunk, *self.runner.read_first(first))
         self.metrics.waiting.set(self.scheduler.num_waiting)
         self.metrics.running.set(self.scheduler.num_running)
 
@@ -116,19 +116,27 @@ class Engine:
                 continue
             new = result.tokens[b]
             steps, tokens = steps + bool(new), tokens + len(new)
-            self._deliver(r, new, device_done=bool(result.done[b]))
+            self._deliver(r, new, device_done=bool(result.done[b]),
+                          logprobs=None if result.logprobs is None else result.logprobs[b])
         self.metrics.record_steps(steps, tokens)
 
-    def _on_first_tokens(self, chunk: PrefillChunk, first) -> None:
+    def _on_first_tokens(self, chunk: PrefillChunk, first, logprobs) -> None:
         for b, r in enumerate(chunk.owners):
             if r is not None and not r.finished:
                 self.metrics.prompt_tokens.inc(len(r.prompt_ids))
-                self._deliver(r, [int(first[b])], device_done=False)
+                self._deliver(r, [int(first[b])], device_done=False,
+                              logprobs=None if logprobs is None else [logprobs[b]])
 
-    def _deliver(self, r: Request, tokens: list[int], device_done: bool) -> None:
+    def _deliver(self, r: Request, tokens: list[int], device_done: bool, logprobs=None) -> None:
+        """logprobs: None, or per token (log-probabilities [1 + K], top ids [K]) from the device."""
         out = self.outputs[r.id]
         before = out.tokens
-        out.add(tokens)
+        used = out.add(tokens)
+        entries = None
+        if r.sampling.logprobs is not None and logprobs is not None:
+            n = r.sampling.logprobs
+            entries = [TokenLogprob(t, float(lp[0]), tuple(zip(ids[:n].tolist(), lp[1:n + 1].tolist())))
+                       for t, (lp, ids) in zip(tokens[:used], logprobs[:used])]
         if device_done:
             out.finish("length")  # no-op when the host already saw why (EOS is a stop id)
         if out.tokens > before:
@@ -142,7 +150,7 @@ class Engine:
             self.metrics.generation_tokens.inc(out.tokens - before)
         text = out.take()
         if text or out.tokens > before:
-            r.send(Delta(text, out.tokens))
+            r.send(Delta(text, out.tokens, entries))
         if out.reason is not None:
             self._finish(r, out.reason)
 

@@ -25,11 +25,14 @@ class TextOutput:
         self.reason: str | None = None
         self._cut = False  # a stop string has cut the text: nothing after it counts
 
-    def add(self, tokens) -> None:
-        """Consumes new tokens in order until one finishes the request (the rest are dropped)."""
+    def add(self, tokens) -> int:
+        """Consumes new tokens in order until one finishes the request (the rest are dropped);
+        returns how many it consumed."""
+        used = 0
         for t in tokens:
             if self.reason is not None:
-                return
+                break
+            used += 1
             self.tokens += 1
             if t in self.stop_ids:
                 self._end("stop")
@@ -39,6 +42,7 @@ class TextOutput:
                 self.reason = "stop"
             elif self.tokens >= self.max_tokens:
                 self._end("length")
+        return used
 
     def finish(self, reason: str) -> None:
         """Ends the request for a reason the device reported (EOS or max_tokens reached there)."""

@@ -65,6 +65,7 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str]
+    logprobs: int | None = None  # alternatives per token, 0..MAX_TOP_LOGPROBS
 
 
 class ContentPart(_Strict):
@@ -80,11 +81,13 @@ class ChatMessage(_Strict):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None  # alternatives per token, 0..MAX_TOP_LOGPROBS; needs logprobs
 
 
 # Fields that would change the output in ways this server does not implement: refused rather than
 # silently ignored. Each maps to the values that mean "off".
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1),
                "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
                "n": (1,)}
 
@@ -157,25 +160,47 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(id: str, model: str, text: str, reason: str, use: dict) -> dict:
+def completion_logprobs(entries, token_text, offset: int) -> dict:
+    """The legacy completions' logprobs object for TokenLogprob entries; offset: characters of the
+    completion's text before the first of them."""
+    tokens = [token_text(e.token) for e in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_text(i): lp for i, lp in e.top} for e in entries], "text_offset": offsets}
+
+
+def chat_logprobs(entries, token_text) -> dict:
+    """Chat's logprobs object ({"content": [...]}) for TokenLogprob entries."""
+    def one(token, logprob):
+        text = token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(i, lp) for i, lp in e.top]}
+                        for e in entries]}
+
+
+def completion(id: str, model: str, text: str, reason: str, use: dict, logprobs: dict | None = None) -> dict:
     return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}], "usage": use}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}], "usage": use}
 
 
-def completion_chunk(id: str, model: str, text: str, reason: str | None) -> dict:
+def completion_chunk(id: str, model: str, text: str, reason: str | None, logprobs: dict | None = None) -> dict:
     return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
 
 
-def chat_completion(id: str, model: str, text: str, reason: str, use: dict) -> dict:
+def chat_completion(id: str, model: str, text: str, reason: str, use: dict, logprobs: dict | None = None) -> dict:
     return {"id": id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                          "finish_reason": reason}], "usage": use}
 
 
-def chat_chunk(id: str, model: str, delta: dict, reason: str | None) -> dict:
+def chat_chunk(id: str, model: str, delta: dict, reason: str | None, logprobs: dict | None = None) -> dict:
     return {"id": id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
 
 
 def usage_chunk(id: str, model: str, object: str, use: dict) -> dict:

@@ -22,12 +22,24 @@ class Sampling:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; n: each token's log-probability and its n likeliest alternatives
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token under the target's distribution: its id and log-probability, and the
+    likeliest alternatives as (id, log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclasses.dataclass
 class Delta:
     text: str
     completion_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # the tokens this event adds, when the request asked
 
 
 @dataclasses.dataclass

@@ -223,7 +223,7 @@ def memory_plan(model, *, max_seq_len: int, speculative_steps: int) -> MemoryPla
     from spec.step import new_slots
 
     width = speculative_steps + 1
-    one = jax.eval_shape(lambda: new_slots(model, 1, max_seq_len + width, max_seq_len))
+    one = jax.eval_shape(lambda: new_slots(model, 1, max_seq_len + width, max_seq_len, logprob_width=width))
     size = lambda tree: sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
     layers = list(one.model.layers) + ([one.model.nextn] if one.model.nextn is not None else [])
     kda = sum(size(c) for c in layers if isinstance(c, KDAState))

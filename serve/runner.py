@@ -20,6 +20,8 @@ class StepResult:
     owners: list  # [B] the request each slot decoded for when the step was dispatched (None: none)
     tokens: list[list[int]]  # [B] the new tokens of each slot
     done: np.ndarray  # [B] bool: the device finished the slot (EOS or max_tokens)
+    # None when no slot asked; else [B] per new token (log-probabilities [1 + K], top ids [K])
+    logprobs: list | None = None
 
 
 class Runner:
@@ -38,6 +40,7 @@ class Runner:
         # Each slot's temperature as last set by a prefill chunk: the host's copy, from which it
         # picks the all-greedy or the sampling variant of a step without asking the device.
         self._temperature = np.zeros(max_batch, np.float32)
+        self._logprobs = np.zeros(max_batch, bool)  # and whether its request asks for log-probabilities
 
     def prefill(self, chunk: PrefillChunk):
         """Dispatches one prefill chunk over the slots it touches (in the smallest batch bucket
@@ -48,16 +51,18 @@ class Runner:
 
         start = np.asarray(chunk.start, bool)
         self._temperature[start] = np.asarray(chunk.temperature, np.float32)[start]
+        self._logprobs[start] = False if chunk.logprobs is None else np.asarray(chunk.logprobs, bool)[start]
         rows = bucket_rows(start | (np.asarray(chunk.valid) > 0), self.stepper.buckets, self.max_batch)
         pick = (lambda a: np.asarray(a)) if rows is None else (lambda a: np.asarray(a)[rows])
         params = SamplingParams.make(len(pick(start)), pick(chunk.temperature), pick(chunk.top_k), pick(chunk.top_p),
                                      pick(chunk.seed))
-        self.stepper.slots, first = self.prefiller(
+        logprobs = bool(np.any(self._logprobs & np.asarray(chunk.ends, bool)))
+        self.stepper.slots, first, *lp = self.prefiller(
             self.stepper.slots, start=pick(chunk.start), params=params, max_new=pick(chunk.max_new),
             eos=pick(chunk.eos), tokens=pick(chunk.tokens), next_tokens=pick(chunk.next_tokens),
             valid=pick(chunk.valid), ends=pick(chunk.ends), sampling=any_sampling(self._temperature, chunk.ends),
-            rows=rows)
-        return first, rows
+            rows=rows, logprobs=logprobs)
+        return first, (lp[0] if lp else None), rows
 
     def step(self, owners: list) -> StepResult | None:
         """Dispatches a decode (or speculative) step for the slots; returns the previous step's result."""
@@ -65,7 +70,8 @@ class Runner:
 
         self._owners.append(owners)
         live = np.array([r is not None for r in owners])
-        return self._result(self.stepper.step(sampling=any_sampling(self._temperature, live), live=live))
+        return self._result(self.stepper.step(sampling=any_sampling(self._temperature, live), live=live,
+                                              logprobs=bool(np.any(self._logprobs & live))))
 
     def drain(self) -> StepResult | None:
         """The last dispatched step's result (None if every step was read)."""
@@ -85,6 +91,7 @@ class Runner:
         self._owners.clear()
         self.stepper.slots = self._new_slots()
         self._temperature[:] = 0
+        self._logprobs[:] = False
 
     def _new_slots(self):
         import jax
@@ -94,7 +101,7 @@ class Runner:
         # A verify pass writes num_steps + 1 positions past the slot's length: room for them beyond
         # the longest sequence the server admits.
         width = self.speculative_steps + 1
-        slots = new_slots(self.model, self.max_batch, self.max_seq_len + width, self.max_seq_len)
+        slots = new_slots(self.model, self.max_batch, self.max_seq_len + width, self.max_seq_len, logprob_width=width)
         # Committed to the device(s) like every step's output, so the first real call finds the
         # programs the warm-up compiled (an uncommitted input is another cache key). An
         # expert-parallel model keeps the slots replicated over its mesh.
@@ -106,18 +113,25 @@ class Runner:
     def _result(self, report) -> StepResult | None:
         if report is None:
             return None
-        tokens, done = report
-        return StepResult(self._owners.popleft(), tokens, done)
+        tokens, done, logprobs = report
+        return StepResult(self._owners.popleft(), tokens, done, logprobs)
 
-    def read_first(self, dispatched) -> np.ndarray:
-        """The first tokens [B] of a dispatched prefill chunk (a host sync)."""
-        first, rows = dispatched
+    def read_first(self, dispatched):
+        """(first tokens [B], their log-probabilities: None, or [B] (log-probabilities [1 + K],
+        top ids [K])) of a dispatched prefill chunk (a host sync)."""
+        first, lp, rows = dispatched
         first = np.asarray(first)
-        if rows is None:
-            return first
+        if lp is not None:
+            lp = [np.asarray(a) for a in lp]
+        rows = np.arange(self.max_batch) if rows is None else rows
         out = np.full(self.max_batch, -1, first.dtype)
         out[rows[::-1]] = first[::-1]  # a padded duplicate repeats its slot's value
-        return out
+        if lp is None:
+            return out, None
+        logprobs = [None] * self.max_batch
+        for i, b in reversed(list(enumerate(rows))):
+            logprobs[b] = (lp[0][i], lp[1][i])
+        return out, logprobs
 
     def warmup_prefill(self, chunk_size: int) -> None:
         """Compiles the prefill chunk for every batch bucket, all-greedy and sampling (with JAX's

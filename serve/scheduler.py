@@ -38,6 +38,7 @@ class PrefillChunk:
     seed: np.ndarray
     max_new: np.ndarray
     eos: np.ndarray
+    logprobs: np.ndarray | None = None  # [B] bool: the started slots' requests ask for log-probabilities
 
 
 class Scheduler:
@@ -114,7 +115,7 @@ class Scheduler:
                          valid=np.zeros(b, np.int32), ends=np.zeros(b, bool), owners=[None] * b,
                          temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),
                          top_p=np.ones(b, np.float32), seed=np.zeros(b, np.uint32), max_new=np.zeros(b, np.int32),
-                         eos=np.full(b, -1, np.int32))
+                         eos=np.full(b, -1, np.int32), logprobs=np.zeros(b, bool))
         for slot, done in enumerate(self.prefilled):
             if done is None:
                 continue
@@ -135,4 +136,5 @@ class Scheduler:
                 p.temperature[slot], p.top_k[slot], p.top_p[slot] = s.temperature, s.top_k, s.top_p
                 p.seed[slot], p.max_new[slot] = s.seed, s.max_tokens
                 p.eos[slot] = -1 if s.ignore_eos or self.eos_id is None else self.eos_id
+                p.logprobs[slot] = s.logprobs is not None
         return p

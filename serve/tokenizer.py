@@ -79,6 +79,10 @@ class Tokenizer:
         """special=False for rendered chat prompts: the template already wrote BOS and friends."""
         return self.tok.encode(text, add_special_tokens=special).ids
 
+    def token_text(self, token: int) -> str:
+        """One token's own text, special tokens included (log-probabilities name tokens so)."""
+        return self.tok.decode([token], skip_special_tokens=False)
+
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 

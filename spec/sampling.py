@@ -12,6 +12,8 @@ import numpy as np
 import jax.numpy as jnp
 from flax import struct
 
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask log-probabilities of (OpenAI's limit)
+
 
 @struct.dataclass
 class SamplingParams:
@@ -48,6 +50,17 @@ def probs(logits, p: SamplingParams):
     cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
     x = jnp.where(x >= cutoff, x, -jnp.inf)
     return jax.nn.softmax(x, axis=-1)
+
+
+def token_logprobs(logits, tokens):
+    """The target's log-probabilities (log_softmax of the raw logits: no temperature or
+    filtering) of emitted tokens and of the most likely alternatives.
+    logits [B, W, V], tokens [B, W] -> (logprobs [B, W, 1 + K] float32: the token's, then the K
+    largest in descending order; their ids [B, W, K] int32), K = min(MAX_TOP_LOGPROBS, V)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens[..., None].astype(jnp.int32), axis=-1)
+    top, ids = jax.lax.top_k(lp, min(MAX_TOP_LOGPROBS, lp.shape[-1]))
+    return jnp.concatenate([chosen, top], axis=-1), ids.astype(jnp.int32)
 
 
 def key_for(p: SamplingParams, counter, purpose: int):

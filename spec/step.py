@@ -24,7 +24,7 @@ from flax import struct
 
 from ling.model import LingModel
 from ling.state import KDAState, State, commit, init_state
-from spec.sampling import SamplingParams, any_sampling, key_for, probs, sample
+from spec.sampling import MAX_TOP_LOGPROBS, SamplingParams, any_sampling, key_for, probs, sample, token_logprobs
 
 # RNG purposes: one stream per use, so no two draws share a key.
 _SAMPLE, _DRAFT, _ACCEPT, _BONUS = 0, 100, 200, 300
@@ -45,16 +45,34 @@ class Slots:
     done: jnp.ndarray  # [B] bool
     steps: jnp.ndarray  # [B] int32 decode/verify steps the slot was live in
     produced: jnp.ndarray  # [B] int32 tokens those steps emitted (mean accepted length = produced / steps)
+    # The last call's emitted tokens, in emission order, when it was asked for them (`logprobs`):
+    logprobs: jnp.ndarray  # [B, W, 1 + K] float32 (spec.sampling.token_logprobs); W = 0: never asked
+    top_ids: jnp.ndarray  # [B, W, K] int32
 
 
-def new_slots(model: LingModel, batch: int, max_len: int, max_out: int) -> Slots:
+def new_slots(model: LingModel, batch: int, max_len: int, max_out: int, logprob_width: int = 0) -> Slots:
+    """logprob_width: tokens a call can emit whose log-probabilities it can report (a speculative
+    step's num_steps + 1; 0: none)."""
     cfg, dtype = model.cfg, model.embed_tokens[...].dtype
     z = lambda: jnp.zeros((batch,), jnp.int32)  # distinct buffers: the slots are donated
+    k = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
     return Slots(
         model=init_state(cfg, batch, max_len, dtype, nextn=model.nextn is not None),
         last_token=z(), last_hidden=jnp.zeros((batch, cfg.hidden_size), dtype),
         params=SamplingParams.make(batch), out=jnp.zeros((batch, max_out), jnp.int32), n_out=z(),
-        max_new=z(), eos=z() - 1, done=jnp.ones((batch,), bool), steps=z(), produced=z())
+        max_new=z(), eos=z() - 1, done=jnp.ones((batch,), bool), steps=z(), produced=z(),
+        logprobs=jnp.zeros((batch, logprob_width, 1 + k), jnp.float32),
+        top_ids=jnp.zeros((batch, logprob_width, k), jnp.int32))
+
+
+def _record_logprobs(slots: Slots, logits, tokens) -> Slots:
+    """Keeps the log-probabilities of tokens [B, W'] under logits [B, W', V] in the slots."""
+    w = tokens.shape[1]
+    if slots.logprobs.shape[1] < w:
+        raise ValueError(f"the slots report log-probabilities of {slots.logprobs.shape[1]} tokens a call; this "
+                         f"call emits up to {w} (new_slots(logprob_width=...))")
+    lp, ids = token_logprobs(logits, tokens)
+    return slots.replace(logprobs=slots.logprobs.at[:, :w].set(lp), top_ids=slots.top_ids.at[:, :w].set(ids))
 
 
 def reset(slots: Slots, which, params: SamplingParams, max_new, eos) -> Slots:
@@ -92,31 +110,37 @@ def last_at(x, n):
     return jnp.take_along_axis(x, idx, axis=1)[:, 0]
 
 
-def prefill_chunk(model: LingModel, slots: Slots, tokens, next_tokens, valid, ends, *, sampling: bool) -> Slots:
+def prefill_chunk(model: LingModel, slots: Slots, tokens, next_tokens, valid, ends, *, sampling: bool,
+                  logprobs: bool = False) -> Slots:
     """One chunk of the prompts: tokens [B, C], next_tokens [B, C] (each token's successor in its
     prompt), valid [B] real tokens in this chunk (0 leaves a slot untouched), ends [B] whether a
     slot's prompt ends in this chunk: those sample their first token. sampling (static): whether
-    any of them samples (False: all greedy, the cheaper program)."""
+    any of them samples (False: all greedy, the cheaper program). logprobs (static): keep the
+    first token's log-probabilities in `slots.logprobs[:, 0]`."""
     lengths = slots.model.lengths
     _, hidden, state = model(tokens, slots.model, valid=valid, form="prefill", logits=False)
     if model.nextn is not None:  # NEXTN pairs (h_i, token_{i+1}); the final pair waits for the sampled token
         _, _, cache = model.draft(hidden, next_tokens, state.nextn, lengths, form="prefill", logits=False)
         state = state.replace(nextn=cache)
     last_hidden = last_at(hidden, valid)  # [B, D]
-    first, _ = sample(model.logits(last_hidden), slots.params, key_for(slots.params, slots.n_out, _SAMPLE),
-                      sampling=sampling)
+    logits = model.logits(last_hidden)
+    first, _ = sample(logits, slots.params, key_for(slots.params, slots.n_out, _SAMPLE), sampling=sampling)
+    if logprobs:
+        slots = _record_logprobs(slots, logits[:, None], first[:, None])
     slots = slots.replace(model=state, last_hidden=jnp.where(ends[:, None], last_hidden, slots.last_hidden),
                           last_token=jnp.where(ends, first, slots.last_token))
     return _emit(slots, first[:, None], jnp.ones_like(valid), ends & ~slots.done)
 
 
-def decode_step(model: LingModel, slots: Slots, *, sampling: bool) -> Slots:
-    """One token per live slot: the target over last_token, then sample (sampling: as in
-    `prefill_chunk`, over the live slots)."""
+def decode_step(model: LingModel, slots: Slots, *, sampling: bool, logprobs: bool = False) -> Slots:
+    """One token per live slot: the target over last_token, then sample (sampling, logprobs: as
+    in `prefill_chunk`, over the live slots)."""
     live = ~slots.done
     logits, hidden, state = model(slots.last_token[:, None], slots.model, valid=live.astype(jnp.int32),
                                   form="decode")
     nxt, _ = sample(logits[:, 0], slots.params, key_for(slots.params, slots.n_out, _SAMPLE), sampling=sampling)
+    if logprobs:
+        slots = _record_logprobs(slots, logits, nxt[:, None])
     slots = slots.replace(model=state, last_token=jnp.where(live, nxt, slots.last_token),
                           last_hidden=jnp.where(live[:, None], hidden[:, 0], slots.last_hidden))
     before = slots.n_out
@@ -173,9 +197,10 @@ def accept(logits, drafts, q, params: SamplingParams, keys_accept, keys_bonus, *
 
 
 def spec_step(model: LingModel, slots: Slots, num_steps: int, drafter: Drafter = nextn_chain, *,
-              sampling: bool) -> Slots:
-    """One draft -> verify -> accept -> commit -> extend step for every live slot (sampling: as in
-    `prefill_chunk`, over the live slots)."""
+              sampling: bool, logprobs: bool = False) -> Slots:
+    """One draft -> verify -> accept -> commit -> extend step for every live slot (sampling,
+    logprobs: as in `prefill_chunk`, over the live slots; an emitted token's log-probabilities are
+    the verify pass's, the target's own distribution at its position)."""
     live = ~slots.done
     drafts, q, cache = drafter(model, slots, num_steps, sampling=sampling)
     verify_tokens = jnp.concatenate([slots.last_token[:, None], drafts], axis=1)  # [B, S+1]
@@ -190,6 +215,8 @@ def spec_step(model: LingModel, slots: Slots, num_steps: int, drafter: Drafter =
         state = state.replace(nextn=cache)
     emitted = jnp.concatenate([drafts, bonus[:, None]], axis=1)  # d_1 .. d_a, then the bonus at index a
     emitted = jnp.where(jnp.arange(num_steps + 1)[None] == accepted[:, None], bonus[:, None], emitted)
+    if logprobs:  # emitted[:, j] is the target's token at verify position j
+        slots = _record_logprobs(slots, logits, emitted)
     slots = slots.replace(model=state, last_token=jnp.where(live, bonus, slots.last_token),
                           last_hidden=jnp.where(live[:, None], last_at(hidden, accepted + 1), slots.last_hidden))
     before = slots.n_out
@@ -197,11 +224,14 @@ def spec_step(model: LingModel, slots: Slots, num_steps: int, drafter: Drafter =
     return slots.replace(steps=slots.steps + live, produced=slots.produced + slots.n_out - before)
 
 
-def step_fn(speculative: bool, num_steps: int, sampling: bool, drafter: Drafter | None = None):
-    """The step as a function of (model, slots); sampling is static (see `prefill_chunk`)."""
+def step_fn(speculative: bool, num_steps: int, sampling: bool, drafter: Drafter | None = None,
+            logprobs: bool = False):
+    """The step as a function of (model, slots); sampling and logprobs are static (see
+    `prefill_chunk`)."""
     if speculative:
-        return lambda model, slots: spec_step(model, slots, num_steps, drafter or nextn_chain, sampling=sampling)
-    return lambda model, slots: decode_step(model, slots, sampling=sampling)
+        return lambda model, slots: spec_step(model, slots, num_steps, drafter or nextn_chain, sampling=sampling,
+                                              logprobs=logprobs)
+    return lambda model, slots: decode_step(model, slots, sampling=sampling, logprobs=logprobs)
 
 
 def live_sampling(slots: Slots) -> bool:

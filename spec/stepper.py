@@ -82,18 +82,20 @@ class Stepper:
         self.width = num_steps + 1 if speculative else 1
         slot_def = self._slot_def
 
-        def run(param_leaves, slot_leaves, rows, sampling):
+        def run(param_leaves, slot_leaves, rows, sampling, logprobs):
             full = jax.tree_util.tree_unflatten(slot_def, slot_leaves)
             s = gather_rows(full, rows)
             before = s.n_out
-            s = step_fn(speculative, num_steps, sampling)(merge(param_leaves), s)
+            s = step_fn(speculative, num_steps, sampling, logprobs=logprobs)(merge(param_leaves), s)
             idx = jnp.minimum(before[:, None] + jnp.arange(self.width)[None], s.out.shape[1] - 1)
             new = jnp.take_along_axis(s.out, idx, axis=1)
             # One packed report [K, width + 2]: a fresh buffer, so donating the slots never frees it.
             report = jnp.concatenate([new, (s.n_out - before)[:, None], s.done[:, None].astype(jnp.int32)], axis=1)
+            if logprobs:  # copies (fresh buffers) of the step's log-probabilities
+                report = (report, s.logprobs[:, :self.width] + 0, s.top_ids[:, :self.width] + 0)
             return jax.tree_util.tree_leaves(scatter_rows(full, rows, s)), report
 
-        self._step = jax.jit(run, donate_argnums=1, static_argnums=3)
+        self._step = jax.jit(run, donate_argnums=1, static_argnums=(3, 4))
         self._pending = None
 
     @property
@@ -112,25 +114,32 @@ class Stepper:
         return bucket_rows(np.ones(self.batch, bool) if live is None else live, self.buckets, self.batch)
 
     def _unpack(self, pending):
+        """(tokens: a list per slot, done [B], logprobs: None, or per slot a list of
+        (log-probabilities [1 + K], top ids [K]) for each of its new tokens)."""
         if pending is None:
             return None
         report, rows = pending
-        r = np.asarray(jax.device_get(report))
-        if rows is None:
-            tokens = [r[b, : r[b, self.width]].tolist() for b in range(r.shape[0])]
-            return tokens, r[:, self.width + 1].astype(bool)
+        report = jax.device_get(report)
+        r, lp, ids = (report if isinstance(report, tuple) else (report, None, None))
+        r = np.asarray(r)
+        rows = range(r.shape[0]) if rows is None else rows
         tokens, done = [[] for _ in range(self.batch)], np.zeros(self.batch, bool)
+        logprobs = None if lp is None else [[] for _ in range(self.batch)]
         for i, b in reversed(list(enumerate(rows))):  # a padded duplicate repeats its slot's row
-            tokens[b], done[b] = r[i, : r[i, self.width]].tolist(), bool(r[i, self.width + 1])
-        return tokens, done
+            n = r[i, self.width]
+            tokens[b], done[b] = r[i, :n].tolist(), bool(r[i, self.width + 1])
+            if logprobs is not None:
+                logprobs[b] = [(lp[i, j], ids[i, j]) for j in range(n)]
+        return tokens, done, logprobs
 
-    def step(self, sampling: bool | None = None, live=None):
+    def step(self, sampling: bool | None = None, live=None, logprobs: bool = False):
         """Dispatches a step over the `live` slots (None: all of them); returns the previous one's
-        results."""
+        results (`_unpack`). logprobs: report the new tokens' log-probabilities (a program of its
+        own, compiled at first use; the slots need a logprob_width of at least the step's width)."""
         sampling = self.sampling if sampling is None else sampling
         rows = self.rows(live)
         self._slots, report = self._step(self._params, self._slots, None if rows is None else jnp.asarray(rows),
-                                         bool(sampling))
+                                         bool(sampling), bool(logprobs))
         previous, self._pending = self._pending, (report, rows)
         return self._unpack(previous)
 
@@ -141,7 +150,7 @@ class Stepper:
 
 
 def prefill_step(model: LingModel, slots: Slots, start, params: SamplingParams, max_new, eos, tokens, next_tokens,
-                 valid, ends, *, sampling: bool):
+                 valid, ends, *, sampling: bool, logprobs: bool = False):
     """One prefill chunk that decode steps may be interleaved with (the server's scheduler).
 
     start [B] bool: slots reset for a new request first (params, max_new, eos are taken for them
@@ -150,12 +159,13 @@ def prefill_step(model: LingModel, slots: Slots, start, params: SamplingParams, 
     A slot whose prompt has not ended stays done, so interleaved decode/speculative steps skip it;
     its last_hidden / last_token hold the pair (h_{p-1}, token_p) of its last prefilled position,
     so the NEXTN entry that a speculative step rewrites at p-1 for a done slot keeps its true value.
-    sampling (static): whether any slot in `ends` samples its first token.
+    sampling (static): whether any slot in `ends` samples its first token; logprobs (static): keep
+    the first tokens' log-probabilities in `slots.logprobs[:, 0]`.
     Returns (slots, first [B]): the sampled first token of the slots in `ends`, -1 elsewhere — a
     fresh buffer the host can read after dispatching the next step."""
     slots = reset(slots, start, params, max_new, eos)
     slots = slots.replace(done=(slots.done | start) & ~ends)
-    slots = prefill_chunk(model, slots, tokens, next_tokens, valid, valid > 0, sampling=sampling)
+    slots = prefill_chunk(model, slots, tokens, next_tokens, valid, valid > 0, sampling=sampling, logprobs=logprobs)
     mid = (valid > 0) & ~ends
     slots = slots.replace(last_token=jnp.where(mid, last_at(next_tokens, valid), slots.last_token))
     return slots, jnp.where(ends, slots.out[:, 0], -1)
@@ -167,22 +177,26 @@ class ChunkPrefiller:
     slots when rows is None): those rows of the slots are gathered, prefilled and scattered back,
     so the slots a chunk does not touch cost nothing. The slots are donated: pass the Stepper's
     current slots and put the result back. The weights cross the jit boundary as a flat list
-    (`Stepper`). Returns (slots, first [K])."""
+    (`Stepper`). Returns (slots, first [K]), and with logprobs (slots, first [K],
+    (log-probabilities [K, 1 + top], top ids [K, top]) of the first tokens)."""
 
     def __init__(self, model: LingModel):
         self._params, merge = _flat_weights(model)
 
         def run(param_leaves, slots, rows, start, sampling_params, max_new, eos, tokens, next_tokens, valid, ends,
-                sampling):
+                sampling, logprobs):
             sub, first = prefill_step(merge(param_leaves), gather_rows(slots, rows), start, sampling_params, max_new,
-                                      eos, tokens, next_tokens, valid, ends, sampling=sampling)
+                                      eos, tokens, next_tokens, valid, ends, sampling=sampling, logprobs=logprobs)
+            if logprobs:
+                return scatter_rows(slots, rows, sub), first, (sub.logprobs[:, 0] + 0, sub.top_ids[:, 0] + 0)
             return scatter_rows(slots, rows, sub), first
 
-        self._call = jax.jit(run, donate_argnums=1, static_argnums=11)
+        self._call = jax.jit(run, donate_argnums=1, static_argnums=(11, 12))
 
     def __call__(self, slots: Slots, *, start, params: SamplingParams, max_new, eos, tokens, next_tokens, valid,
-                 ends, sampling: bool, rows=None):
+                 ends, sampling: bool, rows=None, logprobs: bool = False):
         i32 = lambda a: jnp.asarray(np.asarray(a, np.int32))
         b = lambda a: jnp.asarray(np.asarray(a, bool))
         return self._call(self._params, slots, None if rows is None else i32(rows), b(start), params, i32(max_new),
-                          i32(eos), i32(tokens), i32(next_tokens), i32(valid), b(ends), bool(sampling))
+                          i32(eos), i32(tokens), i32(next_tokens), i32(valid), b(ends), bool(sampling),
+                          bool(logprobs))

@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -229,7 +230,13 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 30}, 400, "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
@@ -281,6 +288,56 @@ def test_api_key_is_required(server, headers):
         assert r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(server + "/health").status_code == 200  # health and metrics stay open
     assert httpx.get(server + "/metrics").status_code == 200
+
+
+def test_logprobs_are_the_models_own(client, tokenizer):
+    """Log-probabilities of greedy tokens (speculative decoding on: the verify pass's) equal
+    log_softmax of one full forward of the model over the prompt and the output, with the same
+    top alternatives; streamed and whole answers agree, for completions and chat."""
+    import jax
+    import ling
+
+    prompt = tokenizer.encode("def parse(line):\n    ")
+    n, top = 10, 5
+    out = complete(client, prompt=prompt, max_tokens=n, ignore_eos=True, logprobs=top)
+    lp = out["choices"][0]["logprobs"]
+    model = ling.load(DEFAULT_MODEL, dtype="float32", progress=False)
+    ids = list(prompt)
+    for _ in range(n):  # greedy, one full forward a token
+        ids.append(int(np.argmax(ling.forward(model, ids)[-1])))
+    ref = np.asarray(jax.nn.log_softmax(ling.forward(model, ids)[len(prompt) - 1:-1], axis=-1))  # [n, V]
+    assert lp["tokens"] == [tokenizer.token_text(t) for t in ids[len(prompt):]]
+    np.testing.assert_allclose(lp["token_logprobs"], ref[np.arange(n), ids[len(prompt):]], rtol=1e-4, atol=1e-4)
+    for j, alternatives in enumerate(lp["top_logprobs"]):
+        want = np.argsort(-ref[j])[:top]
+        assert list(alternatives) == [tokenizer.token_text(int(t)) for t in want]
+        np.testing.assert_allclose(list(alternatives.values()), ref[j, want], rtol=1e-4, atol=1e-4)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+    body = {"model": DEFAULT_MODEL_NAME, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "logprobs": top, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = [x for c in chunks for x in (c["choices"][0]["logprobs"] or {}).get("token_logprobs", [])]
+    np.testing.assert_allclose(streamed, lp["token_logprobs"], rtol=1e-6)
+
+    chat = {"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": "Sort a list."}], "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 3}
+    whole = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert len(whole) == 6 and all(len(e["top_logprobs"]) == 3 for e in whole)
+    assert all(e["top_logprobs"][0]["logprob"] == max(t["logprob"] for t in e["top_logprobs"]) for e in whole)
+    assert all(bytes(e["bytes"]).decode() == e["token"] for e in whole)
+    with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = [e for c in chunks if c["choices"] and c["choices"][0]["logprobs"] for e in
+                c["choices"][0]["logprobs"]["content"]]
+    assert [e["token"] for e in streamed] == [e["token"] for e in whole]
+    np.testing.assert_allclose([e["logprob"] for e in streamed], [e["logprob"] for e in whole], rtol=1e-6)
+    # Sampled tokens get the target's log-probabilities too (at most 0, the top first).
+    sampled = complete(client, prompt=prompt, max_tokens=n, ignore_eos=True, logprobs=2, temperature=1.0, seed=5)
+    sl = sampled["choices"][0]["logprobs"]
+    assert len(sl["token_logprobs"]) == n and all(x <= 0 for x in sl["token_logprobs"])
+    assert all(a >= b for t in sl["top_logprobs"] for a, b in zip(list(t.values()), list(t.values())[1:]))
 
 
 def test_null_means_default(client):

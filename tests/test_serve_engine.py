@@ -59,7 +59,7 @@ def serve(runner, requests, arrivals):
             for b, r in enumerate(result.owners):
                 take(r, result.tokens[b])
         if chunk is not None:
-            first = runner.read_first(first)
+            first, _ = runner.read_first(first)
             for b, r in enumerate(chunk.owners):
                 take(r, [int(first[b])])
         if all(r.finished for r in requests) and not runner.pending:

@@ -42,6 +42,17 @@ def test_startup_log_is_plain_lines(server):
     assert "[5/5] compiling decode step" in log
 
 
+def test_logprobs_in_plain_decoding(server):
+    """Plain decode steps report log-probabilities too: a greedy token is its own top alternative."""
+    r = httpx.post(server.url + "/v1/completions", timeout=300, json={
+        "prompt": "import", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(top) == 2 and list(top)[0] == token and top[token] == logprob <= 0
+
+
 def test_queue_limit(server):
     """One slot and --max-queue 1: a running request, one waiting, the third refused."""
     with httpx.Client(base_url=server.url, timeout=300) as running, httpx.Client(base_url=server.url) as c:

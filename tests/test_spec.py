@@ -155,12 +155,12 @@ def test_stepper_runs_one_step_ahead_and_matches_decode(model):
     assert stepper.step() is None  # nothing to report before the second dispatch
     streamed = [list(first[b]) for b in range(2)]
     while True:
-        tokens, done = stepper.step()
+        tokens, done, _ = stepper.step()
         for b in range(2):
             streamed[b] += tokens[b]
         if done.all():
             break
-    tokens, _ = stepper.drain()  # the last dispatched step ran on finished slots: nothing new
+    tokens, _, _ = stepper.drain()  # the last dispatched step ran on finished slots: nothing new
     assert tokens == [[], []]
     for b in range(2):
         assert streamed[b] == np.asarray(reference.out[b, : reference.n_out[b]]).tolist()

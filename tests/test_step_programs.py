@@ -38,25 +38,27 @@ def round_trips(jaxpr) -> list[str]:
 
 
 def programs(runner: Runner):
-    """(name, jaxpr) of each program the runner compiles: prefill chunk and step, both variants."""
+    """(name, jaxpr) of each program the runner compiles: prefill chunk and step, both sampling
+    variants, and the variant that reports log-probabilities."""
     from spec.sampling import SamplingParams
 
     stepper, prefiller = runner.stepper, runner.prefiller
     b, c = runner.max_batch, 8
     i32 = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
     flags = jnp.ones((b,), bool)
-    for sampling in (False, True):
+    for sampling, logprobs in ((False, False), (True, False), (True, True)):
+        variant = f"sampling={sampling} logprobs={logprobs}"
         for k in stepper.buckets:  # every batch bucket's step
             rows = stepper.rows(np.arange(b) < k)
-            yield f"step batch {k} sampling={sampling}", jax.make_jaxpr(stepper._step, static_argnums=3)(
-                stepper._params, stepper._slots, None if rows is None else jnp.asarray(rows), sampling)
+            yield f"step batch {k} {variant}", jax.make_jaxpr(stepper._step, static_argnums=(3, 4))(
+                stepper._params, stepper._slots, None if rows is None else jnp.asarray(rows), sampling, logprobs)
         for k in stepper.buckets:  # every batch bucket's prefill chunk
             rows = stepper.rows(np.arange(b) < k)
             n = b if rows is None else len(rows)
-            yield f"prefill batch {k} sampling={sampling}", jax.make_jaxpr(prefiller._call, static_argnums=11)(
+            yield f"prefill batch {k} {variant}", jax.make_jaxpr(prefiller._call, static_argnums=(11, 12))(
                 prefiller._params, stepper.slots, None if rows is None else jnp.asarray(rows), flags[:n],
                 SamplingParams.make(n, temperature=0.5), i32(n), i32(n), i32(n, c), i32(n, c), i32(n), flags[:n],
-                sampling)
+                sampling, logprobs)
 
 
 def quantized_tiny():
@@ -77,7 +79,7 @@ def test_step_programs_hold_no_host_round_trip(monkeypatch, backend, spec_steps,
         bad = round_trips(jaxpr.jaxpr)
         assert not bad, f"{name} ({backend}, {weights}, S={spec_steps}) makes the host wait:\n  " + "\n  ".join(bad)
         seen += 1
-    assert runner.stepper.buckets == (1, 2) and seen == 8
+    assert runner.stepper.buckets == (1, 2) and seen == 12  # 2 buckets x (step, prefill) x 3 variants
 
 
 def test_the_check_finds_a_cond_and_names_its_line():
