@@ -241,6 +241,7 @@ def _prepare_chat(c: Context, raw: bytes):
 
 
 def _top_count(n: int | None, param: str) -> int | None:
+    """How many alternatives a token's log-probabilities name, checked (None: logprobs off)."""
     if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
         raise APIError(400, f"'{param}' must be in [0, {MAX_TOP_LOGPROBS}], got {n}", param=param)
     return n
