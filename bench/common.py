@@ -1,4 +1,5 @@
-"""What the benchmarks share: the copy ceiling, relative error, the experts' random weights, and
+"""What the benchmarks share: the copy ceiling, relative error, the experts' random weights, XLA's
+own MoE forms as peers (`xla_gathered`, `xla_ragged`), and
 the offline path (capture each pallas_call's Triton IR as it is lowered, compile it for sm_90a
 with the triton package, report registers, spills, shared memory and the SASS mix) — which runs on
 a machine without a GPU, since Triton's compiler needs none: `pip install triton` there.
@@ -285,3 +286,34 @@ def compile_report(ttir_dir: str, log=print) -> list[dict]:
     with open(os.path.join(ttir_dir, "compile.json"), "w") as f:
         json.dump(records, f, indent=1)
     return records
+
+
+def xla_gathered(x, topk_ids, topk_weights, w13, w2):
+    """XLA's peer at decode sizes: an einsum over the pairs' gathered experts in x's dtype with
+    float32 accumulation (w13 [E, D, 2I] interleaved, w2 [E, I, D])."""
+    import jax
+    import jax.numpy as jnp
+
+    h = jnp.einsum("md,mkdn->mkn", x, w13[topk_ids].astype(x.dtype), preferred_element_type=jnp.float32)
+    g, u = h[..., 0::2], h[..., 1::2]
+    h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)  # [M, k, I]
+    out = jnp.einsum("mki,mkid->mkd", h, w2[topk_ids].astype(x.dtype), preferred_element_type=jnp.float32)
+    return jnp.sum(out * topk_weights[..., None].astype(jnp.float32), axis=1).astype(x.dtype)
+
+
+def xla_ragged(x, topk_ids, topk_weights, w13, w2):
+    """XLA's peer at prefill sizes: pairs sorted by expert, `lax.ragged_dot` in x's dtype with
+    float32 accumulation (on the GPU it reads every expert)."""
+    import jax
+    import jax.numpy as jnp
+
+    m, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=w13.shape[0]).astype(jnp.int32)
+    h = jax.lax.ragged_dot(x[order // k], w13.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
+    g, u = h[:, 0::2], h[:, 1::2]
+    h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)
+    out = jax.lax.ragged_dot(h, w2.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
+    out = out * topk_weights.reshape(-1)[order, None].astype(jnp.float32)
+    return jnp.zeros((m, x.shape[1]), jnp.float32).at[order // k].add(out).astype(x.dtype)

@@ -15,8 +15,8 @@ Ling-3.0-flash's MoE layer: E = 512 experts, top-8, D = 2560, I = 768; bf16 weig
 int4 (G = 128, symmetric, B_N = 64); M in {1, 6, 16, 64} tokens. Per row:
   ours      fused_moe (align + up/SwiGLU + down + combine), the default plan (`plan_for`), and
             the launch-plan variants of the sweep (the best is shown with its plan)
-  ragged    XLA `lax.ragged_dot` on bf16 weights (moe/block.py `_experts_grouped`)
-  gathered  XLA einsum over gathered bf16 experts (moe/block.py `_experts_gathered`)
+  ragged    XLA `lax.ragged_dot` on bf16 weights (bench/common.py `xla_ragged`)
+  gathered  XLA einsum over gathered bf16 experts (bench/common.py `xla_gathered`)
   torch     torch._grouped_mm on experts pre-gathered per routing (the gather is not timed): rows
             sorted by expert, gate/up GEMM, SiLU·up, down GEMM, weighted index_add (bf16, GPU
             only; the weights are JAX's own buffers through DLPack)
@@ -42,7 +42,8 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # bench/common.py
-from common import capture_triton, copy_ceiling_tbs, kernel_name, queued_us, random_experts  # noqa: E402
+from common import (capture_triton, copy_ceiling_tbs, kernel_name, queued_us, random_experts,  # noqa: E402
+                    xla_gathered, xla_ragged)
 
 E, K, D, I = 512, 8, 2560, 768
 MS = (1, 6, 16, 64)
@@ -140,7 +141,6 @@ def run(args):
     import jax
     import jax.numpy as jnp
 
-    from moe.block import _experts_gathered, _experts_grouped
     from pallas_kernels import experts, moe_align
     from pallas_kernels import fused_moe as fm
 
@@ -248,8 +248,8 @@ def run(args):
     if set(fmts) - {"bf16", "int4"} or not set(ms) <= set(reps):
         raise SystemExit(f"--fmts takes bf16,int4 and --ms a subset of {MS}: got {args.fmts!r} / {args.ms!r}")
     sweep = plans()
-    peers = {"ragged": lambda x, i, s, w: _experts_grouped(x, i, s, w[0], w[1], None),
-             "gathered": lambda x, i, s, w: _experts_gathered(x, i, s, w[0], w[1], None)}
+    peers = {"ragged": lambda x, i, s, w: xla_ragged(x, i, s, w[0], w[1]),
+             "gathered": lambda x, i, s, w: xla_gathered(x, i, s, w[0], w[1])}
     wts = {fmt: weights(fmt) for fmt in fmts}
     rows = {(fmt, m): dict(fmt=fmt, m=m) for fmt in fmts for m in ms}
     RESULTS["rows"] = list(rows.values())

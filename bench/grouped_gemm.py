@@ -12,7 +12,7 @@ uniform random routing (distinct experts per token), so every expert has rows (M
 Per row (format, M):
   ours     grouped_moe = align (blocked) + up GEMM/SwiGLU + down GEMM/weights + combine, with
            `plan_for`'s plan, then the sweep's plans (the best is shown with its plan)
-  ragged   XLA `lax.ragged_dot` on bf16 weights (moe/block.py `_experts_grouped`)
+  ragged   XLA `lax.ragged_dot` on bf16 weights (bench/common.py `xla_ragged`)
   torch    torch._grouped_mm on its own random bf16 weights, same routing: argsort, gather,
            gate_up, SiLU*up, down, weights, index_add; eager, CUDA events over 20 layers (its
            ~10 launches a layer are noise at ~2 ms); the row says n/a if torch fails
@@ -37,7 +37,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import (  # noqa: E402  (bench/common.py)
-    capture_triton, compile_report, copy_ceiling_tbs, kernel_name, queued_us, random_experts)
+    capture_triton, compile_report, copy_ceiling_tbs, kernel_name, queued_us, random_experts, xla_ragged)
 
 E, K, D, I = 512, 8, 2560, 768
 MS = (512, 2048, 4096)
@@ -306,9 +306,7 @@ def run(args):
                 RESULTS["errors"].append(f"sweep {fmt} M={m} {plan}: " + traceback.format_exc(limit=4)[-1500:])
 
     def ragged(m):
-        from moe.block import _experts_grouped
-
-        us, y = timed(lambda x, i, s, w: _experts_grouped(x, i, s, w[0], w[1], None), wts["bf16"], m,
+        us, y = timed(lambda x, i, s, w: xla_ragged(x, i, s, w[0], w[1]), wts["bf16"], m,
                       reps=(3, 1))
         check("bf16", m, wts["bf16"], y, "ragged")
         for fmt in FMTS:

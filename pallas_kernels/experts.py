@@ -117,7 +117,7 @@ def swiglu(g, u, limit):
 GATHER_MAX_PAIRS = 64  # up to here the reference gathers each pair's expert; beyond, one grouped matmul
 
 
-def reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None):
+def reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, form: str | None = None):
     """The routed experts in plain jnp, any size: the specification the MoE kernels and the
     model's reference path share.
 
@@ -125,8 +125,9 @@ def reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None):
     kernels take it), products are exact float32 (HIGHEST) on the exactly dequantised weights,
     h is rounded to the activation dtype between the GEMMs, the combine sums in float32 and y is
     rounded once to x's dtype. Pairs whose id is >= E are skipped (add nothing, read nothing).
-    Up to GATHER_MAX_PAIRS pairs each gathers its expert ([P, K, N] float32); beyond, the pairs
-    are sorted by expert and run as one `lax.ragged_dot` over all E experts."""
+    form "gathered": each pair gathers its expert ([P, K, N] float32); "grouped": the pairs are
+    sorted by expert and run as one `lax.ragged_dot` over all E experts; None: gathered up to
+    GATHER_MAX_PAIRS pairs, grouped beyond. Both compute the same sums."""
     m, k = topk_ids.shape
     e, d, _ = expert_dims(w13, w2)
     act = jnp.bfloat16 if isinstance(w13, QuantizedWeight) else w13.dtype
@@ -135,7 +136,9 @@ def reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None):
     weights = jnp.where(live, topk_weights.reshape(-1).astype(jnp.float32), 0.0)  # [P]
     xs = x.astype(act).astype(jnp.float32)
     hi = lax.Precision.HIGHEST
-    if ids.shape[0] <= GATHER_MAX_PAIRS:
+    if form not in (None, "gathered", "grouped"):
+        raise ValueError(f"form must be None, 'gathered' or 'grouped', got {form!r}")
+    if form == "gathered" or form is None and ids.shape[0] <= GATHER_MAX_PAIRS:
         safe = jnp.where(live, ids, 0)
         rows = jnp.repeat(xs, k, axis=0)  # [P, D]
         h = jnp.einsum("pd,pdn->pn", rows, expert_matrices(w13, safe), precision=hi)  # [P, 2I]

@@ -161,16 +161,22 @@ def test_routing_matches_transformers_router():
 
 
 def test_gathered_and_grouped_expert_paths_agree():
-    from moe.block import _experts_gathered, _experts_grouped
+    """The experts' reference in its two forms, skipped pairs (id E) included."""
+    from pallas_kernels.experts import reference
 
     r = np.random.default_rng(0)
     m, k, e, d, i = 5, 3, 8, 16, 12
     x = jnp.asarray(r.normal(size=(m, d)), jnp.float32)
-    ids = jnp.asarray(np.stack([r.choice(e, k, replace=False) for _ in range(m)]), jnp.int32)
+    ids = np.stack([r.choice(e, k, replace=False) for _ in range(m)])
+    ids[1, 2] = ids[3, 0] = e  # skipped: adds nothing
     w = jnp.asarray(r.uniform(size=(m, k)), jnp.float32)
     w13 = jnp.asarray(r.normal(size=(e, d, 2 * i)), jnp.float32)
     w2 = jnp.asarray(r.normal(size=(e, i, d)), jnp.float32)
+    live = ids < e
     for limit in (None, 2.0):
-        a = _experts_gathered(x, ids, w, w13, w2, limit)
-        b = _experts_grouped(x, ids, w, w13, w2, limit)
+        a = reference(x, jnp.asarray(ids), w, w13, w2, swiglu_limit=limit, form="gathered")
+        b = reference(x, jnp.asarray(ids), w, w13, w2, swiglu_limit=limit, form="grouped")
         assert oracle.rel_err(a, b) < 1e-5
+        # A skipped pair equals a pair of weight 0 on any expert.
+        c = reference(x, jnp.asarray(np.where(live, ids, 0)), jnp.where(live, w, 0.0), w13, w2, swiglu_limit=limit)
+        assert oracle.rel_err(a, c) < 1e-6
