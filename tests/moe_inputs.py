@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import experts
-from pallas_kernels import fused_moe as fm
 from pallas_kernels.quant import QuantizedWeight, dequantize
 
 E, D, I = 13, 256, 128  # experts, model dim, expert inter dim: small, E not a power of two
