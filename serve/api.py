@@ -161,23 +161,19 @@ async def stop_profile(request: HTTPRequest):
 # -- generation ----------------------------------------------------------------------------------
 
 async def completions(request: HTTPRequest):
-    c = _ctx(request)
-    _admit(c)
-    raw = await _body(c, request)
-    req, ids, sampling = await asyncio.to_thread(_prepare_completion, c, raw)
-    return await _generate(c, request, req, ids, sampling, "cmpl", COMPLETION_CHUNKS, protocol.completion)
+    return await _generate(request, _prepare_completion, "cmpl", COMPLETION_CHUNKS, protocol.completion)
 
 
 async def chat_completions(request: HTTPRequest):
-    c = _ctx(request)
+    return await _generate(request, _prepare_chat, "chatcmpl", CHAT_CHUNKS, protocol.chat_completion)
+
+
+async def _generate(http: HTTPRequest, prepare: Callable, prefix: str, shape: "Chunks", whole: Callable):
+    """Admits, reads the body, prepares it in a worker thread (prepare: (context, body) ->
+    (request, prompt ids, sampling)), then runs it, streamed or whole."""
+    c = _ctx(http)
     _admit(c)
-    raw = await _body(c, request)
-    req, ids, sampling = await asyncio.to_thread(_prepare_chat, c, raw)
-    return await _generate(c, request, req, ids, sampling, "chatcmpl", CHAT_CHUNKS, protocol.chat_completion)
-
-
-async def _generate(c: Context, http: HTTPRequest, req, ids: list[int], sampling: Sampling, prefix: str,
-                    shape: "Chunks", whole: Callable):
+    req, ids, sampling = await asyncio.to_thread(prepare, c, await _body(c, http))
     _admit(c)  # again: the queue may have filled, or shutdown begun, while the body was prepared
     r = Request(ids, sampling, loop=asyncio.get_running_loop())
     rid, timeout = protocol.new_id(prefix), _timeout(c, req)
