@@ -65,6 +65,14 @@ class Stepper:
     `step(sampling=...)` picks one from what the host knows of its slots. Left out, `self.sampling`
     is used: set at construction from the slots (one read), kept by the owner when it changes.
 
+    One CUDA graph a step, replayed as recorded: XLA replays a step's command buffer unchanged only
+    while every buffer it touches keeps its address, and otherwise updates its several hundred
+    nodes on the host first (one to two milliseconds). So the step's only outputs are the
+    slots and `count` [B] (tokens each slot's last step emitted), both donated and written in
+    place, and a bucket's row indices live in a device buffer of their own that is rewritten only
+    when they change. The tokens are read by a second, small program (`report`) queued behind the
+    step, whose fresh output is copied to the host as soon as it is queued.
+
     The weights and the slots cross the jit boundary as flat lists of arrays, which jit flattens
     in C++: nnx's State and flax dataclasses flatten in Python, about a millisecond a step for a
     16-layer model, which is host time the device waits for once a step is shorter than it."""
@@ -73,29 +81,41 @@ class Stepper:
                  buckets=None):
         check_model(model, speculative)
         self._params, merge = _flat_weights(model)
-        self._slots, self._slot_def = jax.tree_util.tree_flatten(slots)
+        paths, self._slot_def = jax.tree_util.tree_flatten_with_path(slots)
+        self._slots = [leaf for _, leaf in paths]
+        names = [jax.tree_util.keystr(p) for p, _ in paths]
+        self._read = [names.index(f".{f}") for f in ("out", "n_out", "done", "logprobs", "top_ids")]
         self.batch = slots.done.shape[0]
         self.buckets = tuple(sorted(set(buckets or ()) | {self.batch}))
         if self.buckets[0] < 1 or self.buckets[-1] > self.batch:
             raise ValueError(f"batch buckets must lie in [1, {self.batch}], got {buckets}")
         self.sampling = live_sampling(slots)
-        self.width = num_steps + 1 if speculative else 1
+        self.width = width = num_steps + 1 if speculative else 1
         slot_def = self._slot_def
 
-        def run(param_leaves, slot_leaves, rows, sampling, logprobs):
+        def run(param_leaves, slot_leaves, count, rows, sampling, logprobs):
             full = jax.tree_util.tree_unflatten(slot_def, slot_leaves)
             s = gather_rows(full, rows)
             before = s.n_out
             s = step_fn(speculative, num_steps, sampling, logprobs=logprobs)(merge(param_leaves), s)
-            idx = jnp.minimum(before[:, None] + jnp.arange(self.width)[None], s.out.shape[1] - 1)
-            new = jnp.take_along_axis(s.out, idx, axis=1)
-            # One packed report [K, width + 2]: a fresh buffer, so donating the slots never frees it.
-            report = jnp.concatenate([new, (s.n_out - before)[:, None], s.done[:, None].astype(jnp.int32)], axis=1)
-            if logprobs:  # copies (fresh buffers) of the step's log-probabilities
-                report = (report, s.logprobs[:, :self.width] + 0, s.top_ids[:, :self.width] + 0)
-            return jax.tree_util.tree_leaves(scatter_rows(full, rows, s)), report
+            emitted = s.n_out - before
+            count = count.at[slice(None) if rows is None else rows].set(emitted)  # in place: a use of count
+            return jax.tree_util.tree_leaves(scatter_rows(full, rows, s)), count
 
-        self._step = jax.jit(run, donate_argnums=1, static_argnums=(3, 4))
+        def report(out, n_out, done, lp, top_ids, count, rows, logprobs):
+            """[K, width + 2]: the new tokens (padded), their number and the done flag of the rows
+            the step ran; with logprobs also (log-probabilities [K, width, 1 + k], ids [K, width, k])."""
+            out, n_out, done, lp, top_ids, count = gather_rows((out, n_out, done, lp, top_ids, count), rows)
+            idx = jnp.minimum((n_out - count)[:, None] + jnp.arange(width)[None], out.shape[1] - 1)
+            r = jnp.concatenate([jnp.take_along_axis(out, idx, axis=1), count[:, None],
+                                 done[:, None].astype(jnp.int32)], axis=1)
+            return (r, lp[:, :width] + 0, top_ids[:, :width] + 0) if logprobs else r
+
+        self._step = jax.jit(run, donate_argnums=(1, 2), static_argnums=(4, 5))
+        self._report = jax.jit(report, static_argnums=7)
+        self._put_rows = jax.jit(lambda old, new: old * 0 + new, donate_argnums=0)
+        self._count = jnp.zeros((self.batch,), jnp.int32)
+        self._rows: dict[int, tuple[np.ndarray, jax.Array]] = {}
         self._pending = None
 
     @property
@@ -112,6 +132,42 @@ class Stepper:
     def rows(self, live) -> np.ndarray | None:
         """The slot indices a step over `live` [B] bool runs (`bucket_rows`; None: every slot)."""
         return bucket_rows(np.ones(self.batch, bool) if live is None else live, self.buckets, self.batch)
+
+    def _device_rows(self, rows: np.ndarray | None):
+        """rows on the device, in the one buffer kept for their bucket (rewritten when they change)."""
+        if rows is None:
+            return None
+        held = self._rows.get(len(rows))
+        if held is None or not np.array_equal(held[0], rows):
+            buf = jnp.asarray(rows) if held is None else self._put_rows(held[1], rows)
+            held = self._rows[len(rows)] = (rows.copy(), buf)
+        return held[1]
+
+    def dispatch(self, sampling: bool | None = None, live=None, logprobs: bool = False) -> None:
+        """Queues a step over the `live` slots (None: all of them) and its report, whose copy to the
+        host starts at once; `step` and `drain` read it."""
+        sampling = self.sampling if sampling is None else sampling
+        rows = self.rows(live)
+        on_device = self._device_rows(rows)
+        self._slots, self._count = self._step(self._params, self._slots, self._count, on_device, bool(sampling),
+                                              bool(logprobs))
+        report = self._report(*(self._slots[i] for i in self._read), self._count, on_device, bool(logprobs))
+        for a in jax.tree_util.tree_leaves(report):
+            a.copy_to_host_async()
+        self._pending = (report, rows)
+
+    def step(self, sampling: bool | None = None, live=None, logprobs: bool = False):
+        """Dispatches a step over the `live` slots (None: all of them); returns the previous one's
+        results (`_unpack`). logprobs: report the new tokens' log-probabilities (a program of its
+        own, compiled at first use; the slots need a logprob_width of at least the step's width)."""
+        previous = self._pending
+        self.dispatch(sampling, live, logprobs)
+        return self._unpack(previous)
+
+    def drain(self):
+        """The results of the last dispatched step."""
+        previous, self._pending = self._pending, None
+        return self._unpack(previous)
 
     def _unpack(self, pending):
         """(tokens: a list per slot, done [B], logprobs: None, or per slot a list of
@@ -131,22 +187,6 @@ class Stepper:
             if logprobs is not None:
                 logprobs[b] = [(lp[i, j], ids[i, j]) for j in range(n)]
         return tokens, done, logprobs
-
-    def step(self, sampling: bool | None = None, live=None, logprobs: bool = False):
-        """Dispatches a step over the `live` slots (None: all of them); returns the previous one's
-        results (`_unpack`). logprobs: report the new tokens' log-probabilities (a program of its
-        own, compiled at first use; the slots need a logprob_width of at least the step's width)."""
-        sampling = self.sampling if sampling is None else sampling
-        rows = self.rows(live)
-        self._slots, report = self._step(self._params, self._slots, None if rows is None else jnp.asarray(rows),
-                                         bool(sampling), bool(logprobs))
-        previous, self._pending = self._pending, (report, rows)
-        return self._unpack(previous)
-
-    def drain(self):
-        """The results of the last dispatched step."""
-        previous, self._pending = self._pending, None
-        return self._unpack(previous)
 
 
 def prefill_step(model: LingModel, slots: Slots, start, params: SamplingParams, max_new, eos, tokens, next_tokens,

@@ -50,8 +50,11 @@ def programs(runner: Runner):
         variant = f"sampling={sampling} logprobs={logprobs}"
         for k in stepper.buckets:  # every batch bucket's step
             rows = stepper.rows(np.arange(b) < k)
-            yield f"step batch {k} {variant}", jax.make_jaxpr(stepper._step, static_argnums=(3, 4))(
-                stepper._params, stepper._slots, None if rows is None else jnp.asarray(rows), sampling, logprobs)
+            on_device = None if rows is None else jnp.asarray(rows)
+            yield f"step batch {k} {variant}", jax.make_jaxpr(stepper._step, static_argnums=(4, 5))(
+                stepper._params, stepper._slots, stepper._count, on_device, sampling, logprobs)
+            yield f"report batch {k} {variant}", jax.make_jaxpr(stepper._report, static_argnums=7)(
+                *(stepper._slots[i] for i in stepper._read), stepper._count, on_device, logprobs)
         for k in stepper.buckets:  # every batch bucket's prefill chunk
             rows = stepper.rows(np.arange(b) < k)
             n = b if rows is None else len(rows)
