@@ -262,7 +262,9 @@ def main():
             print(f"{mode}: served {served * 1e6:.0f} µs a step; no device kernels in the trace (not a GPU?)")
             results[mode]["categories"] = cats
             continue
-        print(f"{mode}: served {served * 1e6:.0f} µs a step, host dispatch {dispatch * 1e6:.0f}; alone span "
+        reps = ", ".join(f"{w * 1e6:.0f}" for w in walls)
+        print(f"{mode}: served {served * 1e6:.0f} µs a step (repetitions {reps}), "
+              f"host dispatch {dispatch * 1e6:.0f}; alone span "
               f"{alone['span_us']:.0f} µs; stream: span "
               f"{stream['span_us']:.0f}, busy {stream['busy_us']:.0f}, idle {stream['idle_us']:.0f} µs, "
               f"{stream['launches']:.0f} launches a step; floor {fl[mode] * 1e6:.0f} µs", flush=True)
