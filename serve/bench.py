@@ -5,8 +5,11 @@ accepted length of speculative decoding (from the server's /metrics, before and 
 
     python -m serve.bench --num-prompts 64 --random-input-len 128 --random-output-len 64 --concurrency 8
     python -m serve.bench --dataset jsonl --dataset-path prompts.jsonl --request-rate 4 --output-json out.json
+    python -m serve.bench --num-prompts 64 --concurrency 8 --plot run.png
 
-A JSONL line is {"prompt": "text" | [token ids]} or {"messages": [...]}, with an optional
+Datasets (`--dataset`, or SGLang's `--dataset-name`): `random` and `random-ids` both send uniform
+random token ids (this tool has no ShareGPT text to draw `random`'s prompts from offline), `jsonl`
+reads a file. A JSONL line is {"prompt": "text" | [token ids]} or {"messages": [...]}, with an optional
 "max_tokens" (default --random-output-len).
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -40,9 +44,16 @@ class Result:
     error: str = ""
     prompt_tokens: int = 0
     output_tokens: int = 0
+    start: float = 0.0  # when it was sent (time.perf_counter())
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = dataclasses.field(default_factory=list)
+
+    def token_times(self) -> np.ndarray:
+        """When each streamed chunk with text arrived (time.perf_counter())."""
+        if not self.ok or not self.ttft:
+            return np.zeros(0)
+        return self.start + self.ttft + np.concatenate([[0.0], np.cumsum(self.itl)])
 
 
 # -- prompts -------------------------------------------------------------------------------------
@@ -99,8 +110,8 @@ async def send(client: httpx.AsyncClient, args, model: str, item: Item) -> Resul
     body = {"model": model, "max_tokens": item.max_tokens, "temperature": args.temperature, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": not args.disable_ignore_eos}
     body.update({"messages": item.messages} if chat else {"prompt": item.prompt})
-    res, start = Result(), time.perf_counter()
-    last = None
+    start = time.perf_counter()
+    res, last = Result(start=start), None
     try:
         async with client.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -195,7 +206,45 @@ async def run(args, items: list[Item]) -> dict:
     accept = None
     if before is not None and after is not None and after[0] > before[0]:
         accept = (after[1] - before[1]) / (after[0] - before[0])
+    if args.plot:
+        plot(args.plot, results, start, duration)
     return summarize(args, model, results, duration, accept)
+
+
+def plot(path: str, results: list[Result], start: float, duration: float) -> None:
+    """Writes a figure of the run: TTFT and TPOT distributions (histograms of the successful
+    requests) and output throughput over time (streamed chunks per one-second bin, and requests in
+    flight)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("error: --plot needs matplotlib (pip install matplotlib)") from None
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft * 1e3 for r in ok]
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) * 1e3 for r in ok if r.output_tokens > 1]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
+    for ax, xs, name in ((a, ttft, "TTFT"), (b, tpot, "TPOT")):
+        ax.hist(xs, bins=min(30, max(len(xs), 1)), color="tab:blue")
+        ax.set(title=f"{name} ({len(xs)} requests)", xlabel="ms", ylabel="requests")
+        if xs:
+            ax.axvline(float(np.median(xs)), color="k", ls="--", label=f"median {np.median(xs):.1f} ms")
+            ax.legend()
+    bins = np.arange(0.0, max(duration, 1e-3) + 1.0, 1.0)
+    times = np.concatenate([r.token_times() - start for r in ok] or [np.zeros(0)])
+    chunks, _ = np.histogram(times, bins)
+    c.step(bins[:-1], chunks, where="post", color="tab:green", label="streamed chunks/s")
+    c.set(title="output over time", xlabel="s since the first request", ylabel="chunks per second")
+    live = [sum(r.start - start <= t < r.start - start + r.latency for r in ok) for t in bins[:-1]]
+    c2 = c.twinx()
+    c2.step(bins[:-1], live, where="post", color="tab:orange", label="requests in flight")
+    c2.set_ylabel("requests in flight")
+    c.legend(loc="upper left")
+    c2.legend(loc="upper right")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def summarize(args, model: str, results: list[Result], duration: float, accept: float | None) -> dict:
@@ -261,7 +310,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="the 'model' to send (default: the server's first, /v1/models)")
     ap.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    ap.add_argument("--dataset", default="random", choices=["random", "jsonl"])
+    ap.add_argument("--dataset", "--dataset-name", default="random", choices=["random", "random-ids", "jsonl"],
+                    help="random and random-ids: uniform random token ids; jsonl: --dataset-path")
     ap.add_argument("--dataset-path", default=None, help="the JSONL file for --dataset jsonl")
     ap.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="directory with tokenizer.json, for random "
                     "prompts (default: the embedded default model's)")
@@ -279,6 +329,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=None, help="also write the results to this file")
     ap.add_argument("--disable-tqdm", action="store_true")
+    ap.add_argument("--plot", default=None, metavar="PNG", help="also draw TTFT and TPOT distributions and output "
+                    "throughput over time to this image (needs matplotlib)")
     args = ap.parse_args(argv)
     if args.dataset == "jsonl" and not args.dataset_path:
         ap.error("--dataset jsonl needs --dataset-path")
@@ -291,6 +343,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return 2
     if args.dataset == "jsonl":
         items = jsonl_items(args)
     else:

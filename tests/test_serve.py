@@ -463,3 +463,19 @@ def test_profile_writes_a_trace(client, tmp_path):
     files = r.json()["files"]
     assert any(f.endswith(".xplane.pb") and os.path.getsize(f) > 0 for f in files), files
     assert all(f.startswith(str(tmp_path)) for f in files)
+
+
+def test_serve_bench_against_the_server(server, tmp_path):
+    """`python -m serve.bench` end to end: SGLang's dataset name, every request completed with its
+    exact output length, the JSON summary and the plot written."""
+    from serve import bench
+
+    out, png = tmp_path / "out.json", tmp_path / "run.png"
+    rc = bench.main(["--base-url", server, "--api-key", KEY, "--dataset-name", "random-ids", "--num-prompts", "4",
+                     "--random-input-len", "12", "--random-output-len", "5", "--concurrency", "2", "--disable-tqdm",
+                     "--output-json", str(out), "--plot", str(png)])
+    summary = json.loads(out.read_text())
+    assert rc == 0 and summary["completed"] == 4 and summary["failed"] == 0
+    assert summary["total_input_tokens"] == 4 * 12 and summary["total_output_tokens"] == 4 * 5
+    assert summary["mean_ttft_ms"] > 0 and summary["mean_tpot_ms"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
