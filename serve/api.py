@@ -323,9 +323,14 @@ def _sampling(c: Context, ids: list[int], req, max_tokens: int | None, max_name:
                        f"{req.top_p}", param="top_p")
     if req.top_k < -1:
         raise APIError(400, f"'top_k' must be -1 or 0 (off) or positive, got {req.top_k}", param="top_k")
+    penalties = {name: float(np.float32(getattr(req, name)))
+                 for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")}
     for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) != 0:
-            raise APIError(400, f"'{name}' is not supported by this server", param=name)
+        if not -2 <= penalties[name] <= 2:
+            raise APIError(400, f"'{name}' must be in [-2, 2], got {getattr(req, name)}", param=name)
+    if not (math.isfinite(penalties["repetition_penalty"]) and 0 < penalties["repetition_penalty"] <= 2):
+        raise APIError(400, f"'repetition_penalty' must be in (0, 2] (1: off), got {req.repetition_penalty}",
+                       param="repetition_penalty")
     if req.timeout is not None and not (math.isfinite(req.timeout) and req.timeout > 0):
         raise APIError(400, f"'timeout' must be a positive number of seconds, got {req.timeout}", param="timeout")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
@@ -333,7 +338,9 @@ def _sampling(c: Context, ids: list[int], req, max_tokens: int | None, max_name:
         raise APIError(400, f"'stop' holds {len(stop)} strings; at most {MAX_STOP} are allowed", param="stop")
     seed = random.getrandbits(32) if req.seed is None else req.seed % 2**32
     return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                    top_k=min(max(req.top_k, 0), c.info.vocab_size), seed=seed, stop=stop, ignore_eos=req.ignore_eos,
+                    top_k=min(max(req.top_k, 0), c.info.vocab_size), seed=seed,
+                    presence=penalties["presence_penalty"], frequency=penalties["frequency_penalty"],
+                    repetition=penalties["repetition_penalty"], stop=stop, ignore_eos=req.ignore_eos,
                     logprobs=logprobs)
 
 

@@ -60,6 +60,7 @@ class _Sampling(_Strict):
     ignore_eos: bool = False  # an extension (vLLM, SGLang): generate exactly max_tokens tokens
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # an extension (vLLM, SGLang): over the prompt's and the output's tokens
     timeout: float | None = None  # seconds from arrival; an extension: the server's --request-timeout caps it
 
 

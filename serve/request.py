@@ -20,6 +20,9 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int = 0
+    presence: float = 0.0  # penalties (spec.sampling.penalize): 0, 0 and 1 are off
+    frequency: float = 0.0
+    repetition: float = 1.0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n: each token's log-probability and its n likeliest alternatives

@@ -37,30 +37,33 @@ class Runner:
                                buckets=batch_buckets(max_batch) if buckets is None else buckets)
         self.prefiller = ChunkPrefiller(model)
         self._owners = collections.deque()  # owners of the dispatched, not yet read steps
-        # Each slot's temperature as last set by a prefill chunk: the host's copy, from which it
-        # picks the all-greedy or the sampling variant of a step without asking the device.
-        self._temperature = np.zeros(max_batch, np.float32)
+        # Whether each slot's request (as last set by a prefill chunk) samples or has a penalty: the
+        # host's copy, from which it picks the all-greedy or the sampling variant of a step without
+        # asking the device.
+        self._sampling = np.zeros(max_batch, bool)
         self._logprobs = np.zeros(max_batch, bool)  # and whether its request asks for log-probabilities
 
     def prefill(self, chunk: PrefillChunk):
         """Dispatches one prefill chunk over the slots it touches (in the smallest batch bucket
         that holds them); returns what `read_first` turns into the first tokens [B] (-1 where the
         prompt does not end), to be read after the next step is dispatched."""
-        from spec.sampling import SamplingParams, any_sampling
+        from spec.sampling import SamplingParams, any_sampling, needs_sampling
         from spec.stepper import bucket_rows
 
         start = np.asarray(chunk.start, bool)
-        self._temperature[start] = np.asarray(chunk.temperature, np.float32)[start]
+        self._sampling[start] = needs_sampling(chunk.temperature, chunk.presence, chunk.frequency,
+                                               chunk.repetition)[start]
         self._logprobs[start] = False if chunk.logprobs is None else np.asarray(chunk.logprobs, bool)[start]
         rows = bucket_rows(start | (np.asarray(chunk.valid) > 0), self.stepper.buckets, self.max_batch)
         pick = (lambda a: np.asarray(a)) if rows is None else (lambda a: np.asarray(a)[rows])
         params = SamplingParams.make(len(pick(start)), pick(chunk.temperature), pick(chunk.top_k), pick(chunk.top_p),
-                                     pick(chunk.seed))
+                                     pick(chunk.seed), pick(chunk.presence), pick(chunk.frequency),
+                                     pick(chunk.repetition))
         logprobs = bool(np.any(self._logprobs & np.asarray(chunk.ends, bool)))
         self.stepper.slots, first, *lp = self.prefiller(
             self.stepper.slots, start=pick(chunk.start), params=params, max_new=pick(chunk.max_new),
             eos=pick(chunk.eos), tokens=pick(chunk.tokens), next_tokens=pick(chunk.next_tokens),
-            valid=pick(chunk.valid), ends=pick(chunk.ends), sampling=any_sampling(self._temperature, chunk.ends),
+            valid=pick(chunk.valid), ends=pick(chunk.ends), sampling=any_sampling(self._sampling, chunk.ends),
             rows=rows, logprobs=logprobs)
         return first, (lp[0] if lp else None), rows
 
@@ -70,7 +73,7 @@ class Runner:
 
         self._owners.append(owners)
         live = np.array([r is not None for r in owners])
-        return self._result(self.stepper.step(sampling=any_sampling(self._temperature, live), live=live,
+        return self._result(self.stepper.step(sampling=any_sampling(self._sampling, live), live=live,
                                               logprobs=bool(np.any(self._logprobs & live))))
 
     def drain(self) -> StepResult | None:
@@ -90,7 +93,7 @@ class Runner:
             pass
         self._owners.clear()
         self.stepper.slots = self._new_slots()
-        self._temperature[:] = 0
+        self._sampling[:] = False
         self._logprobs[:] = False
 
     def _new_slots(self):
@@ -145,10 +148,11 @@ class Runner:
                                      next_tokens=np.zeros((b, chunk_size), np.int32), valid=some.astype(np.int32),
                                      ends=some, owners=[None] * b, temperature=np.full(b, temperature, np.float32),
                                      top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),
-                                     seed=np.zeros(b, np.uint32), max_new=np.ones(b, np.int32),
-                                     eos=np.full(b, -1, np.int32))
+                                     seed=np.zeros(b, np.uint32), presence=np.zeros(b, np.float32),
+                                     frequency=np.zeros(b, np.float32), repetition=np.ones(b, np.float32),
+                                     max_new=np.ones(b, np.int32), eos=np.full(b, -1, np.int32))
                 self.read_first(self.prefill(chunk))
-        self._temperature[:] = 0
+        self._sampling[:] = False
 
     def warmup_step(self) -> None:
         """Compiles the decode (or speculative) step for every batch bucket, all-greedy and

@@ -36,6 +36,9 @@ class PrefillChunk:
     top_k: np.ndarray
     top_p: np.ndarray
     seed: np.ndarray
+    presence: np.ndarray  # [B] float32 penalties (spec.sampling.penalize)
+    frequency: np.ndarray
+    repetition: np.ndarray
     max_new: np.ndarray
     eos: np.ndarray
     logprobs: np.ndarray | None = None  # [B] bool: the started slots' requests ask for log-probabilities
@@ -114,7 +117,9 @@ class Scheduler:
         p = PrefillChunk(start=start, tokens=np.zeros((b, c), np.int32), next_tokens=np.zeros((b, c), np.int32),
                          valid=np.zeros(b, np.int32), ends=np.zeros(b, bool), owners=[None] * b,
                          temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),
-                         top_p=np.ones(b, np.float32), seed=np.zeros(b, np.uint32), max_new=np.zeros(b, np.int32),
+                         top_p=np.ones(b, np.float32), seed=np.zeros(b, np.uint32), presence=np.zeros(b, np.float32),
+                         frequency=np.zeros(b, np.float32), repetition=np.ones(b, np.float32),
+                         max_new=np.zeros(b, np.int32),
                          eos=np.full(b, -1, np.int32), logprobs=np.zeros(b, bool))
         for slot, done in enumerate(self.prefilled):
             if done is None:
@@ -135,6 +140,7 @@ class Scheduler:
                 s = r.sampling
                 p.temperature[slot], p.top_k[slot], p.top_p[slot] = s.temperature, s.top_k, s.top_p
                 p.seed[slot], p.max_new[slot] = s.seed, s.max_tokens
+                p.presence[slot], p.frequency[slot], p.repetition[slot] = s.presence, s.frequency, s.repetition
                 p.eos[slot] = -1 if s.ignore_eos or self.eos_id is None else self.eos_id
                 p.logprobs[slot] = s.logprobs is not None
         return p

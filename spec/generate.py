@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from ling.model import LingModel
-from spec.sampling import SamplingParams, any_sampling
+from spec.sampling import SamplingParams, any_sampling, needs_sampling
 from spec.step import Drafter, Slots, check_model, live_sampling, new_slots, prefill_chunk, reset, step_fn
 
 PREFILL_CHUNK = 256
@@ -48,7 +48,8 @@ def prefill(model: LingModel, slots: Slots, prompts, which, params: SamplingPara
     tokens, next_tokens, lens = _pad_prompts(prompts, chunk)
     which = np.asarray(which, bool)
     lens = np.where(which, lens, 0)
-    sampling = any_sampling(jax.device_get(params.temperature), which)
+    p = jax.device_get(params)
+    sampling = any_sampling(needs_sampling(p.temperature, p.presence, p.frequency, p.repetition), which)
     graphdef, params_ = nnx.split(model)
     slots = _reset(slots, jnp.asarray(which), params, jnp.asarray(max_new, jnp.int32), jnp.asarray(eos, jnp.int32))
     n_chunks = tokens.shape[1] // chunk
@@ -97,10 +98,10 @@ def decode(model: LingModel, slots: Slots, *, speculative: bool, num_steps: int 
 
 def generate_batch(model: LingModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                    speculative: bool = True, num_steps: int = 5, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-                   eos_id: int | None = None, prefill_chunk: int | None = None, return_slots: bool = False,
-                   drafter: Drafter | None = None):
-    """Generates for several prompts at once (one slot each); the sampling arguments are scalars or
-    one value per prompt. `drafter` replaces the NEXTN chain (tests force drafts with it).
+                   presence=0.0, frequency=0.0, repetition=1.0, eos_id: int | None = None,
+                   prefill_chunk: int | None = None, return_slots: bool = False, drafter: Drafter | None = None):
+    """Generates for several prompts at once (one slot each); the sampling arguments (and the
+    penalties, `spec.sampling.penalize`) are scalars or one value per prompt. `drafter` replaces the NEXTN chain (tests force drafts with it).
     prefill_chunk None: `chunk_for(prompts)`.
     Returns one token list per prompt (and the final slots if asked)."""
     check_model(model, speculative and drafter is None)
@@ -108,7 +109,7 @@ def generate_batch(model: LingModel, prompts: Sequence[Sequence[int]], max_new_t
     extra = num_steps + 1 if speculative else 1
     max_len = max(len(p) for p in prompts) + max_new_tokens + extra
     slots = new_slots(model, b, max_len, max_new_tokens + extra)
-    params = SamplingParams.make(b, temperature, top_k, top_p, seed)
+    params = SamplingParams.make(b, temperature, top_k, top_p, seed, presence, frequency, repetition)
     eos = -1 if eos_id is None else eos_id
     slots = prefill(model, slots, prompts, np.ones(b, bool), params, np.full(b, max_new_tokens), np.full(b, eos),
                     chunk=prefill_chunk or chunk_for(prompts))

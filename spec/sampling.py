@@ -1,4 +1,5 @@
-"""Per-slot sampling: temperature, top-k, top-p and a per-request seed; greedy at temperature 0.
+"""Per-slot sampling: temperature, top-k, top-p and a per-request seed; greedy at temperature 0;
+presence, frequency and repetition penalties.
 
 Every slot carries its own parameters as arrays, so one compiled step serves a batch of requests
 with different settings. Randomness is a pure function of (seed, tokens generated so far, purpose),
@@ -21,16 +22,63 @@ class SamplingParams:
     top_k: jnp.ndarray  # [B] int32; 0 = off
     top_p: jnp.ndarray  # [B] fp32; 1 = off
     seed: jnp.ndarray  # [B] uint32
+    presence: jnp.ndarray  # [B] fp32; 0 = off (OpenAI's presence_penalty)
+    frequency: jnp.ndarray  # [B] fp32; 0 = off (frequency_penalty)
+    repetition: jnp.ndarray  # [B] fp32; 1 = off (repetition_penalty, over the prompt and the output)
 
     @classmethod
-    def make(cls, batch: int, temperature=0.0, top_k=0, top_p=1.0, seed=0) -> "SamplingParams":
+    def make(cls, batch: int, temperature=0.0, top_k=0, top_p=1.0, seed=0, presence=0.0, frequency=0.0,
+             repetition=1.0) -> "SamplingParams":
         full = lambda v, dt: jnp.array(np.broadcast_to(np.asarray(v), (batch,)), dt)  # own buffers: donated
         return cls(full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
-                   full(seed, jnp.uint32))
+                   full(seed, jnp.uint32), full(presence, jnp.float32), full(frequency, jnp.float32),
+                   full(repetition, jnp.float32))
 
     @property
     def greedy(self):
         return self.temperature <= 0.0
+
+
+def needs_sampling(temperature, presence=0.0, frequency=0.0, repetition=1.0) -> np.ndarray:
+    """Host side, per slot [B] bool: whether it needs the sampling program (it samples, or it has a
+    penalty, which only that program applies and keeps the token counts for)."""
+    return ((np.asarray(temperature) > 0) | (np.asarray(presence) != 0) | (np.asarray(frequency) != 0)
+            | (np.asarray(repetition) != 1))
+
+
+def penalize(logits, counts, seen, p: SamplingParams):
+    """Penalised logits [B, ..., V] fp32: minus presence where a token was generated, minus
+    frequency times its count, and (repetition) divided by the penalty where positive and
+    multiplied where negative for every token of the prompt or the output. counts int32 (the
+    output's) and seen bool (the prompt's tokens): broadcastable to logits."""
+    per = lambda a: a.reshape(a.shape + (1,) * (logits.ndim - 1))
+    x = logits.astype(jnp.float32)
+    rep = per(p.repetition)
+    x = jnp.where(seen | (counts > 0), jnp.where(x > 0, x / rep, x * rep), x)
+    return x - per(p.presence) * (counts > 0) - per(p.frequency) * counts
+
+
+def penalize_verify(logits, counts, seen, drafts, p: SamplingParams):
+    """`penalize` for a verify pass: logits [B, S+1, V], counts [B, V] before the step, drafts
+    [B, S]. Position j's counts include drafts 0..j-1 (its prefix, if accepted): the base penalty
+    everywhere, then each such draft's entry recomputed with its count at j."""
+    b, s1, v = logits.shape
+    s = s1 - 1
+    out = penalize(logits, counts[:, None], seen[:, None], p)
+    if s == 0:
+        return out
+    j, i = jnp.arange(s1)[:, None], jnp.arange(s)[None]  # [S+1, 1], [1, S]
+    before = i < j  # draft i precedes position j
+    same = drafts[:, :, None] == drafts[:, None, :]  # [B, S, S]: d_i' == d_i
+    # occurrences of d_i among drafts 0..j-1: [B, S+1, S]
+    extra = jnp.einsum("bki,jk->bji", same.astype(jnp.int32), before.astype(jnp.int32))
+    c = jnp.take_along_axis(counts, drafts, axis=1)[:, None, :] + extra  # [B, S+1, S]
+    x = jnp.take_along_axis(logits, jnp.broadcast_to(drafts[:, None, :], (b, s1, s)), axis=2)  # [B, S+1, S]
+    val = penalize(x, c, jnp.take_along_axis(seen, drafts, axis=1)[:, None, :], p)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None, None], (b, s1, s))
+    pos = jnp.broadcast_to(j[None], (b, s1, s))
+    cols = jnp.where(before[None], drafts[:, None, :], v)  # a draft at or after j: dropped
+    return out.at[rows, pos, cols].set(val, mode="drop")
 
 
 def probs(logits, p: SamplingParams):

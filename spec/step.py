@@ -24,7 +24,8 @@ from flax import struct
 
 from ling.model import LingModel
 from ling.state import KDAState, State, commit, init_state
-from spec.sampling import MAX_TOP_LOGPROBS, SamplingParams, any_sampling, key_for, probs, sample, token_logprobs
+from spec.sampling import (MAX_TOP_LOGPROBS, SamplingParams, any_sampling, key_for, needs_sampling, penalize,
+                           penalize_verify, probs, sample, token_logprobs)
 
 # RNG purposes: one stream per use, so no two draws share a key.
 _SAMPLE, _DRAFT, _ACCEPT, _BONUS = 0, 100, 200, 300
@@ -48,6 +49,9 @@ class Slots:
     # The last call's emitted tokens, in emission order, when it was asked for them (`logprobs`):
     logprobs: jnp.ndarray  # [B, W, 1 + K] float32 (spec.sampling.token_logprobs); W = 0: never asked
     top_ids: jnp.ndarray  # [B, W, K] int32
+    # For the penalties (spec.sampling.penalize), kept by every program whatever the slot asks for:
+    counts: jnp.ndarray  # [B, V] int32 how often each token was emitted since the slot's reset
+    seen: jnp.ndarray  # [B, V] bool the tokens of the slot's prompt
 
 
 def new_slots(model: LingModel, batch: int, max_len: int, max_out: int, logprob_width: int = 0) -> Slots:
@@ -62,7 +66,8 @@ def new_slots(model: LingModel, batch: int, max_len: int, max_out: int, logprob_
         params=SamplingParams.make(batch), out=jnp.zeros((batch, max_out), jnp.int32), n_out=z(),
         max_new=z(), eos=z() - 1, done=jnp.ones((batch,), bool), steps=z(), produced=z(),
         logprobs=jnp.zeros((batch, logprob_width, 1 + k), jnp.float32),
-        top_ids=jnp.zeros((batch, logprob_width, k), jnp.int32))
+        top_ids=jnp.zeros((batch, logprob_width, k), jnp.int32),
+        counts=jnp.zeros((batch, cfg.vocab_size), jnp.int32), seen=jnp.zeros((batch, cfg.vocab_size), bool))
 
 
 def _record_logprobs(slots: Slots, logits, tokens) -> Slots:
@@ -85,12 +90,14 @@ def reset(slots: Slots, which, params: SamplingParams, max_new, eos) -> Slots:
         model=slots.model.replace(layers=layers, lengths=sel(z, slots.model.lengths)),
         params=jax.tree.map(sel, params, slots.params), n_out=sel(z, slots.n_out),
         max_new=sel(max_new, slots.max_new), eos=sel(eos, slots.eos), done=sel(False, slots.done),
-        steps=sel(z, slots.steps), produced=sel(z, slots.produced))
+        steps=sel(z, slots.steps), produced=sel(z, slots.produced), counts=sel(0, slots.counts),
+        seen=sel(False, slots.seen))
 
 
 @jax.named_scope("emit")
 def _emit(slots: Slots, tokens, count, live) -> Slots:
-    """Appends tokens [B, E] (the first count[b] of them) to live slots, stopping at EOS and max_new."""
+    """Appends tokens [B, E] (the first count[b] of them) to live slots, stopping at EOS and max_new,
+    and counts them (`Slots.counts`)."""
     e = tokens.shape[1]
     idx = jnp.arange(e)[None]
     is_eos = (tokens == slots.eos[:, None]) & (idx < count[:, None])
@@ -101,7 +108,15 @@ def _emit(slots: Slots, tokens, count, live) -> Slots:
     out = slots.out.at[jnp.arange(tokens.shape[0])[:, None], pos].set(tokens, mode="drop")
     n_out = slots.n_out + count
     done = slots.done | (live & ((first_eos <= count) | (n_out >= slots.max_new)))
-    return slots.replace(out=out, n_out=n_out, done=done)
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    counts = slots.counts.at[rows, jnp.where(idx < count[:, None], tokens, slots.counts.shape[1])].add(1, mode="drop")
+    return slots.replace(out=out, n_out=n_out, done=done, counts=counts)
+
+
+def _penalized(logits, slots: Slots, sampling: bool):
+    """logits [B, V] with the slots' penalties applied (the sampling program only: the host picks
+    it for any slot with a penalty, `spec.sampling.needs_sampling`)."""
+    return penalize(logits, slots.counts, slots.seen, slots.params) if sampling else logits
 
 
 def last_at(x, n):
@@ -122,9 +137,14 @@ def prefill_chunk(model: LingModel, slots: Slots, tokens, next_tokens, valid, en
     if model.nextn is not None:  # NEXTN pairs (h_i, token_{i+1}); the final pair waits for the sampled token
         _, _, cache = model.draft(hidden, next_tokens, state.nextn, lengths, form="prefill", logits=False)
         state = state.replace(nextn=cache)
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    in_chunk = jnp.arange(tokens.shape[1])[None] < valid[:, None]
+    slots = slots.replace(seen=slots.seen.at[rows, jnp.where(in_chunk, tokens, slots.seen.shape[1])].set(
+        True, mode="drop"))
     last_hidden = last_at(hidden, valid)  # [B, D]
     logits = model.logits(last_hidden)
-    first, _ = sample(logits, slots.params, key_for(slots.params, slots.n_out, _SAMPLE), sampling=sampling)
+    first, _ = sample(_penalized(logits, slots, sampling), slots.params,
+                      key_for(slots.params, slots.n_out, _SAMPLE), sampling=sampling)
     if logprobs:
         slots = _record_logprobs(slots, logits[:, None], first[:, None])
     slots = slots.replace(model=state, last_hidden=jnp.where(ends[:, None], last_hidden, slots.last_hidden),
@@ -138,7 +158,8 @@ def decode_step(model: LingModel, slots: Slots, *, sampling: bool, logprobs: boo
     live = ~slots.done
     logits, hidden, state = model(slots.last_token[:, None], slots.model, valid=live.astype(jnp.int32),
                                   form="decode")
-    nxt, _ = sample(logits[:, 0], slots.params, key_for(slots.params, slots.n_out, _SAMPLE), sampling=sampling)
+    nxt, _ = sample(_penalized(logits[:, 0], slots, sampling), slots.params,
+                    key_for(slots.params, slots.n_out, _SAMPLE), sampling=sampling)
     if logprobs:
         slots = _record_logprobs(slots, logits, nxt[:, None])
     slots = slots.replace(model=state, last_token=jnp.where(live, nxt, slots.last_token),
@@ -159,7 +180,8 @@ def nextn_chain(model: LingModel, slots: Slots, num_steps: int, *, sampling: boo
     drafts, qs = [], []
     for j in range(num_steps):
         logits, h, cache = model.draft(h, tok, cache, pos + j, form="decode")
-        d, q = sample(logits[:, 0], slots.params, key_for(slots.params, slots.n_out, _DRAFT + j), sampling=sampling)
+        d, q = sample(_penalized(logits[:, 0], slots, sampling), slots.params,
+                      key_for(slots.params, slots.n_out, _DRAFT + j), sampling=sampling)
         tok = d[:, None]
         drafts.append(d)
         qs.append(q)
@@ -205,7 +227,8 @@ def spec_step(model: LingModel, slots: Slots, num_steps: int, drafter: Drafter =
     drafts, q, cache = drafter(model, slots, num_steps, sampling=sampling)
     verify_tokens = jnp.concatenate([slots.last_token[:, None], drafts], axis=1)  # [B, S+1]
     logits, hidden, pending = model(verify_tokens, slots.model, form="verify")
-    accepted, bonus = accept(logits, drafts, q, slots.params, key_for(slots.params, slots.n_out, _ACCEPT),
+    target = penalize_verify(logits, slots.counts, slots.seen, drafts, slots.params) if sampling else logits
+    accepted, bonus = accept(target, drafts, q, slots.params, key_for(slots.params, slots.n_out, _ACCEPT),
                              key_for(slots.params, slots.n_out, _BONUS), sampling=sampling)
     kept = jnp.where(live, accepted + 1, 0)  # last_token and the accepted drafts enter the state
     state = commit(pending, kept)
@@ -235,9 +258,10 @@ def step_fn(speculative: bool, num_steps: int, sampling: bool, drafter: Drafter 
 
 
 def live_sampling(slots: Slots) -> bool:
-    """Whether any live slot samples: reads the slots' temperatures and done flags (a host sync)."""
-    temperature, done = jax.device_get((slots.params.temperature, slots.done))
-    return any_sampling(temperature, ~done)
+    """Whether any live slot needs the sampling program (it samples or has a penalty): reads the
+    slots' parameters and done flags (a host sync)."""
+    p, done = jax.device_get((slots.params, slots.done))
+    return any_sampling(needs_sampling(p.temperature, p.presence, p.frequency, p.repetition), ~done)
 
 
 def check_model(model: LingModel, speculative: bool):

@@ -37,7 +37,8 @@ class Server:
                 self.url = "http://" + line.split("http://")[1].split()[0]
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return open(self.log_path).read()
 
     def rss_bytes(self) -> int:

@@ -340,8 +340,27 @@ def test_logprobs_are_the_models_own(client, tokenizer):
     assert all(a >= b for t in sl["top_logprobs"] for a, b in zip(list(t.values()), list(t.values())[1:]))
 
 
+def test_penalties(client, tokenizer):
+    """presence, frequency and repetition penalties (speculation on) give plain greedy decoding's
+    tokens under the same penalties; out-of-range values get 400 naming the field."""
+    import ling
+    from spec.generate import generate_batch
+
+    prompt = tokenizer.encode("the cat and the cat and the")
+    pen = {"presence_penalty": 0.6, "frequency_penalty": 1.1, "repetition_penalty": 1.3}
+    out = complete(client, prompt=prompt, max_tokens=12, ignore_eos=True, logprobs=0, **pen)
+    model = ling.load(DEFAULT_MODEL, dtype="float32", progress=False)
+    ref = generate_batch(model, [prompt], 12, speculative=False, presence=0.6, frequency=1.1, repetition=1.3)[0]
+    assert ref != generate_batch(model, [prompt], 12, speculative=False)[0]
+    assert out["choices"][0]["logprobs"]["tokens"] == [tokenizer.token_text(t) for t in ref]
+    for name, bad in (("presence_penalty", 2.5), ("frequency_penalty", 1e39), ("repetition_penalty", 0)):
+        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, name: bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+
+
 def test_null_means_default(client):
-    nulls = dict.fromkeys(("temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty", "stream",
+    nulls = dict.fromkeys(("temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty",
+                           "repetition_penalty", "stream",
                            "stream_options", "seed", "stop", "max_tokens", "logprobs", "echo", "timeout"))
     out = complete(client, prompt="x = 1", **{**nulls, "temperature": 0})
     assert out["usage"]["completion_tokens"] >= 1  # max_tokens null: the default (16)

@@ -65,6 +65,50 @@ def test_forced_drafts_accept_exactly_up_to_the_mistake(model, mistake_at):
     assert mean_accepted_length(slots) == pytest.approx(2 * (n_new - 1) / steps.sum())
 
 
+def test_penalties_equal_greedy_over_a_full_forward(model, request):
+    """Presence, frequency and repetition penalties, different per slot (one slot boosts a token's
+    first repeat and suppresses the second, so a verify position's counts must include the drafts
+    before it): plain and speculative greedy decoding (NEXTN drafts, and drafts forced to the
+    reference, all accepted) equal greedy decoding over one full forward a token with the penalties
+    applied on the host. One model suffices."""
+    from flax import nnx
+
+    from ling.state import init_state
+
+    if request.node.callspec.params["model"] != 1:
+        pytest.skip("the first model covers it")
+    v, n = model.cfg.vocab_size, 16
+    ps = prompts(3, (9, 14, 6), v)
+    pen = dict(presence=[0.0, 0.8, -3.0], frequency=[1.5, 0.0, 2.0], repetition=[1.0, 1.4, 0.9])
+    graphdef, weights = nnx.split(model)
+
+    @jax.jit
+    def last_logits(tokens, lens):  # one full forward of each row from an empty state
+        m = nnx.merge(graphdef, weights)
+        logits, _, _ = m(tokens, init_state(m.cfg, len(ps), tokens.shape[1], jnp.float32), valid=lens, form="prefill")
+        return logits[jnp.arange(len(ps)), lens - 1]
+
+    ids = [list(p) for p in ps]
+    counts = np.zeros((len(ps), v))
+    seen = np.stack([np.isin(np.arange(v), p) for p in ps])
+    for _ in range(n):
+        width = max(map(len, ps)) + n
+        x = np.asarray(last_logits(jnp.asarray([r + [0] * (width - len(r)) for r in ids]),
+                                   jnp.asarray([len(r) for r in ids])), np.float64)
+        rep = np.asarray(pen["repetition"])[:, None]
+        x = np.where(seen | (counts > 0), np.where(x > 0, x / rep, x * rep), x)
+        x = x - np.asarray(pen["presence"])[:, None] * (counts > 0) - np.asarray(pen["frequency"])[:, None] * counts
+        for b, t in enumerate(np.argmax(x, axis=1)):
+            ids[b].append(int(t))
+            counts[b, t] += 1
+    ref = [r[len(p):] for r, p in zip(ids, ps)]
+    assert any(r[i] == r[i + 1] for r in ref for i in range(n - 1))  # repeats inside a step's window
+    assert generate_batch(model, ps, n, speculative=False, **pen) == ref
+    assert generate_batch(model, ps, n, speculative=True, num_steps=S, **pen) == ref
+    padded = np.asarray([r + r[-1:] * (S + 1) for r in ref])
+    assert generate_batch(model, ps, n, speculative=True, num_steps=S, drafter=forced(padded, None), **pen) == ref
+
+
 def test_slot_reuse_greedy_sampled_greedy(model):
     """Greedy, then a sampled request in the same slot, then greedy again: equal greedy outputs."""
     p = prompts(2, (40,), model.cfg.vocab_size)
@@ -120,7 +164,7 @@ def test_rejection_sampling_gives_the_target_distribution():
 
 def test_top_k_top_p_filtering():
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 3))
-    p = SamplingParams(jnp.ones(3), jnp.asarray([0, 2, 0]), jnp.asarray([1.0, 1.0, 0.7]), jnp.zeros(3, jnp.uint32))
+    p = SamplingParams.make(3, 1.0, [0, 2, 0], [1.0, 1.0, 0.7])
     np.testing.assert_allclose(probs(logits, p), [[0.5, 0.3, 0.15, 0.05], [0.625, 0.375, 0, 0], [0.625, 0.375, 0, 0]],
                                atol=1e-6)
 
@@ -128,7 +172,7 @@ def test_top_k_top_p_filtering():
 def test_top_p_at_zero_keeps_the_top_token():
     """top_p that float32 flushes to 0 (1e-44) still samples: the most likely token only."""
     logits = jnp.log(jnp.asarray([[0.2, 0.5, 0.3]] * 2))
-    p = SamplingParams(jnp.ones(2), jnp.zeros(2, jnp.int32), jnp.asarray([0.0, 1e-44]), jnp.zeros(2, jnp.uint32))
+    p = SamplingParams.make(2, 1.0, 0, [0.0, 1e-44])
     np.testing.assert_array_equal(probs(logits, p), [[0, 1, 0], [0, 1, 0]])
 
 
