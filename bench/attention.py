@@ -1,6 +1,6 @@
 """Attention decode kernels on the GPU at Ling-3.0-flash shapes: fused KDA verify and MLA decode.
 
-    python bench/attention.py            (on the GPU machine; $OUT gets attention.log, attention.json)
+    python -m bench.attention            (on the GPU machine; $OUT gets attention.log, attention.json)
 
 KDA: B 1, 32 heads, K = V = 128, fp32 state, T = 1 and 6, bf16 activations, fp32 conv weights.
 MLA: B 1, 32 heads, R 512, P 64, bf16 cache of 1k, 8k, 64k positions (all valid), T = 1 and 6.
@@ -19,20 +19,18 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.55")  # leave room for torch (fla)
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # fla's own Triton kernel, no plugins
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from common import copy_ceiling_tbs, rel_err, time_torch_graph  # noqa: E402  (bench/common.py)
-from pallas_kernels import kda, mla_decode as md  # noqa: E402
+from bench.common import copy_ceiling_tbs, rel_err, time_torch_graph
+from pallas_kernels import kda, mla_decode as md
 
 OUT = os.environ.get("OUT", "/tmp/attention_bench")
 os.makedirs(OUT, exist_ok=True)

@@ -1,8 +1,8 @@
 """Decode benchmark on the GPU: prefill, plain decode step, speculative step (draft / verify /
 extend), each against its roofline floor at the copy bandwidth measured in the same run.
 
-    python bench/decode.py --preset ling-3-flash --layers 16 [--prompt 1024] [--iters 32]
-    python bench/decode.py --preset ling-3-flash --layers 42 --ep 2      # two GPUs, experts split
+    python -m bench.decode --preset ling-3-flash --layers 16 [--prompt 1024] [--iters 32]
+    python -m bench.decode --preset ling-3-flash --layers 42 --ep 2      # two GPUs, experts split
 
 Random weights (bf16), batch 1. `--layers N` keeps the first N decoder layers (and the NEXTN
 layer) so that the model fits. `--ep N` shards the routed experts over N GPUs (`moe.parallel`,

@@ -1,13 +1,13 @@
 """H200 benchmark of the fused MoE kernels (pallas_kernels/fused_moe.py) against XLA peers.
 
 Run on the GPU machine from the repository root:
-    python3 bench/fused_moe.py [--budget 160]          (log and JSON under $OUT, else ./bench_out)
-    python3 bench/fused_moe.py --fmts int4 --ms 1,6    (a subset of the weight formats and token counts)
-    python3 bench/fused_moe.py --ab                    (default and sweep plans in interleaved rounds)
-    python3 bench/fused_moe.py --align-only            (the align alone, M > 1)
-    python3 bench/fused_moe.py --smoke                 (CPU, interpret mode, tiny shapes: the script runs)
-    python3 bench/fused_moe.py --lower DIR             (CPU: lower every timed kernel to Triton IR in DIR)
-    python3 bench/fused_moe.py --mixed --profile-tiles [--tile-model PATH] [--budget 200]
+    python -m bench.fused_moe [--budget 160]          (log and JSON under $OUT, else ./bench_out)
+    python -m bench.fused_moe --fmts int4 --ms 1,6    (a subset of the weight formats and token counts)
+    python -m bench.fused_moe --ab                    (default and sweep plans in interleaved rounds)
+    python -m bench.fused_moe --align-only            (the align alone, M > 1)
+    python -m bench.fused_moe --smoke                 (CPU, interpret mode, tiny shapes: the script runs)
+    python -m bench.fused_moe --lower DIR             (CPU: lower every timed kernel to Triton IR in DIR)
+    python -m bench.fused_moe --mixed --profile-tiles [--tile-model PATH] [--budget 200]
         decode + prefill tokens in one MoE layer (union / split / tile-scheduled launches) and the
         tile-aware latency model's profile and fit: bench/mixed_moe.py (log, tiles.json under $OUT)
 
@@ -35,14 +35,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # bench/common.py
-from common import (capture_triton, copy_ceiling_tbs, kernel_name, queued_us, random_experts,  # noqa: E402
+from bench.common import (capture_triton, copy_ceiling_tbs, kernel_name, queued_us, random_experts,
                     xla_gathered, xla_ragged)
 
 E, K, D, I = 512, 8, 2560, 768

@@ -1,9 +1,9 @@
 """H200 benchmark of the prefill grouped GEMM (pallas_kernels/grouped_gemm.py) against its peers.
 
 Run on the GPU machine from the repository root:
-    python3 bench/grouped_gemm.py [--budget 420]     (log and JSON under $OUT, else ./bench_out)
-    python3 bench/grouped_gemm.py --smoke            (CPU, interpret mode, tiny shapes: the script runs)
-    python3 bench/grouped_gemm.py --lower DIR        (CPU: lower every timed kernel to Triton IR in DIR
+    python -m bench.grouped_gemm [--budget 420]     (log and JSON under $OUT, else ./bench_out)
+    python -m bench.grouped_gemm --smoke            (CPU, interpret mode, tiny shapes: the script runs)
+    python -m bench.grouped_gemm --lower DIR        (CPU: lower every timed kernel to Triton IR in DIR
                                                       and, where triton imports, compile it for sm_90a)
 
 Ling-3.0-flash's MoE layer: E = 512 experts, top-8, D = 2560, I = 768; bf16 weights and grouped
@@ -30,13 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import (  # noqa: E402  (bench/common.py)
+from bench.common import (
     capture_triton, compile_report, copy_ceiling_tbs, kernel_name, queued_us, random_experts, xla_ragged)
 
 E, K, D, I = 512, 8, 2560, 768

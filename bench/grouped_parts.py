@@ -1,6 +1,6 @@
 """H200: the grouped GEMM's parts at one token count, each timed alone (a breakdown of its time).
 
-    python3 bench/grouped_parts.py [--m 4096]       (GPU; prints a table last)
+    python -m bench.grouped_parts [--m 4096]       (GPU; prints a table last)
 
 Ling's MoE layer (E 512, top-8, D 2560, I 768), bf16, `grouped_gemm.plan_for`'s plan, one uniform
 random routing: the whole call with each combine ("sum", "sum16", "atomic"), with the plan's
@@ -20,9 +20,8 @@ import dataclasses
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import copy_ceiling_tbs, device_trace, queued_us, random_experts  # noqa: E402  (bench/common.py)
+from bench.common import copy_ceiling_tbs, device_trace, queued_us, random_experts
 
 E, K, D, I = 512, 8, 2560, 768
 

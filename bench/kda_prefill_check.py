@@ -1,8 +1,8 @@
 """KDA prefill kernels (pallas_kernels/kda_prefill.py) on the GPU at Ling shapes: check, time, sweep.
 
-    python3 bench/kda_prefill_check.py [--chunk C]  (GPU; log and JSON under $OUT, else ./bench_out)
-    python3 bench/kda_prefill_check.py --smoke      (CPU, interpret mode, tiny shapes: the script runs)
-    python3 bench/kda_prefill_check.py --lower DIR  (CPU: each plan's Triton IR into DIR and, where
+    python -m bench.kda_prefill_check [--chunk C]  (GPU; log and JSON under $OUT, else ./bench_out)
+    python -m bench.kda_prefill_check --smoke      (CPU, interpret mode, tiny shapes: the script runs)
+    python -m bench.kda_prefill_check --lower DIR  (CPU: each plan's Triton IR into DIR and, where
                                                      triton imports, its sm_90a compile: registers,
                                                      spills, shared memory, SASS mix)
 
@@ -39,13 +39,11 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import capture_triton, compile_report, device_trace, kernel_name, rel_err, time_torch_graph  # noqa: E402
+from bench.common import capture_triton, compile_report, device_trace, kernel_name, rel_err, time_torch_graph
 
 B, T, H, KD, W = 1, 8192, 32, 128, 4
 T_CHECK = 1024

@@ -41,7 +41,7 @@ import traceback
 
 import numpy as np
 
-from common import queued_us  # bench/common.py, beside this module
+from bench.common import queued_us
 
 K = 8
 DECODE = 8

@@ -1,7 +1,7 @@
 """Prefill benchmark on one H200: grouped GEMM, KDA prefill, MLA prefill attention, TTFT.
 
-    python3 bench/prefill.py [--parts gemm,kda,mla,ttft] [--budget 420]   (GPU; log also in $OUT)
-    python3 bench/prefill.py --tiny                                       (CPU: tiny shapes, the script runs)
+    python -m bench.prefill [--parts gemm,kda,mla,ttft] [--budget 420]   (GPU; log also in $OUT)
+    python -m bench.prefill --tiny                                       (CPU: tiny shapes, the script runs)
 
 Parts (each checked against its reference in the same run before it is timed):
   gemm  the MoE grouped GEMM (pallas_kernels.grouped_gemm.grouped_moe: align + up GEMM/SwiGLU + down
@@ -37,15 +37,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)  # the other benchmarks' helpers
 
-from common import copy_ceiling_tbs, queued_us  # noqa: E402  (bench/common.py)
+from bench.common import copy_ceiling_tbs, queued_us, rel_err
 
 T0 = time.time()
 DENSE_TFLOPS = 790.0  # bf16 8192³ GEMM through torch on the H200 (769-798 TFLOP/s, device notes)
@@ -146,13 +142,6 @@ def torch_us(fn, n=10, warm=3):
     return a.elapsed_time(b) * 1e3 / n
 
 
-def rel_err(a, b) -> float:
-    import numpy as np
-
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def gemm_bytes(ids, *, e: int, d: int, inter: int) -> int:
     """Bytes the grouped GEMM must move for this routing (ids [M, k] host array), bf16, plan_for's
     "sum16" combine: each used expert's weights once, x and y, h's pair rows written and read, the
@@ -223,7 +212,7 @@ class Bench:
             peer = None
             if self.gpu:
                 try:
-                    from grouped_gemm import torch_grouped_mm_us  # bench/grouped_gemm.py
+                    from bench.grouped_gemm import torch_grouped_mm_us
 
                     peer = torch_grouped_mm_us(np.asarray(ids), np.asarray(ws), e=e, d=d, inter=inter)
                 except Exception as exc:  # noqa: BLE001
@@ -243,7 +232,6 @@ class Bench:
         measured beside ours: what a vendor GEMM takes for these bytes on this GPU. The weights are
         laid out as one [D, E*2I] and one [I, E*D] matrix (a transposed copy, made once)."""
         import jax
-        import jax.numpy as jnp
 
         e, d, n13 = w13.shape
         b13 = w13.transpose(1, 0, 2).reshape(d, e * n13)

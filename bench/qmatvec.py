@@ -3,7 +3,7 @@
 Run on the GPU machine from the repository root (gemlite carried as an sdist, see
 ../shared/tools/device-wheels.sh):
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
-        .whl/gemlite-*.tar.gz && PYTHONPATH=/tmp/site:. python3 bench/qmatvec.py
+        .whl/gemlite-*.tar.gz && PYTHONPATH=/tmp/site:. python -m bench.qmatvec
 Options: --sweep (also time launch-plan variants), --quick (two shapes only).
 
 Per shape (N x K), M in {1, 6}, int4 and int8 (G = 128, symmetric), bf16 activations:
@@ -26,14 +26,12 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import time_torch_graph  # noqa: E402  (bench/common.py)
+from bench.common import time_torch_graph
 
 SHAPES = [(4096, 2560), (2560, 4096), (6144, 2560), (20480, 2560), (157184, 2560)]
 MS = (1, 6)

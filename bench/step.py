@@ -2,8 +2,8 @@
 before it reads step k's tokens, back to back, for the plain decode step, the verify pass and the
 whole speculative step; beside each, what the device did (JAX profiler), and the floor.
 
-    python bench/step.py --preset ling-3-flash --layers 16 [--context 512] [--steps 32]
-    python bench/step.py --layers 16 --quantize int4 --quantize-experts      # + lm_head in int4
+    python -m bench.step --preset ling-3-flash --layers 16 [--context 512] [--steps 32]
+    python -m bench.step --layers 16 --quantize int4 --quantize-experts      # + lm_head in int4
 
 Random weights, batch 1 (`--batch B`: B slots, all live), a prompt of --context tokens prefilled
 first. Per mode:
@@ -26,18 +26,16 @@ import argparse
 import json
 import os
 import re
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-from common import copy_ceiling_tbs, device_trace, stream_trace  # noqa: E402
+from bench.common import copy_ceiling_tbs, device_trace, stream_trace
 
 # Device time by what a kernel does: the named scopes of the ops the kernel runs (the model's
 # `jax.named_scope`s, read from the compiled program's HLO metadata), first match wins.

@@ -28,7 +28,7 @@ expert-bias balancing trains for); observed loads can be passed instead. Exact p
 give the exact x_moe.
 
 A fitted model is a JSON file (`TileModel.save` / `load`), written by
-`python bench/fused_moe.py --profile-tiles --tile-model PATH` on the GPU.
+`python -m bench.fused_moe --profile-tiles --tile-model PATH` on the GPU.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ trained by `python -m offline.train` on the Python standard library's sources, a
 decode step (JAX's persistent compilation cache makes a restart skip the compiling), then prints
 one line with the address.
 
-With --tile-model (a fitted moe.tiles.TileModel: `python bench/fused_moe.py --profile-tiles`) and
+With --tile-model (a fitted moe.tiles.TileModel: `python -m bench.fused_moe --profile-tiles`) and
 --tpot-slo-ms, the prefill chunk is sized per iteration: --prefill-chunk wide when no request
 decodes, else the widest power-of-two width (>= 16) the model predicts to keep an iteration (decode
 step + chunk) within the budget; every such width is compiled at start-up.
