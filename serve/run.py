@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per slot per prefill chunk "
                     "(with --tile-model: the widest chunk; default 256 on an accelerator, 64 on CPU)")
     ap.add_argument("--tile-model", default=None, metavar="PATH", help="fitted MoE tile model (JSON from "
-                    "bench/fused_moe.py --profile-tiles): size prefill chunks to --tpot-slo-ms")
+                    "python -m bench.fused_moe --profile-tiles): size prefill chunks to --tpot-slo-ms")
     ap.add_argument("--tpot-slo-ms", type=float, default=None, help="with --tile-model: the budget of one iteration "
                     "(a decode step and the prefill chunk beside it), milliseconds")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
