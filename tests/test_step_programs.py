@@ -1,10 +1,10 @@
-"""Every program the server compiles for a step (prefill chunk, decode step, speculative step at
-each batch bucket; the all-greedy and the sampling variant of each) holds no host round trip: no data-dependent `cond`
-or `while`, no callback, no transfer to the host. On XLA:GPU each of those copies a value to the
-host and waits for it, and splits the step's CUDA graph. Checked on the jaxpr of each program, with
-the kernels the GPU runs (the Pallas backend, traced without lowering) and with the reference
-backend that CPU serving runs; a Pallas kernel's own loops run inside the kernel and are not
-looked into."""
+"""Every program the server compiles for a step (prefill chunk; decode or speculative step and its
+report; at each batch bucket; the all-greedy and the sampling variant of each) holds no host round
+trip: no data-dependent `cond` or `while`, no callback, no transfer to the host. On XLA:GPU each of
+those copies a value to the host and waits for it, and splits the step's CUDA graph. Checked on the
+jaxpr of each program, with the kernels the GPU runs (the Pallas backend, traced without lowering)
+and with the reference backend that CPU serving runs; a Pallas kernel's own loops run inside the
+kernel and are not looked into."""
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +82,7 @@ def test_step_programs_hold_no_host_round_trip(monkeypatch, backend, spec_steps,
         bad = round_trips(jaxpr.jaxpr)
         assert not bad, f"{name} ({backend}, {weights}, S={spec_steps}) makes the host wait:\n  " + "\n  ".join(bad)
         seen += 1
-    assert runner.stepper.buckets == (1, 2) and seen == 12  # 2 buckets x (step, prefill) x 3 variants
+    assert runner.stepper.buckets == (1, 2) and seen == 18  # 2 buckets x (step, report, prefill) x 3 variants
 
 
 def test_the_check_finds_a_cond_and_names_its_line():
