@@ -51,8 +51,7 @@ class Runner:
         from spec.stepper import bucket_rows
 
         start = np.asarray(chunk.start, bool)
-        self._sampling[start] = needs_sampling(chunk.temperature, chunk.presence, chunk.frequency,
-                                               chunk.repetition)[start]
+        self._sampling[start] = needs_sampling(chunk)[start]
         self._logprobs[start] = False if chunk.logprobs is None else np.asarray(chunk.logprobs, bool)[start]
         rows = bucket_rows(start | (np.asarray(chunk.valid) > 0), self.stepper.buckets, self.max_batch)
         pick = (lambda a: np.asarray(a)) if rows is None else (lambda a: np.asarray(a)[rows])

@@ -48,8 +48,7 @@ def prefill(model: LingModel, slots: Slots, prompts, which, params: SamplingPara
     tokens, next_tokens, lens = _pad_prompts(prompts, chunk)
     which = np.asarray(which, bool)
     lens = np.where(which, lens, 0)
-    p = jax.device_get(params)
-    sampling = any_sampling(needs_sampling(p.temperature, p.presence, p.frequency, p.repetition), which)
+    sampling = any_sampling(needs_sampling(jax.device_get(params)), which)
     graphdef, params_ = nnx.split(model)
     slots = _reset(slots, jnp.asarray(which), params, jnp.asarray(max_new, jnp.int32), jnp.asarray(eos, jnp.int32))
     n_chunks = tokens.shape[1] // chunk
@@ -101,7 +100,8 @@ def generate_batch(model: LingModel, prompts: Sequence[Sequence[int]], max_new_t
                    presence=0.0, frequency=0.0, repetition=1.0, eos_id: int | None = None,
                    prefill_chunk: int | None = None, return_slots: bool = False, drafter: Drafter | None = None):
     """Generates for several prompts at once (one slot each); the sampling arguments (and the
-    penalties, `spec.sampling.penalize`) are scalars or one value per prompt. `drafter` replaces the NEXTN chain (tests force drafts with it).
+    penalties, `spec.sampling.penalize`) are scalars or one value per prompt. `drafter` replaces the
+    NEXTN chain (tests force drafts with it).
     prefill_chunk None: `chunk_for(prompts)`.
     Returns one token list per prompt (and the final slots if asked)."""
     check_model(model, speculative and drafter is None)

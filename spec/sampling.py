@@ -39,11 +39,12 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
-def needs_sampling(temperature, presence=0.0, frequency=0.0, repetition=1.0) -> np.ndarray:
+def needs_sampling(p) -> np.ndarray:
     """Host side, per slot [B] bool: whether it needs the sampling program (it samples, or it has a
-    penalty, which only that program applies and keeps the token counts for)."""
-    return ((np.asarray(temperature) > 0) | (np.asarray(presence) != 0) | (np.asarray(frequency) != 0)
-            | (np.asarray(repetition) != 1))
+    penalty, which only that program applies). p: host arrays [B] named as SamplingParams' fields
+    (temperature, presence, frequency, repetition)."""
+    return ((np.asarray(p.temperature) > 0) | (np.asarray(p.presence) != 0) | (np.asarray(p.frequency) != 0)
+            | (np.asarray(p.repetition) != 1))
 
 
 def penalize(logits, counts, seen, p: SamplingParams):

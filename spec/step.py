@@ -261,7 +261,7 @@ def live_sampling(slots: Slots) -> bool:
     """Whether any live slot needs the sampling program (it samples or has a penalty): reads the
     slots' parameters and done flags (a host sync)."""
     p, done = jax.device_get((slots.params, slots.done))
-    return any_sampling(needs_sampling(p.temperature, p.presence, p.frequency, p.repetition), ~done)
+    return any_sampling(needs_sampling(p), ~done)
 
 
 def check_model(model: LingModel, speculative: bool):
