@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling.config import PRESETS, ConfigError, ModelConfig, load_config, preset
-from ling.model import LingModel, apply
+from ling.model import LingModel, apply, use_kernels
 from ling.state import State, init_state
 
-__all__ = ["ConfigError", "LingModel", "ModelConfig", "State", "apply", "forward", "init_state", "load", "load_config", "preset"]
+__all__ = ["ConfigError", "LingModel", "ModelConfig", "State", "apply", "forward", "init_state", "load", "load_config", "preset",
+           "use_kernels"]
 
 
 def _dtype(dtype):
@@ -28,7 +29,7 @@ def _dtype(dtype):
 def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, progress: bool = True,
          quantize: str | None = None, group_size: int = 128, quantize_lm_head: bool = False,
          quantize_experts: bool = False, ep_size: int = 1, num_layers: int | None = None,
-         memory_budget: int | None = None) -> LingModel:
+         memory_budget: int | None = None, kernels: str = "auto") -> LingModel:
     """A preset name gives random weights (num_layers: only its first decoder layers, the NEXTN
     layer kept, so that a cut of a large preset fits one device for benchmarks); a hub directory
     (config.json + safetensors) or a converted directory (`python -m ling.convert`) gives the
@@ -37,6 +38,8 @@ def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, 
     and with quantize_experts (int4 / int8) the routed experts in the fused MoE kernel's format;
     a converted directory that was quantised at conversion is served as stored.
     ep_size > 1 shards the routed experts over that many devices (`moe.parallel`).
+    kernels: the kernel backend the model runs (`pallas_kernels.backend`; "auto": Pallas on a GPU,
+    the plain-jnp references elsewhere, or LING_KERNELS where set), fixed when the model is built.
     The model is built layer by layer in its final form and sharding (`ling.build`): a model that
     fits only quantised never exists in full precision, and one whose weights exceed
     memory_budget bytes (default: the device's memory, where known) is refused before anything
@@ -59,15 +62,15 @@ def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, 
         mesh = make_mesh(ep_size)
     if os.path.isdir(p) and checkpoint.is_converted(p):
         return checkpoint.load_converted(p, dtype=dtype, quant=quant, mesh=mesh, progress=progress,
-                                         budget=memory_budget)
+                                         budget=memory_budget, kernels=kernels)
     cfg = load_config(p)
     if num_layers is not None:
         cfg = cfg.first_layers(num_layers)
     if os.path.isdir(p):
         return checkpoint.load_hub(p, cfg, dtype=dtype, quant=quant, mesh=mesh, progress=progress,
-                                   budget=memory_budget)
+                                   budget=memory_budget, kernels=kernels)
     build.plan(cfg, dtype=dtype, quant=quant, mesh=mesh, budget=memory_budget)
-    return build.random(cfg, dtype=dtype, seed=seed, quant=quant, mesh=mesh, progress=progress)
+    return build.random(cfg, dtype=dtype, seed=seed, quant=quant, mesh=mesh, progress=progress, kernels=kernels)
 
 
 def forward(model: LingModel, token_ids) -> np.ndarray:

@@ -85,11 +85,11 @@ class Finish:
 
 
 def abstract(cfg: ModelConfig, *, dtype, nextn: bool | None = None, quant: Quantization | None = None,
-             mesh=None) -> LingModel:
+             mesh=None, kernels: str = "auto") -> LingModel:
     """The model's final tree with ShapeDtypeStructs for values (in their shardings with a mesh):
     nothing is allocated."""
     model = nnx.eval_shape(lambda: Finish(quant, None).model(
-        LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(0), nextn=nextn, mesh=mesh)))
+        LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(0), nextn=nextn, mesh=mesh, kernels=kernels)))
     for _, var in variables(model):
         v = var.get_value()
         var.set_value(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding(var, mesh)))
@@ -134,10 +134,11 @@ def plan(cfg: ModelConfig, *, dtype, nextn: bool | None = None, quant: Quantizat
 
 
 def random(cfg: ModelConfig, *, dtype, seed: int = 0, nextn: bool | None = None, quant: Quantization | None = None,
-           mesh=None, progress: bool = True) -> LingModel:
+           mesh=None, progress: bool = True, kernels: str = "auto") -> LingModel:
     """Random weights, the same as `LingModel(cfg, rngs=nnx.Rngs(seed))`'s, quantised and placed
     layer by layer."""
     layers = cfg.num_hidden_layers + (cfg.num_nextn_layers > 0 if nextn is None else bool(nextn))
     with tqdm(total=layers, desc="random weights", unit="layer", disable=not progress, leave=False) as bar:
         finish = Finish(quant, mesh, bar)
-        return finish.model(LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed), nextn=nextn, mesh=mesh, finish=finish))
+        return finish.model(LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed), nextn=nextn, mesh=mesh,
+                                          finish=finish, kernels=kernels))

@@ -237,7 +237,7 @@ def has_nextn_weights(cfg: ModelConfig, names: set[str]) -> bool:
 
 
 def load_hub(directory: str, cfg: ModelConfig, *, dtype=jnp.bfloat16, quant=None, mesh=None, progress: bool = True,
-             budget: int | None = None):
+             budget: int | None = None, kernels: str = "auto"):
     """Builds the model from a hub directory, layer by layer (`ling.build`): each layer's tensors
     are read, put on the device(s) in their shardings, quantised as `quant` says and the full-
     precision copy dropped before the next layer is read. Checks every name and shape, and that
@@ -263,7 +263,8 @@ def load_hub(directory: str, cfg: ModelConfig, *, dtype=jnp.bfloat16, quant=None
         raise CheckpointError(f"{directory}: {len(errors)} problem(s):\n  " + "\n  ".join(errors[:20]))
     build.plan(cfg, dtype=dtype, nextn=with_nextn, quant=quant, mesh=mesh, budget=budget)
 
-    model = nnx.eval_shape(lambda: LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(0), nextn=with_nextn, mesh=mesh))
+    model = nnx.eval_shape(lambda: LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(0), nextn=with_nextn, mesh=mesh,
+                                             kernels=kernels))
     flat = {path: var for path, var in build.variables(model)}
     if set(flat) != set(plan):  # the plan and the model must describe the same parameters
         raise AssertionError(f"plan/model mismatch: {sorted(set(flat) ^ set(plan), key=str)[:10]}")
@@ -441,7 +442,7 @@ def converted_quantization(directory: str):
 
 
 def load_converted(directory: str, *, dtype=None, quant=None, mesh=None, progress: bool = True,
-                   budget: int | None = None):
+                   budget: int | None = None, kernels: str = "auto"):
     """Reads a converted checkpoint straight into its final tree and shardings (dtype None keeps
     the stored dtypes). A directory stored low-bit is served as stored; one stored in full
     precision is quantised as `quant` says once read (the whole full-precision model is then held:
@@ -466,7 +467,8 @@ def load_converted(directory: str, *, dtype=None, quant=None, mesh=None, progres
     first = jax.tree_util.tree_leaves(stored)[0]
     model_dtype = dtype or (first.dtype if hasattr(first, "dtype") else jnp.bfloat16)
     build.plan(cfg, dtype=model_dtype, nextn=meta["nextn"], quant=stored_quant, mesh=mesh, budget=budget)
-    model = build.abstract(cfg, dtype=model_dtype, nextn=meta["nextn"], quant=stored_quant, mesh=mesh)
+    model = build.abstract(cfg, dtype=model_dtype, nextn=meta["nextn"], quant=stored_quant, mesh=mesh,
+                           kernels=kernels)
     one = None if mesh is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
     units = [(("layers", i), layer) for i, layer in enumerate(model.layers)]
     units += [(("nextn",), model.nextn)] if model.nextn is not None else []

@@ -21,7 +21,7 @@ from flax import nnx
 from ling.config import ModelConfig
 from moe.nn import Linear, param
 from pallas_kernels import kda as kda_kernel
-from pallas_kernels.backend import resolve as resolve_kernels
+from pallas_kernels.backend import resolve
 from pallas_kernels.kda_prefill import kda_prefill
 
 
@@ -30,8 +30,9 @@ class KDAttention(nnx.Module):
     layer input are one matmul, in_proj.kernel [D, 3C + 2F + H] (F = C, Kimi: K), columns in that
     order; conv weights of q, k and v stay separate, as in the checkpoint."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, kernels: str = "auto"):
         d, h, kd, c = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_dim
+        self.kernels = resolve(kernels)  # the kernel backend (pallas_kernels.backend), fixed at build
         self.num_heads, self.head_dim, self.eps = h, kd, cfg.rms_norm_eps
         self.gate_kind, self.lower_bound = cfg.kda_gate, cfg.kda_lower_bound
         f = c if cfg.kda_gate == "safe" else kd  # Kimi: low-rank gates through the head dim
@@ -75,7 +76,7 @@ class KDAttention(nnx.Module):
         weights = kda_kernel.KdaWeights(self.q_conv[...], self.k_conv[...], self.v_conv[...], self.A_log[...],
                                         self.dt_bias[...], self.o_norm[...])
         state = kda_kernel.KdaState(*conv_state, rec_state)
-        kernels = resolve_kernels()
+        kernels = self.kernels
         if form == "recurrent":
             out = kda_kernel.kda_verify(inputs, weights, state, all_states=True, gate=self.gate_kind, eps=self.eps,
                                         lower_bound=self.lower_bound,

@@ -22,7 +22,7 @@ from flax import nnx
 from ling.config import ModelConfig
 from ling.layers import RMSNorm, apply_rope_interleaved, rope_angles
 from moe.nn import Linear
-from pallas_kernels.backend import resolve as resolve_kernels
+from pallas_kernels.backend import resolve
 from pallas_kernels.mla_decode import mla_decode
 from pallas_kernels.mla_prefill import prefill_attention
 
@@ -45,8 +45,9 @@ def causal_mask(positions, cache_len: int):
 
 
 class MLAttention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh=None):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh=None, kernels: str = "auto"):
         d, h = cfg.hidden_size, cfg.num_attention_heads
+        self.kernels = resolve(kernels)  # the kernel backend (pallas_kernels.backend), fixed at build
         self.h, self.nope, self.rope, self.vd = h, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.r = cfg.kv_lora_rank
         self.use_rope, self.theta, self.scale = cfg.mla_rope, cfg.rope_theta, cfg.softmax_scale
@@ -83,7 +84,7 @@ class MLAttention(nnx.Module):
 
         w_kvb = self.kv_b_proj.kernel[...].reshape(self.r, self.h, self.nope + self.vd)
         w_uk, w_uv = w_kvb[..., : self.nope], w_kvb[..., self.nope :]  # [R, H, nope], [R, H, V]
-        kernels = resolve_kernels()
+        kernels = self.kernels
         c = latent_cache.astype(x.dtype)
         if form == "plain" and kernels != "reference":
             # The chunk's own keys at the cache's rounding, as the reference reads them back.

@@ -25,6 +25,7 @@ from ling.quantize import QLinear
 from ling.state import KDAPending, KDAState, MLACache, State, commit
 from moe.block import MoE, SwiGLUMLP
 from moe.nn import Linear, param
+from pallas_kernels.backend import resolve
 
 DECODE_MAX_T = 16
 
@@ -41,22 +42,24 @@ class DecoderLayer(nnx.Module):
     """x + attn(norm(x)), then + mlp(norm(x)). `index` selects the attention and MLP kinds and the
     SwiGLU limits; the NEXTN layer is index num_hidden_layers (MLA + MoE)."""
 
-    def __init__(self, cfg: ModelConfig, index: int, *, dtype, rngs: nnx.Rngs, mesh=None):
+    def __init__(self, cfg: ModelConfig, index: int, *, dtype, rngs: nnx.Rngs, mesh=None, kernels: str = "auto"):
         nextn = index >= cfg.num_hidden_layers
+        self.kernels = kernels = resolve(kernels)
         self.kind = "mla" if nextn else cfg.layer_types[index]
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
-        self.attention = (KDAttention(cfg, dtype=dtype, rngs=rngs) if self.kind == KDA
-                          else MLAttention(cfg, dtype=dtype, rngs=rngs, mesh=mesh))
+        self.attention = (KDAttention(cfg, dtype=dtype, rngs=rngs, kernels=kernels) if self.kind == KDA
+                          else MLAttention(cfg, dtype=dtype, rngs=rngs, mesh=mesh, kernels=kernels))
         if not nextn and cfg.mlp_types[index] == DENSE:
-            self.mlp = SwiGLUMLP(d, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+            self.mlp = SwiGLUMLP(d, cfg.intermediate_size, dtype=dtype, rngs=rngs, kernels=kernels)
         else:
             self.mlp = MoE(d, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
                            inter=cfg.moe_intermediate_size, num_shared=cfg.num_shared_experts, n_group=cfg.n_group,
                            topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
                            norm_topk_prob=cfg.norm_topk_prob, swiglu_limit=cfg.swiglu_limit(index, False),
-                           shared_swiglu_limit=cfg.swiglu_limit(index, True), dtype=dtype, rngs=rngs, mesh=mesh)
+                           shared_swiglu_limit=cfg.swiglu_limit(index, True), dtype=dtype, rngs=rngs, mesh=mesh,
+                           kernels=kernels)
 
     def __call__(self, x, positions, lengths, valid, cache, *, form: str):
         """Returns the new x and the layer's state: KDA after prefill committed at valid (KDAState),
@@ -82,12 +85,13 @@ class NextN(nnx.Module):
     layer (MLA + MoE), final_layernorm; the target's embedding and lm_head. Its MLA cache slot and
     RoPE position for the pair (h_i, tok_{i+1}) is i, the position of h_i."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh=None):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh=None, kernels: str = "auto"):
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.kernels = kernels = resolve(kernels)
         self.enorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
         self.hnorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
         self.eh_proj = Linear(2 * d, d, ("embed", "embed"), dtype=dtype, rngs=rngs)
-        self.layer = DecoderLayer(cfg, cfg.num_hidden_layers, dtype=dtype, rngs=rngs, mesh=mesh)
+        self.layer = DecoderLayer(cfg, cfg.num_hidden_layers, dtype=dtype, rngs=rngs, mesh=mesh, kernels=kernels)
         self.final_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
 
     @jax.named_scope("nextn")
@@ -109,25 +113,28 @@ def _same(module):
 
 class LingModel(nnx.Module):
     """The decoder. nextn: with the NEXTN draft layer (default: if the config has one). mesh: the
-    device mesh the MoE blocks run expert-parallel over (None: one device). finish: called on each
-    decoder layer and on the NEXTN block as soon as it is built, and its result kept; the loaders
-    (`ling.build`) quantise and place each layer so, so that the full-precision model is never
-    whole."""
+    device mesh the MoE blocks run expert-parallel over (None: one device). kernels: the kernel
+    backend every layer runs (`pallas_kernels.backend`: "auto" is resolved here, once, so a traced
+    program never depends on the environment; `use_kernels` switches a built model). finish:
+    called on each decoder layer and on the NEXTN block as soon as it is built, and its result
+    kept; the loaders (`ling.build`) quantise and place each layer so, so that the
+    full-precision model is never whole."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None, nextn: bool | None = None,
-                 mesh=None, finish=None):
+                 mesh=None, finish=None, kernels: str = "auto"):
         rngs = rngs or nnx.Rngs(0)
         finish = finish or _same
         self.cfg = cfg
         self.mesh = mesh
+        self.kernels = kernels = resolve(kernels)
         self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-        self.layers = nnx.List([finish(DecoderLayer(cfg, i, dtype=dtype, rngs=rngs, mesh=mesh))
+        self.layers = nnx.List([finish(DecoderLayer(cfg, i, dtype=dtype, rngs=rngs, mesh=mesh, kernels=kernels))
                                 for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype))
         with_nextn = cfg.num_nextn_layers > 0 if nextn is None else nextn
-        self.nextn = finish(NextN(cfg, dtype=dtype, rngs=rngs, mesh=mesh)) if with_nextn else None
+        self.nextn = finish(NextN(cfg, dtype=dtype, rngs=rngs, mesh=mesh, kernels=kernels)) if with_nextn else None
 
     def embed(self, tokens):
         return jnp.take(self.embed_tokens[...], tokens, axis=0)
@@ -166,6 +173,17 @@ class LingModel(nnx.Module):
             raise ValueError("this model has no NEXTN layer (the checkpoint holds none)")
         h, cache = self.nextn(hidden, self.embed(next_tokens), cache, lengths, form=form)
         return (self.logits(h) if logits else None), h, cache
+
+
+def use_kernels(model: nnx.Module, kernels: str) -> nnx.Module:
+    """Switches every layer under model (a model, a layer) to the kernel backend `kernels`, in
+    place, and returns it: programs traced afterwards run that backend (a program is keyed by its
+    modules' static attributes, so one compiled before keeps its own)."""
+    kernels = resolve(kernels)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and hasattr(node, "kernels"):
+            node.kernels = kernels
+    return model
 
 
 @functools.partial(nnx.jit, static_argnames="form")

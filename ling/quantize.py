@@ -26,6 +26,7 @@ from flax import nnx
 
 from moe.block import MoE, QExperts, SwiGLUMLP
 from moe.nn import Linear
+from pallas_kernels.backend import resolve
 from pallas_kernels.experts import quantize_experts
 from pallas_kernels.qmatvec import MAX_M, qmatvec
 from pallas_kernels.quant import QuantizedWeight, check_config, dequantize, quantize
@@ -39,7 +40,8 @@ KEEP_FULL = ("kv_b_proj",)  # attribute names of Linears that stay in full preci
 class QLinear(nnx.Module):
     """y = x @ Wᵀ with W [N, K] stored grouped low-bit; the drop-in for a `Linear`."""
 
-    def __init__(self, qw: QuantizedWeight):
+    def __init__(self, qw: QuantizedWeight, *, kernels: str = "auto"):
+        self.kernels = resolve(kernels)  # the kernel backend (pallas_kernels.backend), fixed at build
         self.words = nnx.Param(qw.words, logical_axes=("tiles", "words", "tile_rows"))
         self.scales = nnx.Param(qw.scales, logical_axes=("tiles", "groups", "tile_rows"))
         self.zeros = None if qw.zeros is None else nnx.Param(qw.zeros, logical_axes=("tiles", "groups", "tile_rows"))
@@ -55,7 +57,7 @@ class QLinear(nnx.Module):
         n, k = self.shape
         flat = x.reshape(-1, k)
         if flat.shape[0] <= MAX_M:
-            y = qmatvec(flat, self.weight)
+            y = qmatvec(flat, self.weight, backend=self.kernels)
         else:
             y = jnp.dot(flat, dequantize(self.weight).T.astype(x.dtype), preferred_element_type=jnp.float32)
         return y.astype(x.dtype).reshape(*x.shape[:-1], n)
@@ -103,7 +105,9 @@ def _eligible(name, lin: Linear, group_size: int) -> bool:
 def quantize_module(module, q: Quantization) -> None:
     """Quantises, in place, the full-precision projections, MLPs and (q.experts) routed experts
     found under `module` (a model, a decoder layer); what is already low-bit is left as it is, so
-    a module may be passed again. The lm_head is `quantize_lm_head`'s."""
+    a module may be passed again. The lm_head is `quantize_lm_head`'s. The new `QLinear`s run the
+    kernel backend of `module` (its `kernels`; the default backend where it has none)."""
+    kernels = getattr(module, "kernels", "auto")
     found, moes, mlps = [], [], []
 
     def walk(node):
@@ -124,7 +128,7 @@ def quantize_module(module, q: Quantization) -> None:
     walk(module)
     for parent, name, lin in found:
         w = lin.kernel[...].T  # [N, K], the torch orientation the codec takes
-        setattr(parent, name, QLinear(quantize(w, bits=q.bits, group_size=q.group_size)))
+        setattr(parent, name, QLinear(quantize(w, bits=q.bits, group_size=q.group_size), kernels=kernels))
     for mlp in mlps if q.bits in EXPERT_BITS else ():
         try:
             e = quantize_experts(mlp.w13[...], mlp.w2[...], bits=q.bits, group_size=q.group_size,
@@ -146,7 +150,7 @@ def quantize_lm_head(model, q: Quantization) -> None:
     """The lm_head (the embedding's transpose when tied) as a QLinear, if q.lm_head and not yet."""
     if q.lm_head and not isinstance(model.lm_head, QLinear):
         w = model.embed_tokens[...] if model.lm_head is None else model.lm_head[...].T  # [V, D]
-        model.lm_head = QLinear(quantize(w, bits=q.bits, group_size=q.group_size))
+        model.lm_head = QLinear(quantize(w, bits=q.bits, group_size=q.group_size), kernels=model.kernels)
 
 
 def quantize_model(model, *, bits: int, group_size: int = 128, lm_head: bool = False, experts: bool = False):

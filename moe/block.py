@@ -12,6 +12,8 @@ specification both are checked against (`pallas_kernels.experts.reference`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -87,7 +89,9 @@ class SwiGLUMLP(nnx.Module):
     fused MoE kernels as an expert that every row picks with weight 1 (two launches, the weights
     streamed once); longer inputs (prefill, training) run two plain matmuls."""
 
-    def __init__(self, d: int, inter: int, *, limit: float | None = None, dtype, rngs: nnx.Rngs):
+    def __init__(self, d: int, inter: int, *, limit: float | None = None, dtype, rngs: nnx.Rngs,
+                 kernels: str = "auto"):
+        self.kernels = resolve(kernels)  # the kernel backend (pallas_kernels.backend), fixed at build
         self.w13 = param(rngs, (1, d, 2 * inter), ("one", "embed", "mlp"), dtype)
         self.w2 = param(rngs, (1, inter, d), ("one", "mlp", "embed"), dtype)
         self.limit = limit
@@ -99,7 +103,7 @@ class SwiGLUMLP(nnx.Module):
         w13, w2 = expert_weights(self.w13, self.w2)
         if m <= GATHER_MAX_PAIRS:
             y = routed_experts(flat, jnp.zeros((m, 1), jnp.int32), jnp.ones((m, 1), jnp.float32), w13, w2,
-                               swiglu_limit=self.limit)
+                               swiglu_limit=self.limit, backend=self.kernels)
         else:
             h = jnp.dot(flat, _dense(w13)[0].astype(x.dtype), preferred_element_type=jnp.float32)  # [M, 2I]
             h = swiglu(h[:, 0::2], h[:, 1::2], self.limit).astype(x.dtype)
@@ -111,13 +115,15 @@ class MoE(nnx.Module):
     def __init__(self, d: int, *, num_experts: int, top_k: int, inter: int, num_shared: int, n_group: int,
                  topk_group: int, routed_scaling_factor: float, norm_topk_prob: bool,
                  swiglu_limit: float | None, shared_swiglu_limit: float | None, dtype, rngs: nnx.Rngs,
-                 mesh=None):
+                 mesh=None, kernels: str = "auto"):
+        self.kernels = resolve(kernels)  # the kernel backend (pallas_kernels.backend), fixed at build
         # The router stays fp32 (as the checkpoints store it): bf16 scores reorder near-ties.
         self.gate_weight = param(rngs, (num_experts, d), ("experts", "embed"), jnp.float32)
         self.expert_bias = param(rngs, (num_experts,), ("experts",), jnp.float32, init="zeros")
         self.w13 = param(rngs, (num_experts, d, 2 * inter), ("experts", "embed", "mlp"), dtype)
         self.w2 = param(rngs, (num_experts, inter, d), ("experts", "mlp", "embed"), dtype)
-        self.shared_experts = (SwiGLUMLP(d, inter * num_shared, limit=shared_swiglu_limit, dtype=dtype, rngs=rngs)
+        self.shared_experts = (SwiGLUMLP(d, inter * num_shared, limit=shared_swiglu_limit, dtype=dtype, rngs=rngs,
+                                         kernels=self.kernels)
                                if num_shared else None)
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
@@ -133,13 +139,14 @@ class MoE(nnx.Module):
         flat = x.reshape(b * t, d)
         weights, ids = route(flat, self.gate_weight[...], self.expert_bias[...], top_k=self.top_k,
                              n_group=self.n_group, topk_group=self.topk_group,
-                             routed_scaling_factor=self.routed_scaling_factor, norm_topk_prob=self.norm_topk_prob)
+                             routed_scaling_factor=self.routed_scaling_factor, norm_topk_prob=self.norm_topk_prob,
+                             backend=self.kernels)
         w13, w2 = self.expert_weights()
         if self.mesh is not None:
             y = expert_parallel(flat, ids, weights, w13, w2, swiglu_limit=self.swiglu_limit, mesh=self.mesh,
-                                compute=routed_experts)
+                                compute=functools.partial(routed_experts, backend=self.kernels))
         else:
-            y = routed_experts(flat, ids, weights, w13, w2, swiglu_limit=self.swiglu_limit)
+            y = routed_experts(flat, ids, weights, w13, w2, swiglu_limit=self.swiglu_limit, backend=self.kernels)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         return y.reshape(b, t, d)

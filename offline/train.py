@@ -47,7 +47,6 @@ most ~365 s of training (budget + 10 % hard stop), seconds to save: under 9 minu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -180,21 +179,6 @@ def cpu_deadlock_workaround() -> None:
         os.environ["XLA_FLAGS"] = (flags + " " + CPU_XLA_FLAG).strip()
 
 
-@contextlib.contextmanager
-def reference_kernels():
-    """Traces the model with the plain-jnp kernels: the Pallas kernels define no VJP (the MoE's
-    grouped GEMM would be picked on a GPU at training sizes)."""
-    old = os.environ.get("LING_KERNELS")
-    os.environ["LING_KERNELS"] = "reference"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["LING_KERNELS"]
-        else:
-            os.environ["LING_KERNELS"] = old
-
-
 # ----------------------------------------------------------------------------------------------
 # Losses and the step
 
@@ -285,7 +269,9 @@ class Trainer:
     def __init__(self, cfg: ModelConfig, *, seed: int, lr: float, warmup: int, mtp_weight: float = 0.3,
                  bias_rate: float = 1e-2, weight_decay: float = 0.1, compute_dtype=jnp.float32):
         self.cfg = cfg
-        model = LingModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
+        # The plain-jnp kernels: the Pallas kernels define no VJP (the MoE's grouped GEMM would be
+        # picked on a GPU at training sizes).
+        model = LingModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed), kernels="reference")
         self.graphdef, self.params = nnx.split(model)
         self.tx = make_optimizer(weight_decay)
         self.opt_state = self.tx.init(self.params)
@@ -300,8 +286,7 @@ class Trainer:
                 lambda kp, a: a if _path_of(kp) in keep32 else a.astype(compute_dtype), params)
 
         def loss_fn(params, tokens):
-            with reference_kernels():
-                main, mtp, loads = forward_losses(nnx.merge(self.graphdef, cast(params)), tokens)
+            main, mtp, loads = forward_losses(nnx.merge(self.graphdef, cast(params)), tokens)
             return main + self.mtp_weight * mtp, (main, mtp, loads)
 
         def train_step(params, opt_state, tokens, step, total):
@@ -328,8 +313,7 @@ class Trainer:
             return {k: jnp.sqrt(v) for k, v in sorted(squares.items())}
 
         def eval_step(params, tokens):
-            with reference_kernels():
-                main, mtp, _ = forward_losses(nnx.merge(self.graphdef, cast(params)), tokens)
+            main, mtp, _ = forward_losses(nnx.merge(self.graphdef, cast(params)), tokens)
             return main, mtp
 
         self._step = jax.jit(train_step, donate_argnums=(0, 1))

@@ -6,6 +6,9 @@
   "auto"       pallas on a GPU, reference elsewhere; the environment variable LING_KERNELS
                (pallas | interpret | reference) overrides it, e.g. to run a model's kernels in
                interpret mode on CPU.
+
+A model resolves its backend once, when it is built (`ling.LingModel(kernels=...)`, `ling.load`),
+and its layers pass it to every kernel entry; an entry called with "auto" resolves it at the call.
 """
 
 from __future__ import annotations

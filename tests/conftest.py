@@ -4,8 +4,26 @@ import sys
 
 import pytest
 
-# CPU only, and fp32 matmuls at full precision: the oracle comparisons are fp32.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+def gpu_tier(argv=None) -> bool:
+    """`python -m pytest -m gpu`: the kernel tests' compiled (`pallas`) cases, on the machine's GPU.
+    Any other run is the CPU suite (interpret mode), whatever devices the machine has."""
+    argv = sys.argv if argv is None else argv
+    for i, a in enumerate(argv):
+        if a == "-m" and i + 1 < len(argv):
+            return argv[i + 1].strip() == "gpu"
+        if a.startswith("-m") and a[2:].strip() == "gpu":
+            return True
+    return os.environ.get("LING_TEST_TIER") == "gpu"  # set below for pytest-xdist's workers
+
+
+# The CPU suite runs on CPU only; fp32 matmuls at full precision in both tiers (the oracle
+# comparisons are fp32). The GPU tier does not preallocate, so that two workers share the device.
+if gpu_tier():
+    os.environ["LING_TEST_TIER"] = "gpu"
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+else:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -27,3 +45,13 @@ def release_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Outside the GPU tier, the `gpu` cases are skipped with the command that runs them."""
+    if gpu_tier():
+        return
+    skip = pytest.mark.skip(reason="compiled kernels on a GPU: python -m pytest -m gpu")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

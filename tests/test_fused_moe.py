@@ -12,6 +12,7 @@ from pallas_kernels import experts, moe_align
 from pallas_kernels import fused_moe as fm
 from pallas_kernels.quant import quantize
 
+from backends import KERNELS
 from moe_inputs import (D, E, I,
                         dense64 as _dense64,
                         expert_weights as _weights,
@@ -66,13 +67,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("m,k,bits,kind,limit,plan", CASES)
-def test_fused_moe_matches_float64_experts(m, k, bits, kind, limit, plan):
+def test_fused_moe_matches_float64_experts(backend, m, k, bits, kind, limit, plan):
     rng = np.random.default_rng([m, k, bits or 16])
     w13, w2 = _weights(rng, bits, symmetric=bits != 8)
     x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
     ids, w = _routing(rng, m, k, kind)
-    y, h, out = fm._run(x, ids, w, w13, w2, swiglu_limit=limit, backend="interpret", plan=plan,
+    y, h, out = fm._run(x, ids, w, w13, w2, swiglu_limit=limit, backend=backend, plan=plan,
                         poison=True)
     assert y.dtype == jnp.bfloat16
     out = np.asarray(out)  # [S, P + 1, D]
@@ -91,8 +93,9 @@ SPLIT_CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("m,k,bits,kind,limit,plan", SPLIT_CASES)
-def test_split_k_partials_match_float64_experts(m, k, bits, kind, limit, plan):
+def test_split_k_partials_match_float64_experts(backend, m, k, bits, kind, limit, plan):
     rng = np.random.default_rng([m, k, bits, 64])
     w13, w2 = _weights(rng, bits, symmetric=bits != 8, group_size=64)
     x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
@@ -100,7 +103,7 @@ def test_split_k_partials_match_float64_experts(m, k, bits, kind, limit, plan):
     if plan is None:  # 4 up groups in 2 programs, 2 down groups in 2
         plan = fm.plan_for(m, k, True, experts.k_groups(w13, w2))
         assert (plan.up.split, plan.down.split) == (2, 2)
-    y, h, out = fm._run(x, ids, w, w13, w2, swiglu_limit=limit, backend="interpret", plan=plan, poison=True)
+    y, h, out = fm._run(x, ids, w, w13, w2, swiglu_limit=limit, backend=backend, plan=plan, poison=True)
     out = np.asarray(out)
     assert out.shape[0] == plan.down.split and np.isfinite(out[:, : m * k]).all()
     if plan.up.split > 1 and plan.path == "fma":  # every pair's row of every partial written
@@ -108,15 +111,16 @@ def test_split_k_partials_match_float64_experts(m, k, bits, kind, limit, plan):
     _check(y, x, ids, w, w13, w2, limit)
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("m,k", [(1, 1), (5, 1), (1, 2)])
-def test_bf16_split_k_on_small_grids(m, k):
+def test_bf16_split_k_on_small_grids(backend, m, k):
     """One expert (the dense MLP, the shared expert) or few pairs: the default bf16 plan splits K
     so that the grid fills the GPU (`_fill`); fp32 partials, summed before SwiGLU and combine."""
     rng = np.random.default_rng([m, k, 16])
     w13, w2 = _weights(rng, None)
     x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
     ids, w = _routing(rng, m, k, "random")
-    y, h, out = fm._run(x, ids, w, w13, w2, swiglu_limit=None, backend="interpret", plan=None, poison=True)
+    y, h, out = fm._run(x, ids, w, w13, w2, swiglu_limit=None, backend=backend, plan=None, poison=True)
     assert out.shape[0] > 1 and h.ndim == 3 and h.shape[0] > 1  # both GEMMs were split
     assert np.isfinite(np.asarray(out)[:, : m * k]).all()
     _check(y, x, ids, w, w13, w2, None)
@@ -136,12 +140,13 @@ def test_split_must_divide_k():
         fm.fused_moe(x, ids, w, *quant, plan=plan, backend="interpret")
 
 
-def test_public_entry_and_reference_agree():
+@pytest.mark.parametrize("backend", KERNELS)
+def test_public_entry_and_reference_agree(backend):
     rng = np.random.default_rng(7)
     w13, w2 = _weights(rng, None)
     x = jnp.asarray(rng.standard_normal((5, D)), jnp.float32)  # y keeps x's dtype
     ids, w = _routing(rng, 5, 6, "skewed")
-    y = fm.fused_moe(x, ids, w, w13, w2, swiglu_limit=1.5, backend="interpret")
+    y = fm.fused_moe(x, ids, w, w13, w2, swiglu_limit=1.5, backend=backend)
     r = fm.fused_moe(x, ids, w, w13, w2, swiglu_limit=1.5, backend="reference")
     assert y.dtype == r.dtype == jnp.float32
     _check(r, x.astype(jnp.bfloat16), ids, w, w13, w2, 1.5)
@@ -174,9 +179,10 @@ def _check_align(sorted_pairs, block_expert, ids, bm):
 @pytest.mark.parametrize("m,k,bm,kind", [(1, 8, 16, "random"), (3, 5, 16, "skewed"),
                                          (6, 8, 16, "skewed"), (16, 4, 16, "random"),
                                          (8, 8, 1, "skewed"), (64, 1, 16, "one"), (7, 3, 4, "random")])
-def test_align_kernel(m, k, bm, kind):
+@pytest.mark.parametrize("backend", KERNELS)
+def test_align_kernel(backend, m, k, bm, kind):
     ids, _ = _routing(np.random.default_rng([m, k, bm]), m, k, kind)
-    got = moe_align.moe_align(ids, E, bm, backend="interpret")
+    got = moe_align.moe_align(ids, E, bm, backend=backend)
     _check_align(*got, ids, bm)
     want = moe_align.moe_align(ids, E, bm, backend="reference")  # the argsort path
     for a, b in zip(got, want):
@@ -243,18 +249,18 @@ def test_errors_name_the_argument():
 
 
 # ------------------------------------------------------------------------------------- wiring
-def test_moe_block_uses_the_kernel(monkeypatch):
+@pytest.mark.parametrize("backend", KERNELS)
+def test_moe_block_uses_the_kernel(backend):
     """The MoE block's kernel path (decode / verify sizes) equals its plain-jnp path."""
     from flax import nnx
 
+    from ling.model import use_kernels
     from moe.block import MoE
 
     moe = MoE(D, num_experts=E, top_k=4, inter=I, num_shared=1, n_group=1, topk_group=1,
               routed_scaling_factor=2.5, norm_topk_prob=True, swiglu_limit=None,
-              shared_swiglu_limit=None, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+              shared_swiglu_limit=None, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), kernels="reference")
     x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 3, D)), jnp.bfloat16)
-    monkeypatch.setenv("LING_KERNELS", "reference")
     want = np.asarray(moe(x).astype(jnp.float32))
-    monkeypatch.setenv("LING_KERNELS", "interpret")
-    got = np.asarray(moe(x).astype(jnp.float32))
+    got = np.asarray(use_kernels(moe, backend)(x).astype(jnp.float32))
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)  # bf16 roundings differ

@@ -15,6 +15,7 @@ from pallas_kernels import experts, moe_align
 from pallas_kernels import grouped_gemm as gg
 
 from moe_inputs import D, E, I, dense32 as _dense32, swiglu64 as _swiglu64
+from backends import KERNELS, assert_model_close
 
 EMPTY = (4, 9)  # experts no token picks
 T = gg.Tile
@@ -109,15 +110,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("m,k,kind,limit,plan", CASES)
-def test_grouped_moe_matches_experts_reference(m, k, kind, limit, plan):
+def test_grouped_moe_matches_experts_reference(backend, m, k, kind, limit, plan):
     rng = np.random.default_rng([m, k, len(kind)])
     w13, w2 = _weights(rng, kind)
     act = jnp.float32 if kind == "f32" else jnp.bfloat16
     x = jnp.asarray(rng.standard_normal((m, D)), act)
     ids, w = _half_routing(rng, m, k, plan.block_m) if plan and plan.half else _routing(rng, m, k)
     assert m * k > GATHER_MAX_PAIRS  # the sizes the MoE block sends here
-    y, h, out = gg._run(x, ids, w, w13, w2, swiglu_limit=limit, backend="interpret", plan=plan, poison=True)
+    y, h, out = gg._run(x, ids, w, w13, w2, swiglu_limit=limit, backend=backend, plan=plan, poison=True)
     assert y.dtype == x.dtype
 
     # Every pair written once, padding nowhere; h: the pairs' rows only (padding slots and unused
@@ -194,7 +196,8 @@ def _count_calls(monkeypatch):
     return calls
 
 
-def test_model_prefill_through_the_kernel(monkeypatch):
+@pytest.mark.parametrize("backend", KERNELS)
+def test_model_prefill_through_the_kernel(backend, monkeypatch):
     """ling-tiny (fp32) prefill of 2 x 24 tokens (96 pairs per MoE layer) through the grouped GEMM
     equals the reference path."""
     import ling
@@ -205,21 +208,22 @@ def test_model_prefill_through_the_kernel(monkeypatch):
     assert prompt.size * model.cfg.num_experts_per_tok > GATHER_MAX_PAIRS
 
     def prefill(kernels):
-        monkeypatch.setenv("LING_KERNELS", kernels)
+        ling.use_kernels(model, kernels)
         state = init_state(model.cfg, 2, 32, jnp.float32)
         logits, _, _ = model(prompt, state, valid=jnp.asarray([24, 17]), form="prefill")
         return np.asarray(logits)
 
     want = prefill("reference")
     calls = _count_calls(monkeypatch)
-    got = prefill("interpret")
+    got = prefill(backend)
     assert len(calls) == sum(t == "moe" for t in model.cfg.mlp_types) and calls[0] == (48, 2)
-    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4  # oracle.rel_err
+    assert_model_close(got, want, backend, "logits")
 
 
 @pytest.mark.parametrize("m,k,plan", [(40, 4, gg.Plan(16, T(64, 64, 4, 2), T(64, 64, 4, 2))),
                                       (30, 3, gg.Plan(32, T(64, 64, 4, 2), T(64, 64, 4, 2), combine="atomic"))])
-def test_skipped_pairs_add_nothing(m, k, plan):
+@pytest.mark.parametrize("backend", KERNELS)
+def test_skipped_pairs_add_nothing(backend, m, k, plan):
     """A pair whose id is E (expert parallelism: another rank's pair) is in no block and adds
     nothing, in the kernel (both combines, output poisoned), its reference, both align paths and
     moe.block.routed_experts on either side of GATHER_MAX_PAIRS; the same as those pairs' weights
@@ -233,18 +237,18 @@ def test_skipped_pairs_add_nothing(m, k, plan):
     skip = jnp.asarray(rng.random((m, k)) < 0.4)
     ids_skip = jnp.where(skip, E, ids)
     want = experts_reference(x, ids, jnp.where(skip, 0.0, w), w13, w2)
-    y = gg._run(x, ids_skip, w, w13, w2, swiglu_limit=None, backend="interpret", plan=plan, poison=True)[0]
+    y = gg._run(x, ids_skip, w, w13, w2, swiglu_limit=None, backend=backend, plan=plan, poison=True)[0]
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), rtol=3e-2, atol=3e-2)
     ref = experts_reference(x, ids_skip, w, w13, w2)
     np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(want, np.float32), rtol=3e-2, atol=3e-2)
     flat = np.asarray(ids_skip).reshape(-1)
-    for backend in ("interpret", "reference"):  # the align kernel (<= 64 pairs) and the argsort path
+    for align in (backend, "reference"):  # the align kernel (<= 64 pairs) and the argsort path
         for n in (8, flat.size):
-            sp, be = (np.asarray(a) for a in moe_align.moe_align(jnp.asarray(flat[:n]), E, 16, backend=backend))
+            sp, be = (np.asarray(a) for a in moe_align.moe_align(jnp.asarray(flat[:n]), E, 16, backend=align))
             placed = sp[sp < n]
-            assert sorted(placed.tolist()) == [p for p in range(n) if flat[p] < E], (backend, n)
+            assert sorted(placed.tolist()) == [p for p in range(n) if flat[p] < E], (align, n)
     for mm in (m, 5):  # grouped GEMM beyond GATHER_MAX_PAIRS, fused kernel (borrowing) below
-        got = routed_experts(x[:mm], ids_skip[:mm], w[:mm], w13, w2, backend="interpret", skips=True)
+        got = routed_experts(x[:mm], ids_skip[:mm], w[:mm], w13, w2, backend=backend, skips=True)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want[:mm], np.float32),
                                    rtol=3e-2, atol=3e-2)
         got = routed_experts(x[:mm], ids_skip[:mm], w[:mm], w13, w2, backend="reference", skips=True)
@@ -252,8 +256,9 @@ def test_skipped_pairs_add_nothing(m, k, plan):
                                    rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("combine", ["sum16", "atomic"])
-def test_any_order_within_an_expert_gives_the_same_y(combine):
+def test_any_order_within_an_expert_gives_the_same_y(backend, combine):
     """On the GPU the blocked align orders an expert's pairs by when their blocks of pairs ran;
     the GEMMs must not care. Each expert's pairs shuffled among its valid slots (padding stays
     last, so the half flag is unchanged): the same h rows per pair and the same y, bit for bit."""
@@ -264,7 +269,7 @@ def test_any_order_within_an_expert_gives_the_same_y(combine):
     x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
     ids, w = _half_routing(rng, m, k, plan.block_m)
     p, nb = m * k, moe_align.align_sizes(m * k, E, plan.block_m).nb
-    sp, be = moe_align.moe_align(ids.reshape(-1), E, plan.block_m, backend="interpret")
+    sp, be = moe_align.moe_align(ids.reshape(-1), E, plan.block_m, backend=backend)
     sp_np, be_np = np.asarray(sp).copy(), np.asarray(be)
     used = int(np.sum(be_np >= 0))
     rows = sp_np[: used * plan.block_m].reshape(used, plan.block_m)
@@ -278,8 +283,8 @@ def test_any_order_within_an_expert_gives_the_same_y(combine):
     assert not np.array_equal(shuffled, np.asarray(sp))
 
     def run_gemms(sorted_pairs):
-        h = gg.gate_up(x, sorted_pairs, be, w13, k=k, n_blocks=nb, plan=plan, backend="interpret")
-        out = gg.down(h, sorted_pairs, be, w, w2, n_blocks=nb, plan=plan, backend="interpret")
+        h = gg.gate_up(x, sorted_pairs, be, w13, k=k, n_blocks=nb, plan=plan, backend=backend)
+        out = gg.down(h, sorted_pairs, be, w, w2, n_blocks=nb, plan=plan, backend=backend)
         slot_of = np.full(p, -1)
         live = np.asarray(sorted_pairs)[: nb * plan.block_m]
         slot_of[live[live < p]] = np.flatnonzero(live < p)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kda
+from backends import KERNELS
 
 H, K, W = 2, 16, 4  # heads, head dim (K = V), conv width
 
@@ -104,11 +105,12 @@ CASES = [(1, "safe", 16, jnp.float32), (2, "softplus", 4, jnp.bfloat16), (3, "sa
          (7, "safe", 16, jnp.float32), (8, "softplus", 8, jnp.bfloat16)]
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("t,gate,bv,dtype", CASES)
-def test_interpret_matches_reference(t, gate, bv, dtype):
+def test_interpret_matches_reference(backend, t, gate, bv, dtype):
     seed = _seed()
     x, w, s = make_inputs(seed, b=3, t=t, dtype=dtype)
-    got = kda.kda_verify(x, w, s, gate=gate, bv=bv, backend="interpret")
+    got = kda.kda_verify(x, w, s, gate=gate, bv=bv, backend=backend)
     want = kda.kda_verify(x, w, s, gate=gate, backend="reference")
     msg = f"T={t} gate={gate} BV={bv} {jnp.dtype(dtype).name} seed {seed}"
     # o is rounded once to the activation dtype: one bf16 ulp of slack there.
@@ -119,22 +121,24 @@ def test_interpret_matches_reference(t, gate, bv, dtype):
                                       np.asarray(getattr(want, name), np.float32), err_msg=name + " " + msg)
 
 
-def test_final_state_only():
+@pytest.mark.parametrize("backend", KERNELS)
+def test_final_state_only(backend):
     seed = _seed()
     x, w, s = make_inputs(seed, b=2, t=4)
-    got = kda.kda_verify(x, w, s, bv=8, all_states=False, backend="interpret")
+    got = kda.kda_verify(x, w, s, bv=8, all_states=False, backend=backend)
     want = kda.kda_verify(x, w, s, backend="reference")
     assert got.states.shape == s.recurrent.shape
     _close(got.states, want.states[:, -1], 1e-5, f"final state, seed {seed}")
     _close(got.o, want.o, 1e-5, f"o, seed {seed}")
 
 
-def test_commit_equals_shorter_step():
+@pytest.mark.parametrize("backend", KERNELS)
+def test_commit_equals_shorter_step(backend):
     """The state committed at n accepted tokens equals the state of a step over those n tokens."""
     seed = _seed()
     t = 6
     x, w, s = make_inputs(seed, b=2, t=t)
-    out = kda.kda_verify(x, w, s, bv=8, backend="interpret")
+    out = kda.kda_verify(x, w, s, bv=8, backend=backend)
     n_acc = np.array([2, 6])
     committed = kda.commit(out, jnp.asarray(n_acc))
     for bi, n in enumerate(n_acc):
@@ -153,8 +157,9 @@ def test_auto_is_reference_on_cpu():
         kda.resolve("xla")
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("t,bv", [(1, 8), (6, 16)])
-def test_columns_of_a_fused_projection(t, bv):
+def test_columns_of_a_fused_projection(backend, t, bv):
     """Inputs given as `Columns` of one wider array (a fused projection's output, fields in a
     shuffled order with padding between them) give the same step as separate arrays."""
     seed = _seed()
@@ -170,12 +175,12 @@ def test_columns_of_a_fused_projection(t, bv):
         at += n + gap
     proj = jnp.concatenate(pieces, axis=2)
     cols = kda.KdaInputs(*(kda.Columns(proj, starts[i], flat[i].shape[2]) for i in range(6)))
-    got = kda.kda_verify(cols, w, s, bv=bv, backend="interpret")
-    want = kda.kda_verify(x, w, s, bv=bv, backend="interpret")
+    got = kda.kda_verify(cols, w, s, bv=bv, backend=backend)
+    want = kda.kda_verify(x, w, s, bv=bv, backend=backend)
     ref = kda.kda_verify(cols, w, s, backend="reference")
     for name in kda.KdaOut._fields:
         np.testing.assert_array_equal(np.asarray(getattr(got, name), np.float32),
                                       np.asarray(getattr(want, name), np.float32), err_msg=f"{name} seed {seed}")
     _close(ref.o, want.o, 1e-2, f"reference on Columns, seed {seed}")
     with pytest.raises(ValueError, match="q starts at column"):
-        kda.kda_verify(x._replace(q=kda.Columns(proj, starts[0] + 1, c)), w, s, bv=bv, backend="interpret")
+        kda.kda_verify(x._replace(q=kda.Columns(proj, starts[0] + 1, c)), w, s, bv=bv, backend=backend)

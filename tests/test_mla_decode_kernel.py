@@ -11,6 +11,7 @@ import pytest
 import jax.numpy as jnp
 
 from pallas_kernels import mla_decode as md
+from backends import KERNELS
 
 H, R, P = 4, 32, 16  # heads, latent rank, rope dims (Ling: 32, 512, 64)
 
@@ -79,8 +80,9 @@ CASES = [  # t, l_max, block_l, num_splits, block_rows, dtype
 ]
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("t,l_max,block_l,num_splits,block_rows,dtype", CASES)
-def test_interpret_matches_reference(t, l_max, block_l, num_splits, block_rows, dtype):
+def test_interpret_matches_reference(backend, t, l_max, block_l, num_splits, block_rows, dtype):
     seed = _seed()
     rng = np.random.default_rng(seed)
     # Lengths include the shortest legal one (= T: splits with nothing to do) and a full cache.
@@ -88,7 +90,7 @@ def test_interpret_matches_reference(t, l_max, block_l, num_splits, block_rows, 
     q_lat, q_rope, c, k_rope, lengths = make_inputs(rng, 3, t, l_max, lengths=lengths, dtype=dtype)
     scale = (R + P) ** -0.5
     got = md.mla_decode(q_lat, q_rope, c, k_rope, lengths, scale=scale, block_l=block_l,
-                        num_splits=num_splits, block_rows=block_rows, backend="interpret")
+                        num_splits=num_splits, block_rows=block_rows, backend=backend)
     want = md.mla_decode(q_lat, q_rope, c, k_rope, lengths, scale=scale, backend="reference")
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     msg = f"T={t} L={l_max} lengths={np.asarray(lengths)} {jnp.dtype(dtype).name} seed {seed}"

@@ -22,6 +22,7 @@ import oracle
 from ling.mla import MLAttention
 from ling.state import init_state
 from pallas_kernels import mla_prefill as mp
+from backends import KERNELS, assert_model_close
 
 H, N, P, V, R = 2, 16, 8, 16, 32  # heads, nope, rope, value, latent dims (Ling: 32, 128, 64, 128, 512)
 
@@ -164,7 +165,8 @@ def test_bad_impl():
 # ---------------------------------------------------------------------------------- model level
 
 
-def test_layer_kernel_path_matches_plain(monkeypatch):
+@pytest.mark.parametrize("backend", KERNELS)
+def test_layer_kernel_path_matches_plain(backend):
     """MLAttention form "plain", three chunks of two slots (the second slot keeps 4 of its first
     11 tokens and sits out the third chunk, valid 0): the interpret path's outputs (of the slots
     with tokens) and caches equal the plain-jnp path's."""
@@ -175,7 +177,7 @@ def test_layer_kernel_path_matches_plain(monkeypatch):
     chunks = [(xs[0], [0, 0], None), (xs[1], [11, 4], None), (xs[2], [20, 13], [4, 0])]
 
     def run(kernels):
-        monkeypatch.setenv("LING_KERNELS", kernels)
+        ling.use_kernels(layer, kernels)
         lat = jnp.zeros((2, 40, cfg.kv_lora_rank), jnp.float32)
         rope = jnp.zeros((2, 40, cfg.qk_rope_head_dim), jnp.float32)
         outs = []
@@ -188,12 +190,13 @@ def test_layer_kernel_path_matches_plain(monkeypatch):
         return outs + [np.asarray(lat), np.asarray(rope)]
 
     want = run("reference")
-    got = run("interpret")
+    got = run(backend)
     for a, b in zip(got, want):
         assert oracle.rel_err(a, b) < 1e-5
 
 
-def test_chunked_prefill_then_decode_equals_full_forward(monkeypatch):
+@pytest.mark.parametrize("backend", KERNELS)
+def test_chunked_prefill_then_decode_equals_full_forward(backend):
     """Kernel path (interpret): prompts of 29 and 17 tokens prefilled in chunks of 16 (the second
     chunk attends to a cached prefix; 13 and 1 real tokens in it), then 3 decode steps; the
     logits at the last prompt position and at every decoded position equal those of one prefill
@@ -204,7 +207,7 @@ def test_chunked_prefill_then_decode_equals_full_forward(monkeypatch):
     plen, n_dec, chunk = np.array([29, 17]), 3, 16
     seqs = [r.integers(2, cfg.vocab_size, n + n_dec) for n in plen]
 
-    monkeypatch.setenv("LING_KERNELS", "interpret")
+    ling.use_kernels(model, backend)
     state = init_state(cfg, 2, 48, jnp.float32)
     toks = np.zeros((2, 2 * chunk), np.int32)
     for i, n in enumerate(plen):
@@ -220,7 +223,7 @@ def test_chunked_prefill_then_decode_equals_full_forward(monkeypatch):
         logits, _, state = model(jnp.asarray(tok), state, form="decode")
         got.append(np.asarray(logits)[:, 0])
 
-    monkeypatch.setenv("LING_KERNELS", "reference")
+    ling.use_kernels(model, "reference")
     full = np.zeros((2, int(plen.max()) + n_dec), np.int32)
     for i, s in enumerate(seqs):
         full[i, : len(s)] = s
@@ -229,4 +232,4 @@ def test_chunked_prefill_then_decode_equals_full_forward(monkeypatch):
     logits = np.asarray(logits)
     for j, g in enumerate(got):
         want = logits[np.arange(2), plen - 1 + j]
-        assert oracle.rel_err(g, want) < 1e-4, f"position {j} after the prompt"
+        assert_model_close(g, want, backend, f"position {j} after the prompt")

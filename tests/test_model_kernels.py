@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 import ling
-import oracle
 from ling.state import commit, init_state
+from backends import KERNELS, assert_model_close
 
 
-def run(model, monkeypatch, kernels, prompt, steps, verify):
-    monkeypatch.setenv("LING_KERNELS", kernels)
+def run(model, kernels, prompt, steps, verify):
+    ling.use_kernels(model, kernels)
     cfg = model.cfg
     state = init_state(cfg, 2, 40, jnp.float32)
     _, _, state = model(jnp.asarray(prompt), state, valid=jnp.asarray([20, 13]), form="prefill")
@@ -30,33 +30,52 @@ def run(model, monkeypatch, kernels, prompt, steps, verify):
     return out
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("name", ["ling-tiny", "kimi-tiny"])
-def test_kernel_path_matches_jnp_path(name, monkeypatch):
+def test_kernel_path_matches_jnp_path(backend, name):
     model = ling.load(name, dtype="float32", seed=3)
     r = np.random.default_rng(0)
     prompt = r.integers(0, model.cfg.vocab_size, (2, 20))
     steps = r.integers(0, model.cfg.vocab_size, (2, 3))
     verify = r.integers(0, model.cfg.vocab_size, (2, 6))
-    ref = run(model, monkeypatch, "reference", prompt, steps, verify)
-    got = run(model, monkeypatch, "interpret", prompt, steps, verify)
-    for a, b in zip(got, ref):
-        assert oracle.rel_err(a, b) < 1e-4
+    ref = run(model, "reference", prompt, steps, verify)
+    got = run(model, backend, prompt, steps, verify)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert_model_close(a, b, backend, f"output {i}")
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("name", ["ling-tiny", "kimi-tiny"])
-def test_prefill_kernel_matches_jnp_path(name, monkeypatch):
+def test_prefill_kernel_matches_jnp_path(backend, name):
     """A ragged prefill over two KDA chunks (64 tokens each): the prefill kernel's logits and the
     state it leaves (every layer's conv and recurrent state, MLA caches) match the jnp path."""
     model = ling.load(name, dtype="float32", seed=5)
     prompt = jnp.asarray(np.random.default_rng(1).integers(0, model.cfg.vocab_size, (2, 70)))
     valid = jnp.asarray([70, 41])
     outs = {}
-    for kernels in ("reference", "interpret"):
-        monkeypatch.setenv("LING_KERNELS", kernels)
+    for kernels in ("reference", backend):
+        ling.use_kernels(model, kernels)
         state = init_state(model.cfg, 2, 72, jnp.float32)
         outs[kernels] = model(prompt, state, valid=valid, form="prefill")
-    (ref_logits, _, ref_state), (got_logits, _, got_state) = outs["reference"], outs["interpret"]
+    (ref_logits, _, ref_state), (got_logits, _, got_state) = outs["reference"], outs[backend]
     for b, n in enumerate(np.asarray(valid)):
-        assert oracle.rel_err(got_logits[b, :n], ref_logits[b, :n]) < 1e-4
-    for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(ref_state)):
-        assert a.shape == b.shape and oracle.rel_err(a, b) < 1e-4
+        assert_model_close(got_logits[b, :n], ref_logits[b, :n], backend, f"logits of slot {b}")
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(got_state), jax.tree.leaves(ref_state))):
+        assert_model_close(a, b, backend, f"state leaf {i}")
+
+
+def test_the_backend_is_fixed_when_the_model_is_built(monkeypatch):
+    """A model runs the backend it was built with whatever LING_KERNELS says when it is traced;
+    the variable only picks the default at build time, and `use_kernels` switches a built model."""
+    def pallas_calls(model):
+        state = init_state(model.cfg, 1, 8, jnp.float32)
+        jaxpr = jax.make_jaxpr(lambda t: model(t, state, form="decode")[0])(jnp.zeros((1, 1), jnp.int32))
+        return str(jaxpr).count("pallas_call")
+
+    monkeypatch.setenv("LING_KERNELS", "interpret")
+    built_interpret = ling.load("ling-tiny", dtype="float32")
+    built_reference = ling.load("ling-tiny", dtype="float32", kernels="reference")
+    monkeypatch.setenv("LING_KERNELS", "reference")
+    assert built_interpret.kernels == "interpret" and pallas_calls(built_interpret) > 0
+    assert built_reference.kernels == "reference" and pallas_calls(built_reference) == 0
+    assert pallas_calls(ling.use_kernels(built_reference, "interpret")) > 0

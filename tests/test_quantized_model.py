@@ -11,6 +11,7 @@ from ling.quantize import QLinear
 from ling.state import init_state
 from moe.block import MoE, QExperts
 from moe.nn import Linear
+from backends import KERNELS
 
 TOKENS = np.random.default_rng(0).integers(0, 256, 40)
 
@@ -80,10 +81,10 @@ def decode_logits(model):
     return np.stack(steps)
 
 
-def test_decode_through_qmatvec_kernel_matches_prefill(monkeypatch):
+@pytest.mark.parametrize("backend", KERNELS)
+def test_decode_through_qmatvec_kernel_matches_prefill(backend):
     """Decode steps (qmatvec, interpret mode) give the logits of one prefill (dequantise + dot)."""
-    monkeypatch.setenv("LING_KERNELS", "interpret")
-    model = ling.load("ling-tiny", dtype="float32", seed=2, quantize="int8", group_size=32)
+    model = ling.load("ling-tiny", dtype="float32", seed=2, quantize="int8", group_size=32, kernels=backend)
     full = ling.forward(model, TOKENS[:22])
     assert oracle.rel_err(decode_logits(model), full[20:]) < 2e-2  # qmatvec rounds its output to bf16
 
@@ -120,12 +121,13 @@ def test_quantised_experts_compute_their_dequantised_weights(full):
     assert oracle.rel_err(q, full) <= 0.1 and cosine(q, full) >= 0.999
 
 
-def test_decode_through_fused_moe_int4_experts_matches_prefill(monkeypatch):
+@pytest.mark.parametrize("backend", KERNELS)
+def test_decode_through_fused_moe_int4_experts_matches_prefill(backend):
     """Decode steps through the fused MoE kernel on int4 experts (interpret mode) give the logits
     of one reference prefill of the same model."""
     model = ling.load("ling-tiny", dtype="float32", seed=3, quantize="int4", group_size=32, quantize_experts=True)
     full = ling.forward(model, TOKENS[:22])
-    monkeypatch.setenv("LING_KERNELS", "interpret")
+    ling.use_kernels(model, backend)
     assert oracle.rel_err(decode_logits(model), full[20:]) < 2e-2  # the kernels round h and outputs to bf16
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from moe.router import route
 from pallas_kernels.router import select_experts
+from backends import KERNELS
 
 
 def numpy_route(x, w, bias, top_k, n_group, topk_group):
@@ -43,14 +44,15 @@ def test_group_limited_top_k(seed, backend):
 
 @pytest.mark.parametrize("m,e,k,n_group,topk_group,norm", [(1, 512, 8, 8, 4, True), (6, 64, 2, 1, 1, False),
                                                              (3, 96, 4, 3, 2, True)])
-def test_kernel_matches_reference(m, e, k, n_group, topk_group, norm):
+@pytest.mark.parametrize("backend", KERNELS)
+def test_kernel_matches_reference(backend, m, e, k, n_group, topk_group, norm):
     """Ling's shape (one token), no groups, unnormalised; 96 / 3 is not a power of two and runs the
     reference. Weights equal to the reference's up to the order of a k-term sum."""
     r = np.random.default_rng(m * e)
     logits = jnp.asarray(r.normal(size=(m, e)) * 2, jnp.float32)
     bias = jnp.asarray(r.normal(size=e) * 0.1, jnp.float32)
     opts = dict(top_k=k, n_group=n_group, topk_group=topk_group, scale=2.5, norm=norm)
-    w, ids = select_experts(logits, bias, backend="interpret", **opts)
+    w, ids = select_experts(logits, bias, backend=backend, **opts)
     w_ref, ids_ref = select_experts(logits, bias, backend="reference", **opts)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
     np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-6)

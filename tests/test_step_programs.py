@@ -73,9 +73,9 @@ def quantized_tiny():
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
 @pytest.mark.parametrize("spec_steps", [0, S])
 @pytest.mark.parametrize("weights", ["float32", "int4"])
-def test_step_programs_hold_no_host_round_trip(monkeypatch, backend, spec_steps, weights):
-    monkeypatch.setenv("LING_KERNELS", backend)
+def test_step_programs_hold_no_host_round_trip(backend, spec_steps, weights):
     model = ling.load("ling-tiny", dtype="float32") if weights == "float32" else quantized_tiny()
+    ling.use_kernels(model, backend)
     runner = Runner(model, max_batch=2, max_seq_len=64, speculative_steps=spec_steps)
     seen = 0
     for name, jaxpr in programs(runner):
