@@ -15,8 +15,8 @@ Ling-3.0-flash's MoE layer: E = 512 experts, top-8, D = 2560, I = 768; bf16 weig
 int4 (G = 128, symmetric, B_N = 64); M in {1, 6, 16, 64} tokens. Per row:
   ours      fused_moe (align + up/SwiGLU + down + combine), the default plan (`plan_for`), and
             the launch-plan variants of the sweep (the best is shown with its plan)
-  ragged    XLA `lax.ragged_dot` on bf16 weights (bench/common.py `xla_ragged`)
-  gathered  XLA einsum over gathered bf16 experts (bench/common.py `xla_gathered`)
+  ragged    XLA `lax.ragged_dot` on bf16 weights (bench/peers.py `xla_ragged`)
+  gathered  XLA einsum over gathered bf16 experts (bench/peers.py `xla_gathered`)
   torch     torch._grouped_mm on experts pre-gathered per routing (the gather is not timed): rows
             sorted by expert, gate/up GEMM, SiLU·up, down GEMM, weighted index_add (bf16, GPU
             only; the weights are JAX's own buffers through DLPack)
@@ -39,50 +39,18 @@ import time
 import traceback
 
 
-# bench/common.py
-from bench.common import (capture_triton, copy_ceiling_tbs, kernel_name, queued_us, random_experts,
-                    xla_gathered, xla_ragged)
+from bench.common import Log, copy_ceiling_tbs, queued_us, random_experts, run_tasks
+from bench.moe_plans import fused_moe_sweep
+from bench.peers import xla_gathered, xla_ragged
+from bench.sass import capture_triton, kernel_name
 
 E, K, D, I = 512, 8, 2560, 768
 MS = (1, 6, 16, 64)
 G, BN_Q = 128, 64
 SGLANG_ANCHOR = {1: 38.4, 6: 157.0, 16: 331.0, 64: 870.0}  # bf16, µs/layer, perf-anchors.md
 T0 = time.time()
-LOG = None
+log = Log()
 RESULTS: dict = {"rows": [], "sweep": [], "checks": [], "errors": []}
-
-
-def log(*a):
-    s = " ".join(str(x) for x in a)
-    print(s, flush=True)
-    if LOG is not None:
-        LOG.write(s + "\n")
-        LOG.flush()
-
-
-def plans():
-    """The sweep: (format, M) -> [Plan], timed after the default plan (`plan_for`); E, D, I as set."""
-    from pallas_kernels.fused_moe import GemmPlan as GP, Plan, split_groups
-
-    dot = lambda up, down: Plan("dot", 16, up, down)  # noqa: E731
-    fma = lambda up, down: Plan("fma", 1, up, down)  # noqa: E731
-    tiles = [dot(GP(128, 64, 4, 4), GP(128, 64, 4, 4)),  # the default before 2026-11-30's sweep
-             dot(GP(256, 32, 4, 3), GP(256, 32, 4, 3))]
-    m1 = tiles + [dot(GP(128, 64, 2, 5), GP(128, 32, 2, 4)),
-                  dot(GP(256, 64, 8, 3), GP(128, 64, 4, 4)),
-                  fma(GP(64, 64, 2, 1), GP(64, 64, 2, 1))]
-    # quantised: (warps, groups of K an up program, a down program; 0: no split), against
-    # D / G = 20 and I / G = 6 groups at Ling's shapes
-    ku, kd = D // G, I // G
-    split = lambda n, per: split_groups(n, per) if per else 1  # noqa: E731
-    q = lambda w, pu=0, pd=0: fma(GP(0, 0, w, 1, split=split(ku, pu)), GP(0, 0, w, 1, split=split(kd, pd)))  # noqa: E731
-    qdot = lambda pu=0, pd=0: dot(GP(0, 0, 4, 4, split=split(ku, pu)), GP(0, 0, 4, 4, split=split(kd, pd)))  # noqa: E731
-    return {("bf16", 1): m1, ("bf16", 6): tiles, ("bf16", 16): tiles[:1],
-            ("bf16", 64): [dot(GP(64, 128, 4, 6), GP(64, 128, 4, 5))],
-            ("int4", 1): [q(8), q(8, 2, 1), q(8, 4, 1), q(8, 1, 2), q(8, 1, 1), q(16, 2, 1), q(4, 5, 2)],
-            ("int4", 6): [q(4, 10, 0), q(4, 10, 3), q(4, 5, 2), q(8, 10, 3), qdot(10, 3)],
-            ("int4", 16): [q(4, 10, 3), qdot(), qdot(10, 0), qdot(10, 3)],
-            ("int4", 64): [qdot(10, 3), q(4)]}
 
 
 def main():
@@ -110,7 +78,7 @@ def main():
     ap.add_argument("--ab", action="store_true", help="only the default and the sweep's plans, timed in "
                     "interleaved rounds (plan comparisons that machine-to-machine spread does not blur)")
     args = ap.parse_args()
-    global E, D, I, LOG
+    global E, D, I
     if args.smoke or args.lower:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.smoke:
@@ -120,12 +88,12 @@ def main():
     if args.mixed or args.profile_tiles:
         if args.lower:
             ap.error("--lower applies to the fused MoE sweep, not to --mixed / --profile-tiles")
-        import mixed_moe  # bench/mixed_moe.py, beside this script
+        from bench import mixed_moe
 
-        LOG = open(os.path.join(out_dir, "tiles_log.txt"), "w")
+        log.open(os.path.join(out_dir, "tiles_log.txt"))
         mixed_moe.main(args, (E, D, I), out_dir, log)
         return
-    LOG = open(os.path.join(out_dir, "moe_log.txt"), "w")
+    log.open(os.path.join(out_dir, "moe_log.txt"))
     try:
         run(args)
     except Exception:
@@ -245,7 +213,7 @@ def run(args):
         reps.update({m: 2 for m in ms if m not in reps})
     if set(fmts) - {"bf16", "int4"} or not set(ms) <= set(reps):
         raise SystemExit(f"--fmts takes bf16,int4 and --ms a subset of {MS}: got {args.fmts!r} / {args.ms!r}")
-    sweep = plans()
+    sweep = fused_moe_sweep(D, I, G)
     peers = {"ragged": lambda x, i, s, w: xla_ragged(x, i, s, w[0], w[1]),
              "gathered": lambda x, i, s, w: xla_gathered(x, i, s, w[0], w[1])}
     wts = {fmt: weights(fmt) for fmt in fmts}
@@ -394,17 +362,7 @@ def run(args):
         tasks = [t for t in tasks if t[0] is align]
     if args.ab:
         tasks = [(interleaved, (fmt, m)) for m in ms for fmt in fmts]
-    for fn, a in tasks:
-        if a[1] not in ms:
-            continue
-        if left() < 0:
-            log(f"budget spent: skipped {fn.__name__}{a}")
-            continue
-        try:
-            fn(*a)
-        except Exception as e:
-            log(f"FAILED {fn.__name__}{a}: {e!r}")
-            RESULTS["errors"].append(f"{fn.__name__}{a}: " + traceback.format_exc(limit=4)[-1500:])
+    run_tasks([t for t in tasks if t[1][1] in ms], left, log, RESULTS["errors"])
     log(f"[{time.time() - T0:.0f} s] done")
 
 

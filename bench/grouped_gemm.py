@@ -12,7 +12,7 @@ uniform random routing (distinct experts per token), so every expert has rows (M
 Per row (format, M):
   ours     grouped_moe = align (blocked) + up GEMM/SwiGLU + down GEMM/weights + combine, with
            `plan_for`'s plan, then the sweep's plans (the best is shown with its plan)
-  ragged   XLA `lax.ragged_dot` on bf16 weights (bench/common.py `xla_ragged`)
+  ragged   XLA `lax.ragged_dot` on bf16 weights (bench/peers.py `xla_ragged`)
   torch    torch._grouped_mm on its own random bf16 weights, same routing: argsort, gather,
            gate_up, SiLU*up, down, weights, index_add; eager, CUDA events over 20 layers (its
            ~10 launches a layer are noise at ~2 ms); the row says n/a if torch fails
@@ -34,8 +34,10 @@ import time
 import traceback
 
 
-from bench.common import (
-    capture_triton, compile_report, copy_ceiling_tbs, kernel_name, queued_us, random_experts, xla_ragged)
+from bench.common import Log, copy_ceiling_tbs, queued_us, random_experts, run_tasks
+from bench.moe_plans import grouped_gemm_sweep
+from bench.peers import torch_grouped_mm_us, xla_ragged
+from bench.sass import capture_triton, compile_report, kernel_name
 
 E, K, D, I = 512, 8, 2560, 768
 MS = (512, 2048, 4096)
@@ -45,53 +47,8 @@ PEAK_TFLOPS = 989.0  # H200 SXM dense bf16, data sheet
 CHECK_TOKENS = 256
 TORCH_ANCHOR = {512: 1950.0, 4096: 2090.0}  # µs, perf-anchors.md (another run)
 T0 = time.time()
-LOG = None
+log = Log()
 RESULTS: dict = {"rows": [], "sweep": [], "checks": [], "errors": [], "compiled": []}
-
-
-def log(*a):
-    s = " ".join(str(x) for x in a)
-    print(s, flush=True)
-    if LOG is not None:
-        LOG.write(s + "\n")
-        LOG.flush()
-
-
-def sweep_plans(fmt: str, m: int):
-    """Plans timed after the default (`plan_for`), most promising first (the budget cuts the tail)."""
-    from pallas_kernels.grouped_gemm import Plan, Tile as T
-
-    if fmt == "bf16":
-        base = [Plan(16, T(64, 128, 4, 5), T(64, 128, 4, 5)),
-                Plan(16, T(64, 128, 4, 4), T(64, 128, 4, 4), swap=True),
-                Plan(32, T(64, 128, 4, 4), T(64, 128, 4, 4)),
-                Plan(32, T(64, 128, 4, 4), T(64, 128, 4, 4), swap=True),
-                Plan(64, T(64, 128, 4, 4), T(64, 128, 4, 4)),
-                Plan(64, T(64, 256, 8, 3), T(64, 256, 8, 3)),
-                Plan(64, T(64, 128, 4, 4), T(64, 128, 4, 4), combine="atomic"),
-                Plan(128, T(64, 128, 8, 3), T(64, 128, 8, 3)),
-                Plan(128, T(64, 256, 8, 3), T(64, 256, 8, 3)),
-                Plan(64, T(128, 128, 4, 3), T(128, 128, 4, 3)),
-                Plan(64, T(64, 128, 4, 6), T(64, 128, 4, 6)),  # deeper pipelines: at 4096 tokens
-                Plan(64, T(64, 256, 8, 4), T(64, 256, 8, 4)),  # the weight stream dominates
-                Plan(128, T(64, 128, 8, 3), T(64, 128, 8, 3), half=True),  # 7 and 8 with half blocks
-                Plan(128, T(64, 256, 8, 3), T(64, 256, 8, 3), half=True)]
-        order = {512: [0, 1, 2, 3, 6, 4], 2048: [2, 3, 4, 6, 0, 5, 7, 12],
-                 4096: [4, 10, 11, 5, 7, 12, 6, 8, 13, 2, 9, 3]}
-    else:
-        base = [Plan(16, T(0, 0, 4, 3), T(0, 0, 4, 3)),
-                Plan(16, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True),
-                Plan(64, T(0, 0, 4, 3), T(0, 0, 4, 3)),
-                Plan(64, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True),
-                Plan(64, T(0, 0, 8, 3), T(0, 0, 8, 3)),
-                Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3)),
-                Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3), swap=True),
-                Plan(64, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True, combine="atomic"),
-                Plan(32, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True),
-                Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3), half=True),  # 5 and 6 with half blocks
-                Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3), swap=True, half=True)]
-        order = {512: [0, 1, 8, 3], 2048: [8, 3, 2, 1, 7], 4096: [3, 2, 6, 10, 5, 9, 4, 7]}
-    return [base[i] for i in order.get(m, range(len(base)))]
 
 
 def main():
@@ -103,7 +60,7 @@ def main():
     ap.add_argument("--ms", type=int, nargs="+", help="token counts (default: 512 2048 4096)")
     ap.add_argument("--fmts", nargs="+", choices=("bf16", "int4"), help="weight formats (default: both)")
     args = ap.parse_args()
-    global E, D, I, MS, CHECK_TOKENS, LOG, FMTS
+    global E, D, I, MS, CHECK_TOKENS, FMTS
     MS, FMTS = tuple(args.ms or MS), tuple(args.fmts or FMTS)
     if args.smoke or args.lower:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -113,7 +70,7 @@ def main():
         E, D, I, MS, CHECK_TOKENS = 13, 256, 128, (24, 64), 16
     out_dir = os.environ.get("OUT", "bench_out")
     os.makedirs(out_dir, exist_ok=True)
-    LOG = open(os.path.join(out_dir, "grouped_gemm_log.txt"), "w")
+    log.open(os.path.join(out_dir, "grouped_gemm_log.txt"))
     try:
         run(args)
     except Exception:
@@ -124,50 +81,6 @@ def main():
         RESULTS["compiled"] = compile_report(args.lower, log)
     else:
         table()
-
-
-# ---------------------------------------------------------------------------------- lowering
-# ---------------------------------------------------------------------------------- the torch peer
-def torch_grouped_mm_us(ids, ws, *, e: int, d: int, inter: int, n: int = 20) -> float:
-    """µs per MoE layer of torch._grouped_mm on its own random bf16 weights for this routing
-    (ids, ws [M, k] host arrays): argsort, gather, gate_up, SiLU*up, down, weights, index_add;
-    eager, CUDA events over n layers (its ~10 launches a layer are noise at ~2 ms)."""
-    import numpy as np
-    import torch
-
-    m, k = ids.shape
-    dv = "cuda"
-    g = torch.Generator(device=dv).manual_seed(0)
-    # B operands in the layout torch's grouped GEMM wants: [E, N, K] stored, K-major view.
-    w13 = (torch.randn(e, 2 * inter, d, device=dv, dtype=torch.bfloat16, generator=g) * 0.03).transpose(1, 2)
-    w2 = (torch.randn(e, d, inter, device=dv, dtype=torch.bfloat16, generator=g) * 0.05).transpose(1, 2)
-    x = torch.randn(m, d, device=dv, dtype=torch.bfloat16, generator=g)
-    tid = torch.from_numpy(np.asarray(ids)).to(dv).long()
-    tw = torch.from_numpy(np.asarray(ws, np.float32)).to(dv)
-
-    def layer():
-        flat = tid.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
-        tok = order // k
-        h = torch._grouped_mm(x[tok], w13, offs=offs)  # [P, 2I]
-        h = (torch.nn.functional.silu(h[:, 0::2].float()) * h[:, 1::2].float()).to(torch.bfloat16)
-        out = torch._grouped_mm(h, w2, offs=offs).float() * tw.reshape(-1)[order, None]
-        return torch.zeros(m, d, device=dv).index_add_(0, tok, out).to(torch.bfloat16)
-
-    for _ in range(3):
-        layer()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        layer()
-    b.record()
-    torch.cuda.synchronize()
-    us = a.elapsed_time(b) * 1e3 / n
-    del w13, w2, x
-    torch.cuda.empty_cache()
-    return us
 
 
 # ---------------------------------------------------------------------------------- the run
@@ -287,7 +200,7 @@ def run(args):
             log(f"ours {fmt} M={m}: checked (err {row['err']}), {plan}")
 
     def variants(fmt, m):
-        for n, plan in enumerate(sweep_plans(fmt, m)):
+        for n, plan in enumerate(grouped_gemm_sweep(fmt, m)):
             if left() < 0:
                 log(f"budget spent: sweep stopped at {fmt} M={m}")
                 return
@@ -329,15 +242,7 @@ def run(args):
         tasks += [(variants, (fmt, m)) for m in MS[::-1] for fmt in FMTS]
     if not args.lower:
         tasks += [(ragged, (m,)) for m in MS[1:]]
-    for fn, a in tasks:
-        if left() < 0 and not args.lower:
-            log(f"budget spent: skipped {fn.__name__}{a}")
-            continue
-        try:
-            fn(*a)
-        except Exception as e:  # noqa: BLE001
-            log(f"FAILED {fn.__name__}{a}: {e!r}")
-            RESULTS["errors"].append(f"{fn.__name__}{a}: " + traceback.format_exc(limit=4)[-1500:])
+    run_tasks(tasks, (lambda: 1.0) if args.lower else left, log, RESULTS["errors"])
     log(f"[{time.time() - T0:.0f} s] done")
 
 

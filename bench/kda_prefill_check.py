@@ -43,7 +43,9 @@ import time
 import traceback
 
 
-from bench.common import capture_triton, compile_report, device_trace, kernel_name, rel_err, time_torch_graph
+from bench.common import rel_err, time_torch_graph
+from bench.sass import capture_triton, compile_report, kernel_name
+from bench.trace import device_trace
 
 B, T, H, KD, W = 1, 8192, 32, 128, 4
 T_CHECK = 1024

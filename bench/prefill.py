@@ -7,7 +7,7 @@ Parts (each checked against its reference in the same run before it is timed):
   gemm  the MoE grouped GEMM (pallas_kernels.grouped_gemm.grouped_moe: align + up GEMM/SwiGLU + down
         GEMM/weights + combine), E 512, top-8, D 2560, I 768, bf16, uniform random routing, at 512,
         4096 and 16384 tokens; TFLOP/s over 6·M·k·D·I; the peer torch._grouped_mm on the same routing
-        (bench/grouped_gemm.py's `torch_grouped_mm_us`). Ceilings from the same run: its bytes (the
+        (bench/peers.py `torch_grouped_mm_us`). Ceilings from the same run: its bytes (the
         used experts' weights once, x, y, h and the bf16 pair rows written and read) over the copy
         ceiling, and the experts' weights streamed by XLA's dense dot (cuBLAS) at 64 rows (a TMA
         kernel streamed them no faster, bench/history/chronicle.md). Target >= 250 TFLOP/s at 4096 tokens.
@@ -212,7 +212,7 @@ class Bench:
             peer = None
             if self.gpu:
                 try:
-                    from bench.grouped_gemm import torch_grouped_mm_us
+                    from bench.peers import torch_grouped_mm_us
 
                     peer = torch_grouped_mm_us(np.asarray(ids), np.asarray(ws), e=e, d=d, inter=inter)
                 except Exception as exc:  # noqa: BLE001

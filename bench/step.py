@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.common import copy_ceiling_tbs, device_trace, stream_trace
+from bench.common import copy_ceiling_tbs
+from bench.trace import device_trace, stream_trace
 
 # Device time by what a kernel does: the named scopes of the ops the kernel runs (the model's
 # `jax.named_scope`s, read from the compiled program's HLO metadata), first match wins.
