@@ -19,7 +19,7 @@ int4 (G = 128, symmetric, B_N = 64); M in {1, 6, 16, 64} tokens. Per row:
   gathered  XLA einsum over gathered bf16 experts (bench/peers.py `xla_gathered`)
   torch     torch._grouped_mm on experts pre-gathered per routing (the gather is not timed): rows
             sorted by expert, gate/up GEMM, SiLU·up, down GEMM, weighted index_add (bf16, GPU
-            only; the weights are JAX's own buffers through DLPack)
+            only; the weights are JAX's own buffers through DLPack; bench/peers.py `torch_gathered_us`)
   SGLang    not measured (no wheel offline): perf-anchors.md's figures, another run, for reference
 Timing: each timed dispatch is one jit of R calls, each with its own random routing (distinct
 experts per token, uniform over E) so that every call reads experts cold from HBM (the R calls
@@ -41,7 +41,8 @@ import traceback
 
 from bench.common import Log, copy_ceiling_tbs, queued_us, random_experts, run_tasks
 from bench.moe_plans import fused_moe_sweep
-from bench.peers import xla_gathered, xla_ragged
+from bench.moe_tables import fused_moe_table
+from bench.peers import torch_gathered_us, xla_gathered, xla_ragged
 from bench.sass import capture_triton, kernel_name
 
 E, K, D, I = 512, 8, 2560, 768
@@ -100,7 +101,7 @@ def main():
         log("FAILED:", traceback.format_exc())
     with open(os.path.join(out_dir, "moe.json"), "w") as f:
         json.dump(RESULTS, f, indent=1, default=str)
-    table()
+    fused_moe_table(RESULTS, (E, K, D, I), SGLANG_ANCHOR, log)
 
 
 def run(args):
@@ -247,48 +248,8 @@ def run(args):
 
     def torch_peer(_, m):
         """torch._grouped_mm over pre-gathered experts, timed like `timed` (R routings a batch)."""
-        import numpy as np
-        import torch
-        import torch.nn.functional as F
-
         x, ids, ws, _ = routing(m)
-        w13, w2 = (torch.from_dlpack(a) for a in wts["bf16"])  # [E, D, 2I], [E, I, D]
-        xt = torch.from_dlpack(x)
-        dev = xt.device
-
-        def k_major(w):  # the same [U, K, N] values with K contiguous (the layout cuBLASLt/CUTLASS take)
-            return w.transpose(1, 2).contiguous().transpose(1, 2)
-
-        calls = []
-        for i, s in zip(ids, ws):
-            flat = np.asarray(i).reshape(-1)
-            order = np.argsort(flat, kind="stable")
-            experts, counts = np.unique(flat[order], return_counts=True)
-            e = torch.as_tensor(experts, device=dev)
-            calls.append(dict(rows=torch.as_tensor(order // K, device=dev), w13=k_major(w13[e]), w2=k_major(w2[e]),
-                              offs=torch.as_tensor(np.cumsum(counts), dtype=torch.int32, device=dev),
-                              weight=torch.as_tensor(np.asarray(s).reshape(-1)[order], device=dev)))
-
-        def one(c):
-            h = torch._grouped_mm(xt[c["rows"]], c["w13"], offs=c["offs"])  # [P, 2I]
-            h = (F.silu(h[:, 0::2].float()) * h[:, 1::2].float()).to(torch.bfloat16)  # [P, I]
-            o = torch._grouped_mm(h, c["w2"], offs=c["offs"])  # [P, D]
-            y = torch.zeros(m, D, dtype=torch.float32, device=dev)
-            return y.index_add_(0, c["rows"], o.float() * c["weight"][:, None]).to(torch.bfloat16)
-
-        y0 = one(calls[0])
-        torch.cuda.synchronize()
-
-        def batch(n):
-            t = time.perf_counter()
-            for _ in range(n):
-                for c in calls:
-                    one(c)
-            torch.cuda.synchronize()
-            return time.perf_counter() - t
-
-        batch(2)
-        us = min(batch(12) - batch(3) for _ in range(2)) / (9 * len(calls)) * 1e6
+        us, y0 = torch_gathered_us(x, ids, ws, wts["bf16"], K, D)
         check("bf16", m, wts["bf16"], x, ids, ws, [jnp.asarray(y0.cpu().float().numpy())], "torch")
         for fmt in fmts:
             rows[(fmt, m)]["torch"] = us
@@ -364,33 +325,6 @@ def run(args):
         tasks = [(interleaved, (fmt, m)) for m in ms for fmt in fmts]
     run_tasks([t for t in tasks if t[1][1] in ms], left, log, RESULTS["errors"])
     log(f"[{time.time() - T0:.0f} s] done")
-
-
-def table():
-    cbw = RESULTS.get("copy_tbs")
-    lines = ["", f"fused MoE, E={E} top-{K} D={D} I={I}, on {RESULTS.get('device')}; "
-                 f"copy ceiling {cbw and round(cbw, 2)} TB/s",
-             "fmt  M   experts   MB   ours µs (best)  TB/s  floor µs  %floor  torch µs   x    ragged µs  x    "
-             "gathered µs  x    SGLang* x"]
-    for r in RESULTS["rows"]:
-        cands = [v for v in (r.get("us"), r.get("best_us")) if v]
-        us = min(cands) if cands else None
-        if not us or "mbytes" not in r:
-            lines.append(f"{r['fmt']:4} {r['m']:3}  (no timing)")
-            continue
-        floor = r["mbytes"] / cbw if cbw else float("nan")
-        rat = lambda p: f"{p:9.1f} {p / us:5.2f}" if p else "      n/a      "  # noqa: E731
-        sgl = SGLANG_ANCHOR.get(r["m"])
-        lines.append(
-            f"{r['fmt']:4} {r['m']:3} {r['distinct']:6.1f} {r['mbytes']:7.1f} {r.get('us') or 0:7.1f} ({us:6.1f}) "
-            f"{r['mbytes'] / us:5.2f} {floor:8.1f} {100 * floor / us:6.0f}%  {rat(r.get('torch'))} {rat(r.get('ragged'))} "
-            f" {rat(r.get('gathered'))}  {sgl / us if sgl else float('nan'):5.2f}")
-    lines.append("x = peer µs / ours (best); SGLang* = perf-anchors.md bf16 figure (not this run) / ours")
-    for r in RESULTS["rows"]:
-        if r.get("best_plan"):
-            lines.append(f"best {r['fmt']} M={r['m']}: {r['best_plan']}")
-    for line in lines:
-        log(line)
 
 
 if __name__ == "__main__":

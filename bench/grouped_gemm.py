@@ -36,6 +36,7 @@ import traceback
 
 from bench.common import Log, copy_ceiling_tbs, queued_us, random_experts, run_tasks
 from bench.moe_plans import grouped_gemm_sweep
+from bench.moe_tables import grouped_gemm_table
 from bench.peers import torch_grouped_mm_us, xla_ragged
 from bench.sass import capture_triton, compile_report, kernel_name
 
@@ -80,7 +81,7 @@ def main():
     if args.lower:
         RESULTS["compiled"] = compile_report(args.lower, log)
     else:
-        table()
+        grouped_gemm_table(RESULTS, (E, K, D, I), PEAK_TFLOPS, TORCH_ANCHOR, log)
 
 
 # ---------------------------------------------------------------------------------- the run
@@ -244,33 +245,6 @@ def run(args):
         tasks += [(ragged, (m,)) for m in MS[1:]]
     run_tasks(tasks, (lambda: 1.0) if args.lower else left, log, RESULTS["errors"])
     log(f"[{time.time() - T0:.0f} s] done")
-
-
-def table():
-    cbw = RESULTS.get("copy_tbs")
-    lines = ["", f"grouped GEMM MoE layer, E={E} top-{K} D={D} I={I}, on {RESULTS.get('device')}; copy ceiling "
-                 f"{cbw and round(cbw, 2)} TB/s; floor = max(bytes / copy, FLOPs / {PEAK_TFLOPS:.0f} TFLOP/s)",
-             "fmt     M  experts     GB  GFLOP  default µs  best µs  TFLOP/s  TB/s  floor µs  %floor  "
-             "ragged µs      x  torch µs     x"]
-    for r in RESULTS["rows"]:
-        cands = [v for v in (r.get("us"), r.get("best_us")) if v]
-        us = min(cands) if cands else None
-        if not us or "mbytes" not in r:
-            lines.append(f"{r['fmt']:4} {r['m']:5}  (no timing; rel err of the default plan {r.get('err')})")
-            continue
-        floor = max(r["mbytes"] / cbw if cbw else 0.0, r["gflop"] / PEAK_TFLOPS * 1e3)
-        rat = lambda p: f"{p:9.0f} {p / us:6.2f}" if p else "      n/a       "  # noqa: E731
-        lines.append(
-            f"{r['fmt']:4} {r['m']:5} {r['distinct']:7.1f} {r['mbytes'] / 1e3:6.2f} {r['gflop']:6.1f} "
-            f"{r.get('us') or 0:10.1f} {us:8.1f} {r['gflop'] / us * 1e3:8.0f} {r['mbytes'] / us / 1e6:5.2f} "
-            f"{floor:9.1f} {100 * floor / us:6.0f}%  {rat(r.get('ragged'))} {rat(r.get('torch'))}")
-    lines.append("x = peer µs / ours (best): > 1 means ours is faster; the int4 rows' peers run bf16 weights. "
-                 f"torch anchors (perf-anchors.md, another run): {TORCH_ANCHOR} µs")
-    for r in RESULTS["rows"]:
-        if r.get("best_plan"):
-            lines.append(f"best {r['fmt']} M={r['m']}: {r['best_plan']}")
-    for line in lines:
-        log(line)
 
 
 if __name__ == "__main__":
