@@ -28,6 +28,8 @@ is divided out, so host dispatch and the final sync cancel. Achieved TB/s is ove
 must move: the distinct experts' weights (+ scales) once, x, y. The floor is those bytes over
 the copy bandwidth measured in the same run (XLA, 1 GiB read + write). Every kernel variant is
 checked against `experts.reference` before it is timed. A table is printed last.
+Parts: bench/fused_moe_peers.py (the peer rows), bench/fused_moe_ab.py (--ab), bench/fused_moe_align.py
+(--align-only), bench/moe_plans.py (the sweep and its loop), bench/moe_tables.py (the table).
 """
 
 from __future__ import annotations
@@ -39,11 +41,14 @@ import time
 import traceback
 
 
+from bench import mixed_moe
 from bench.common import Log, copy_ceiling_tbs, queued_us, random_experts, run_tasks
-from bench.moe_plans import fused_moe_sweep
+from bench.fused_moe_ab import ab_task
+from bench.fused_moe_align import align_task
+from bench.fused_moe_peers import peer_tasks
+from bench.moe_plans import fused_moe_sweep, sweep_plans
 from bench.moe_tables import fused_moe_table
-from bench.peers import torch_gathered_us, xla_gathered, xla_ragged
-from bench.sass import capture_triton, kernel_name
+from bench.sass import capture_triton, dump_fused_moe
 
 E, K, D, I = 512, 8, 2560, 768
 MS = (1, 6, 16, 64)
@@ -59,20 +64,7 @@ def main():
     ap.add_argument("--budget", type=float, default=105.0, help="seconds; then the rest is skipped")
     ap.add_argument("--smoke", action="store_true", help="CPU, interpret mode, tiny shapes")
     ap.add_argument("--lower", metavar="DIR", help="CPU: dump the Triton IR of every timed kernel")
-    ap.add_argument("--mixed", action="store_true", help="decode + prefill tokens of one layer: one grouped "
-                    "launch, two launches, the tile-scheduled kernel (bench/mixed_moe.py)")
-    ap.add_argument("--profile-tiles", action="store_true", help="profile the tile kernel over (decode, prefill) "
-                    "shapes and fit moe/tiles.py's latency model")
-    ap.add_argument("--tile-model", metavar="PATH", help="--profile-tiles: where the fitted model goes "
-                    "(default $OUT/tile_model.json)")
-    ap.add_argument("--tile-per-sm", help="--mixed: the tile kernel's persistent programs per SM (comma-separated: "
-                    "each is timed; default expert_tiles.PROGRAMS_PER_SM)")
-    ap.add_argument("--tile-bm", default="0", help="--mixed: the tile kernel's BM (comma-separated; 0: plan_for's)")
-    ap.add_argument("--tile-warps", default="0",
-                    help="--mixed: the tile kernel's warps (comma-separated; 0: plan_for's)")
-    ap.add_argument("--tile-bm-hot", default="0",
-                    help="--mixed: the tile kernel's hot-block BM (comma-separated; 0: plan_for's)")
-    ap.add_argument("--prefills", help="--mixed: prefill chunk sizes (comma-separated; default 512,2048,8192)")
+    mixed_moe.add_args(ap)
     ap.add_argument("--fmts", default="bf16,int4", help="weight formats to time (comma-separated)")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M (comma-separated)")
     ap.add_argument("--align-only", action="store_true", help="time only the align (M > 1)")
@@ -89,8 +81,6 @@ def main():
     if args.mixed or args.profile_tiles:
         if args.lower:
             ap.error("--lower applies to the fused MoE sweep, not to --mixed / --profile-tiles")
-        from bench import mixed_moe
-
         log.open(os.path.join(out_dir, "tiles_log.txt"))
         mixed_moe.main(args, (E, D, I), out_dir, log)
         return
@@ -108,7 +98,7 @@ def run(args):
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels import experts, moe_align
+    from pallas_kernels import experts
     from pallas_kernels import fused_moe as fm
 
     backend = "interpret" if args.smoke else "pallas"
@@ -153,20 +143,6 @@ def run(args):
         capture_triton(lowered)
         os.makedirs(args.lower, exist_ok=True)
 
-    def dump(label, plan):
-        """Write the kernels lowered for one timed call, named with their warps and stages."""
-        seen = set()
-        for text in lowered:
-            name = kernel_name(text)
-            if name in seen:
-                continue
-            seen.add(name)
-            gp = plan.up if "_up_" in name else plan.down
-            nw, ns = (4, 1) if name == "moe_align" else (gp.num_warps, gp.num_stages)
-            with open(os.path.join(args.lower, f"{label}_{name}_w{nw}_s{ns}.ttir"), "w") as f:
-                f.write(text)
-        lowered.clear()
-
     def timed(fn, w, x, ids, ws, label="", plan=None):
         """(µs per call, outputs of the first dispatch): one jit of R calls, dispatched n times."""
         r = len(ids)
@@ -174,7 +150,7 @@ def run(args):
         if args.lower:
             f.trace(w, x, ids, ws).lower(lowering_platforms=("cuda",))
             if plan is not None:
-                dump(label, plan)
+                dump_fused_moe(lowered, args.lower, label, plan)
             lowered.clear()
             return 0.0, None
         ys = jax.block_until_ready(f(w, x, ids, ws))
@@ -215,8 +191,6 @@ def run(args):
     if set(fmts) - {"bf16", "int4"} or not set(ms) <= set(reps):
         raise SystemExit(f"--fmts takes bf16,int4 and --ms a subset of {MS}: got {args.fmts!r} / {args.ms!r}")
     sweep = fused_moe_sweep(D, I, G)
-    peers = {"ragged": lambda x, i, s, w: xla_ragged(x, i, s, w[0], w[1]),
-             "gathered": lambda x, i, s, w: xla_gathered(x, i, s, w[0], w[1])}
     wts = {fmt: weights(fmt) for fmt in fmts}
     rows = {(fmt, m): dict(fmt=fmt, m=m) for fmt in fmts for m in ms}
     RESULTS["rows"] = list(rows.values())
@@ -238,73 +212,15 @@ def run(args):
         log(f"ours {fmt} M={m}: {us:.1f} µs, {u:.1f} experts, {nbytes / 1e6:.1f} MB, "
             f"{nbytes / max(us, 1e-9) / 1e6:.2f} TB/s, err {row['err']}")
 
-    def peer(name, m):
-        x, ids, ws, _ = routing(m)
-        us, ys = timed(peers[name], wts["bf16"], x, ids, ws)
-        check("bf16", m, wts["bf16"], x, ids, ws, ys, name)
-        for fmt in fmts:
-            rows[(fmt, m)][name] = us
-        log(f"{name} bf16 M={m}: {us:.1f} µs")
-
-    def torch_peer(_, m):
-        """torch._grouped_mm over pre-gathered experts, timed like `timed` (R routings a batch)."""
-        x, ids, ws, _ = routing(m)
-        us, y0 = torch_gathered_us(x, ids, ws, wts["bf16"], K, D)
-        check("bf16", m, wts["bf16"], x, ids, ws, [jnp.asarray(y0.cpu().float().numpy())], "torch")
-        for fmt in fmts:
-            rows[(fmt, m)]["torch"] = us
-        log(f"torch._grouped_mm bf16 M={m}: {us:.1f} µs")
-
-    def align(_, m):
-        """The align alone (M > 1; the kernel up to 64 pairs, the blocked path beyond), as the bf16
-        default plan runs it: how much of the layer it is. N aligns of shifted routings a dispatch
-        (one alone is shorter than the host's dispatch: the queue would time the host)."""
-        x, ids, ws, _ = routing(m)
-        bm, n = fm.plan_for(m, K, False).block_m, 32
-        f = jax.jit(lambda ids: [moe_align.moe_align((i + j) % E, E, bm, backend=backend) for i in ids for j in range(n)])
-        jax.block_until_ready(f(ids))
-        us = 0.0 if args.smoke else queued_us(f, ids, hi=12, lo=3) / (n * len(ids))
-        for fmt in fmts:
-            rows[(fmt, m)]["align"] = us
-        log(f"align M={m} ({m * K} pairs, block {bm}, {'kernel' if m * K <= moe_align.MAX_ALIGN_PAIRS else 'blocked'}): "
-            f"{us:.1f} µs")
-
-    def interleaved(fmt, m, rounds=3):
-        """--ab: the default plan and the sweep's, each timed once a round in turn (machines of one
-        kind differ by up to 25% at M = 1: compare plans within a run); best of the rounds."""
-        x, ids, ws, _ = routing(m)
-        plans = [None] + sweep.get((fmt, m), [])
-        fns = []
-        for plan in plans:
-            f = jax.jit(lambda w, x, ids, ws, plan=plan: [ours(plan)(x, i, s, w) for i, s in zip(ids, ws)])
-            check(fmt, m, wts[fmt], x, ids, ws, jax.block_until_ready(f(wts[fmt], x, ids, ws)), "ab")
-            fns.append(f)
-        times = [[] for _ in plans]
-        for _ in range(0 if args.smoke else rounds):
-            for f, t in zip(fns, times):
-                t.append(queued_us(f, wts[fmt], x, ids, ws, hi=10, lo=2) / len(ids))
-        for plan, t in zip(plans, times):
-            RESULTS["sweep"].append(dict(fmt=fmt, m=m, us=min(t, default=0.0), rounds=t, plan=str(plan or "default")))
-            log(f"ab {fmt} M={m}: {' '.join(f'{u:6.1f}' for u in t)}  best {min(t, default=0.0):6.1f} µs  "
-                f"{'default ' + str(fm.plan_for(m, K, fmt == 'int4', (D // G, I // G))) if plan is None else plan}")
+    peers, peer, torch_peer = peer_tasks(routing, timed, check, wts, fmts, rows, (K, D), log)
+    align = align_task(routing, rows, fmts, (E, K), backend, args.smoke, log)
+    interleaved = ab_task(routing, sweep, ours, check, wts, (K, D, I, G), args.smoke, RESULTS, log)
 
     def variants(fmt, m):
         x, ids, ws, _ = routing(m)
-        for n, plan in enumerate(sweep.get((fmt, m), [])):
-            if left() < 0:
-                log(f"budget spent: sweep stopped at {fmt} M={m}")
-                return
-            try:
-                us, ys = timed(ours(plan), wts[fmt], x, ids, ws, f"{fmt}_m{m}_sweep{n}", plan)
-                err = check(fmt, m, wts[fmt], x, ids, ws, ys, "sweep")
-                RESULTS["sweep"].append(dict(fmt=fmt, m=m, us=us, err=err, plan=str(plan)))
-                log(f"sweep {fmt} M={m}: {us:.1f} µs err {err} {plan}")
-                row = rows[(fmt, m)]
-                if us and (not row.get("best_us") or us < row["best_us"]):
-                    row.update(best_us=us, best_plan=str(plan))
-            except Exception as e:
-                log(f"FAILED sweep {fmt} M={m} {plan}: {e!r}")
-                RESULTS["errors"].append(f"sweep {fmt} M={m} {plan}: " + traceback.format_exc(limit=4)[-1500:])
+        sweep_plans(sweep.get((fmt, m), []), fmt, m,
+                    lambda n, plan: timed(ours(plan), wts[fmt], x, ids, ws, f"{fmt}_m{m}_sweep{n}", plan),
+                    lambda ys: check(fmt, m, wts[fmt], x, ids, ws, ys, "sweep"), rows[(fmt, m)], RESULTS, left, log)
 
     # In order of value: the budget may cut the tail. The peers run on bf16 weights.
     bf16, int4 = "bf16" in fmts, "int4" in fmts

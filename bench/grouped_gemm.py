@@ -35,7 +35,7 @@ import traceback
 
 
 from bench.common import Log, copy_ceiling_tbs, queued_us, random_experts, run_tasks
-from bench.moe_plans import grouped_gemm_sweep
+from bench.moe_plans import grouped_gemm_sweep, sweep_plans
 from bench.moe_tables import grouped_gemm_table
 from bench.peers import torch_grouped_mm_us, xla_ragged
 from bench.sass import capture_triton, compile_report, kernel_name
@@ -201,21 +201,9 @@ def run(args):
             log(f"ours {fmt} M={m}: checked (err {row['err']}), {plan}")
 
     def variants(fmt, m):
-        for n, plan in enumerate(grouped_gemm_sweep(fmt, m)):
-            if left() < 0:
-                log(f"budget spent: sweep stopped at {fmt} M={m}")
-                return
-            try:
-                us, y = timed(ours(plan), wts[fmt], m, f"{fmt}_m{m}_sweep{n}", plan)
-                err = check(fmt, m, wts[fmt], y, "sweep")
-                RESULTS["sweep"].append(dict(fmt=fmt, m=m, us=us, err=err, plan=str(plan)))
-                log(f"sweep {fmt} M={m}: {us:.1f} µs err {err} {plan}")
-                row = rows[(fmt, m)]
-                if us and (not row.get("best_us") or us < row["best_us"]):
-                    row.update(best_us=us, best_plan=str(plan))
-            except Exception as e:  # noqa: BLE001
-                log(f"FAILED sweep {fmt} M={m} {plan}: {e!r}")
-                RESULTS["errors"].append(f"sweep {fmt} M={m} {plan}: " + traceback.format_exc(limit=4)[-1500:])
+        sweep_plans(grouped_gemm_sweep(fmt, m), fmt, m,
+                    lambda n, plan: timed(ours(plan), wts[fmt], m, f"{fmt}_m{m}_sweep{n}", plan),
+                    lambda y: check(fmt, m, wts[fmt], y, "sweep"), rows[(fmt, m)], RESULTS, left, log)
 
     def ragged(m):
         us, y = timed(lambda x, i, s, w: xla_ragged(x, i, s, w[0], w[1]), wts["bf16"], m,

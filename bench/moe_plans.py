@@ -1,7 +1,10 @@
 """The launch-plan sweeps the MoE benchmarks time after each default plan (`plan_for`): the fused
-MoE's (bench.fused_moe) and the grouped GEMM's (bench.grouped_gemm), most promising first."""
+MoE's (bench.fused_moe) and the grouped GEMM's (bench.grouped_gemm), most promising first; and the
+loop both run a sweep with (each plan timed, checked, logged, the best kept, under the budget)."""
 
 from __future__ import annotations
+
+import traceback
 
 
 def fused_moe_sweep(d: int, i: int, g: int) -> dict:
@@ -65,3 +68,23 @@ def grouped_gemm_sweep(fmt: str, m: int) -> list:
                 Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3), swap=True, half=True)]
         order = {512: [0, 1, 8, 3], 2048: [8, 3, 2, 1, 7], 4096: [3, 2, 6, 10, 5, 9, 4, 7]}
     return [base[i] for i in order.get(m, range(len(base)))]
+
+
+def sweep_plans(plans, fmt: str, m: int, time_plan, check_plan, row: dict, results: dict, left, log) -> None:
+    """Each plan in turn until the budget is spent: (µs, outputs) = time_plan(n, plan), the error
+    check_plan(outputs), a sweep row in results; row keeps the best. A failing plan is logged and
+    the sweep goes on."""
+    for n, plan in enumerate(plans):
+        if left() < 0:
+            log(f"budget spent: sweep stopped at {fmt} M={m}")
+            return
+        try:
+            us, ys = time_plan(n, plan)
+            err = check_plan(ys)
+            results["sweep"].append(dict(fmt=fmt, m=m, us=us, err=err, plan=str(plan)))
+            log(f"sweep {fmt} M={m}: {us:.1f} µs err {err} {plan}")
+            if us and (not row.get("best_us") or us < row["best_us"]):
+                row.update(best_us=us, best_plan=str(plan))
+        except Exception as e:  # noqa: BLE001
+            log(f"FAILED sweep {fmt} M={m} {plan}: {e!r}")
+            results["errors"].append(f"sweep {fmt} M={m} {plan}: " + traceback.format_exc(limit=4)[-1500:])

@@ -89,3 +89,20 @@ def compile_report(ttir_dir: str, log=print) -> list[dict]:
     with open(os.path.join(ttir_dir, "compile.json"), "w") as f:
         json.dump(records, f, indent=1)
     return records
+
+
+def dump_fused_moe(lowered: list, out_dir: str, label: str, plan) -> None:
+    """Write the fused MoE kernels lowered for one timed call (bench.fused_moe --lower), each once,
+    named with their warps and stages (the up GEMM's from plan.up, the down's from plan.down, the
+    align's 4 and 1); empties lowered."""
+    seen = set()
+    for text in lowered:
+        name = kernel_name(text)
+        if name in seen:
+            continue
+        seen.add(name)
+        gp = plan.up if "_up_" in name else plan.down
+        nw, ns = (4, 1) if name == "moe_align" else (gp.num_warps, gp.num_stages)
+        with open(os.path.join(out_dir, f"{label}_{name}_w{nw}_s{ns}.ttir"), "w") as f:
+            f.write(text)
+    lowered.clear()
