@@ -32,6 +32,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX
 
 from bench.common import Log
 from bench.qmatvec_peers import torch_part
+from bench.qmatvec_table import qmatvec_table
 
 SHAPES = [(4096, 2560), (2560, 4096), (6144, 2560), (20480, 2560), (157184, 2560)]
 MS = (1, 6)
@@ -222,34 +223,7 @@ def main():
         log("jax part failed:", traceback.format_exc())
     log(f"[{time.time() - t0:.0f} s] done")
 
-    cbw = RESULTS.get("copy_tbs")
-    lines = ["", f"qmatvec on {RESULTS.get('device')}, copy ceiling {cbw and round(cbw, 2)} TB/s",
-             "shape          M bits   ours µs  TB/s  %copy  cuBLAS µs  x   gemlite µs  x   XLA µs   x"]
-
-    def ratio(peer, ours):
-        return f"{peer / ours:5.2f}" if peer else "  n/a"
-
-    for r in RESULTS["rows"]:
-        pct = 100 * r["tbs"] / cbw if cbw else float("nan")
-        cub, glt, xl = r["cublas"], r["gemlite"], r["xla"]
-        lines.append(
-            f"{r['n']:>6}x{r['k']:<6} {r['m']:>2} int{r['bits']} {r['us']:8.2f} {r['tbs']:5.2f} {pct:5.0f}%"
-            f" {cub or float('nan'):9.2f} {ratio(cub, r['us'])} {glt or float('nan'):10.2f}"
-            f" {ratio(glt, r['us'])} {xl:7.2f} {ratio(xl, r['us'])}")
-    if RESULTS["sweep"]:
-        lines.append("best sweep variant per (shape, M), int4:")
-        best = {}
-        for r in RESULTS["sweep"]:
-            kk = (r["n"], r["k"], r["m"])
-            if kk not in best or r["us"] < best[kk]["us"]:
-                best[kk] = r
-        for kk, r in sorted(best.items()):
-            lines.append(f"  {kk[0]}x{kk[1]} M={kk[2]}: {r['us']:.2f} µs {r['tbs']:.2f} TB/s "
-                         f"bn{r['block_n']} {r['plan']}")
-    if RESULTS["errors"]:
-        lines.append(f"{len(RESULTS['errors'])} errors (see the log)")
-    for line in lines:
-        log(line)
+    qmatvec_table(RESULTS, log)
     with open(os.path.join(outdir, "qmatvec.json"), "w") as f:
         json.dump(RESULTS, f, indent=1, default=str)
 
