@@ -15,11 +15,11 @@ Ling-3.0-flash's MoE layer: E = 512 experts, top-8, D = 2560, I = 768; bf16 weig
 int4 (G = 128, symmetric, B_N = 64); M in {1, 6, 16, 64} tokens. Per row:
   ours      fused_moe (align + up/SwiGLU + down + combine), the default plan (`plan_for`), and
             the launch-plan variants of the sweep (the best is shown with its plan)
-  ragged    XLA `lax.ragged_dot` on bf16 weights (bench/common.py `xla_ragged`)
-  gathered  XLA einsum over gathered bf16 experts (bench/common.py `xla_gathered`)
+  ragged    XLA `lax.ragged_dot` on bf16 weights (bench/peers.py `xla_ragged`)
+  gathered  XLA einsum over gathered bf16 experts (bench/peers.py `xla_gathered`)
   torch     torch._grouped_mm on experts pre-gathered per routing (the gather is not timed): rows
             sorted by expert, gate/up GEMM, SiLU·up, down GEMM, weighted index_add (bf16, GPU
-            only; the weights are JAX's own buffers through DLPack)
+            only; the weights are JAX's own buffers through DLPack; bench/peers.py `torch_gathered_us`)
   SGLang    not measured (no wheel offline): perf-anchors.md's figures, another run, for reference
 Timing: each timed dispatch is one jit of R calls, each with its own random routing (distinct
 experts per token, uniform over E) so that every call reads experts cold from HBM (the R calls
@@ -28,6 +28,8 @@ is divided out, so host dispatch and the final sync cancel. Achieved TB/s is ove
 must move: the distinct experts' weights (+ scales) once, x, y. The floor is those bytes over
 the copy bandwidth measured in the same run (XLA, 1 GiB read + write). Every kernel variant is
 checked against `experts.reference` before it is timed. A table is printed last.
+Parts: bench/fused_moe_peers.py (the peer rows), bench/fused_moe_ab.py (--ab), bench/fused_moe_align.py
+(--align-only), bench/moe_plans.py (the sweep and its loop), bench/moe_tables.py (the table).
 """
 
 from __future__ import annotations
@@ -39,50 +41,22 @@ import time
 import traceback
 
 
-# bench/common.py
-from bench.common import (capture_triton, copy_ceiling_tbs, kernel_name, queued_us, random_experts,
-                    xla_gathered, xla_ragged)
+from bench import mixed_moe
+from bench.common import Log, copy_ceiling_tbs, queued_us, random_experts, run_tasks
+from bench.fused_moe_ab import ab_task
+from bench.fused_moe_align import align_task
+from bench.fused_moe_peers import peer_tasks
+from bench.moe_plans import fused_moe_sweep, sweep_plans
+from bench.moe_tables import fused_moe_table
+from bench.sass import capture_triton, dump_fused_moe
 
 E, K, D, I = 512, 8, 2560, 768
 MS = (1, 6, 16, 64)
 G, BN_Q = 128, 64
 SGLANG_ANCHOR = {1: 38.4, 6: 157.0, 16: 331.0, 64: 870.0}  # bf16, µs/layer, perf-anchors.md
 T0 = time.time()
-LOG = None
+log = Log()
 RESULTS: dict = {"rows": [], "sweep": [], "checks": [], "errors": []}
-
-
-def log(*a):
-    s = " ".join(str(x) for x in a)
-    print(s, flush=True)
-    if LOG is not None:
-        LOG.write(s + "\n")
-        LOG.flush()
-
-
-def plans():
-    """The sweep: (format, M) -> [Plan], timed after the default plan (`plan_for`); E, D, I as set."""
-    from pallas_kernels.fused_moe import GemmPlan as GP, Plan, split_groups
-
-    dot = lambda up, down: Plan("dot", 16, up, down)  # noqa: E731
-    fma = lambda up, down: Plan("fma", 1, up, down)  # noqa: E731
-    tiles = [dot(GP(128, 64, 4, 4), GP(128, 64, 4, 4)),  # the default before 2026-11-30's sweep
-             dot(GP(256, 32, 4, 3), GP(256, 32, 4, 3))]
-    m1 = tiles + [dot(GP(128, 64, 2, 5), GP(128, 32, 2, 4)),
-                  dot(GP(256, 64, 8, 3), GP(128, 64, 4, 4)),
-                  fma(GP(64, 64, 2, 1), GP(64, 64, 2, 1))]
-    # quantised: (warps, groups of K an up program, a down program; 0: no split), against
-    # D / G = 20 and I / G = 6 groups at Ling's shapes
-    ku, kd = D // G, I // G
-    split = lambda n, per: split_groups(n, per) if per else 1  # noqa: E731
-    q = lambda w, pu=0, pd=0: fma(GP(0, 0, w, 1, split=split(ku, pu)), GP(0, 0, w, 1, split=split(kd, pd)))  # noqa: E731
-    qdot = lambda pu=0, pd=0: dot(GP(0, 0, 4, 4, split=split(ku, pu)), GP(0, 0, 4, 4, split=split(kd, pd)))  # noqa: E731
-    return {("bf16", 1): m1, ("bf16", 6): tiles, ("bf16", 16): tiles[:1],
-            ("bf16", 64): [dot(GP(64, 128, 4, 6), GP(64, 128, 4, 5))],
-            ("int4", 1): [q(8), q(8, 2, 1), q(8, 4, 1), q(8, 1, 2), q(8, 1, 1), q(16, 2, 1), q(4, 5, 2)],
-            ("int4", 6): [q(4, 10, 0), q(4, 10, 3), q(4, 5, 2), q(8, 10, 3), qdot(10, 3)],
-            ("int4", 16): [q(4, 10, 3), qdot(), qdot(10, 0), qdot(10, 3)],
-            ("int4", 64): [qdot(10, 3), q(4)]}
 
 
 def main():
@@ -90,27 +64,14 @@ def main():
     ap.add_argument("--budget", type=float, default=105.0, help="seconds; then the rest is skipped")
     ap.add_argument("--smoke", action="store_true", help="CPU, interpret mode, tiny shapes")
     ap.add_argument("--lower", metavar="DIR", help="CPU: dump the Triton IR of every timed kernel")
-    ap.add_argument("--mixed", action="store_true", help="decode + prefill tokens of one layer: one grouped "
-                    "launch, two launches, the tile-scheduled kernel (bench/mixed_moe.py)")
-    ap.add_argument("--profile-tiles", action="store_true", help="profile the tile kernel over (decode, prefill) "
-                    "shapes and fit moe/tiles.py's latency model")
-    ap.add_argument("--tile-model", metavar="PATH", help="--profile-tiles: where the fitted model goes "
-                    "(default $OUT/tile_model.json)")
-    ap.add_argument("--tile-per-sm", help="--mixed: the tile kernel's persistent programs per SM (comma-separated: "
-                    "each is timed; default expert_tiles.PROGRAMS_PER_SM)")
-    ap.add_argument("--tile-bm", default="0", help="--mixed: the tile kernel's BM (comma-separated; 0: plan_for's)")
-    ap.add_argument("--tile-warps", default="0",
-                    help="--mixed: the tile kernel's warps (comma-separated; 0: plan_for's)")
-    ap.add_argument("--tile-bm-hot", default="0",
-                    help="--mixed: the tile kernel's hot-block BM (comma-separated; 0: plan_for's)")
-    ap.add_argument("--prefills", help="--mixed: prefill chunk sizes (comma-separated; default 512,2048,8192)")
+    mixed_moe.add_args(ap)
     ap.add_argument("--fmts", default="bf16,int4", help="weight formats to time (comma-separated)")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M (comma-separated)")
     ap.add_argument("--align-only", action="store_true", help="time only the align (M > 1)")
     ap.add_argument("--ab", action="store_true", help="only the default and the sweep's plans, timed in "
                     "interleaved rounds (plan comparisons that machine-to-machine spread does not blur)")
     args = ap.parse_args()
-    global E, D, I, LOG
+    global E, D, I
     if args.smoke or args.lower:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.smoke:
@@ -120,26 +81,24 @@ def main():
     if args.mixed or args.profile_tiles:
         if args.lower:
             ap.error("--lower applies to the fused MoE sweep, not to --mixed / --profile-tiles")
-        import mixed_moe  # bench/mixed_moe.py, beside this script
-
-        LOG = open(os.path.join(out_dir, "tiles_log.txt"), "w")
+        log.open(os.path.join(out_dir, "tiles_log.txt"))
         mixed_moe.main(args, (E, D, I), out_dir, log)
         return
-    LOG = open(os.path.join(out_dir, "moe_log.txt"), "w")
+    log.open(os.path.join(out_dir, "moe_log.txt"))
     try:
         run(args)
     except Exception:
         log("FAILED:", traceback.format_exc())
     with open(os.path.join(out_dir, "moe.json"), "w") as f:
         json.dump(RESULTS, f, indent=1, default=str)
-    table()
+    fused_moe_table(RESULTS, (E, K, D, I), SGLANG_ANCHOR, log)
 
 
 def run(args):
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels import experts, moe_align
+    from pallas_kernels import experts
     from pallas_kernels import fused_moe as fm
 
     backend = "interpret" if args.smoke else "pallas"
@@ -184,20 +143,6 @@ def run(args):
         capture_triton(lowered)
         os.makedirs(args.lower, exist_ok=True)
 
-    def dump(label, plan):
-        """Write the kernels lowered for one timed call, named with their warps and stages."""
-        seen = set()
-        for text in lowered:
-            name = kernel_name(text)
-            if name in seen:
-                continue
-            seen.add(name)
-            gp = plan.up if "_up_" in name else plan.down
-            nw, ns = (4, 1) if name == "moe_align" else (gp.num_warps, gp.num_stages)
-            with open(os.path.join(args.lower, f"{label}_{name}_w{nw}_s{ns}.ttir"), "w") as f:
-                f.write(text)
-        lowered.clear()
-
     def timed(fn, w, x, ids, ws, label="", plan=None):
         """(µs per call, outputs of the first dispatch): one jit of R calls, dispatched n times."""
         r = len(ids)
@@ -205,7 +150,7 @@ def run(args):
         if args.lower:
             f.trace(w, x, ids, ws).lower(lowering_platforms=("cuda",))
             if plan is not None:
-                dump(label, plan)
+                dump_fused_moe(lowered, args.lower, label, plan)
             lowered.clear()
             return 0.0, None
         ys = jax.block_until_ready(f(w, x, ids, ws))
@@ -245,9 +190,7 @@ def run(args):
         reps.update({m: 2 for m in ms if m not in reps})
     if set(fmts) - {"bf16", "int4"} or not set(ms) <= set(reps):
         raise SystemExit(f"--fmts takes bf16,int4 and --ms a subset of {MS}: got {args.fmts!r} / {args.ms!r}")
-    sweep = plans()
-    peers = {"ragged": lambda x, i, s, w: xla_ragged(x, i, s, w[0], w[1]),
-             "gathered": lambda x, i, s, w: xla_gathered(x, i, s, w[0], w[1])}
+    sweep = fused_moe_sweep(D, I, G)
     wts = {fmt: weights(fmt) for fmt in fmts}
     rows = {(fmt, m): dict(fmt=fmt, m=m) for fmt in fmts for m in ms}
     RESULTS["rows"] = list(rows.values())
@@ -269,113 +212,15 @@ def run(args):
         log(f"ours {fmt} M={m}: {us:.1f} µs, {u:.1f} experts, {nbytes / 1e6:.1f} MB, "
             f"{nbytes / max(us, 1e-9) / 1e6:.2f} TB/s, err {row['err']}")
 
-    def peer(name, m):
-        x, ids, ws, _ = routing(m)
-        us, ys = timed(peers[name], wts["bf16"], x, ids, ws)
-        check("bf16", m, wts["bf16"], x, ids, ws, ys, name)
-        for fmt in fmts:
-            rows[(fmt, m)][name] = us
-        log(f"{name} bf16 M={m}: {us:.1f} µs")
-
-    def torch_peer(_, m):
-        """torch._grouped_mm over pre-gathered experts, timed like `timed` (R routings a batch)."""
-        import numpy as np
-        import torch
-        import torch.nn.functional as F
-
-        x, ids, ws, _ = routing(m)
-        w13, w2 = (torch.from_dlpack(a) for a in wts["bf16"])  # [E, D, 2I], [E, I, D]
-        xt = torch.from_dlpack(x)
-        dev = xt.device
-
-        def k_major(w):  # the same [U, K, N] values with K contiguous (the layout cuBLASLt/CUTLASS take)
-            return w.transpose(1, 2).contiguous().transpose(1, 2)
-
-        calls = []
-        for i, s in zip(ids, ws):
-            flat = np.asarray(i).reshape(-1)
-            order = np.argsort(flat, kind="stable")
-            experts, counts = np.unique(flat[order], return_counts=True)
-            e = torch.as_tensor(experts, device=dev)
-            calls.append(dict(rows=torch.as_tensor(order // K, device=dev), w13=k_major(w13[e]), w2=k_major(w2[e]),
-                              offs=torch.as_tensor(np.cumsum(counts), dtype=torch.int32, device=dev),
-                              weight=torch.as_tensor(np.asarray(s).reshape(-1)[order], device=dev)))
-
-        def one(c):
-            h = torch._grouped_mm(xt[c["rows"]], c["w13"], offs=c["offs"])  # [P, 2I]
-            h = (F.silu(h[:, 0::2].float()) * h[:, 1::2].float()).to(torch.bfloat16)  # [P, I]
-            o = torch._grouped_mm(h, c["w2"], offs=c["offs"])  # [P, D]
-            y = torch.zeros(m, D, dtype=torch.float32, device=dev)
-            return y.index_add_(0, c["rows"], o.float() * c["weight"][:, None]).to(torch.bfloat16)
-
-        y0 = one(calls[0])
-        torch.cuda.synchronize()
-
-        def batch(n):
-            t = time.perf_counter()
-            for _ in range(n):
-                for c in calls:
-                    one(c)
-            torch.cuda.synchronize()
-            return time.perf_counter() - t
-
-        batch(2)
-        us = min(batch(12) - batch(3) for _ in range(2)) / (9 * len(calls)) * 1e6
-        check("bf16", m, wts["bf16"], x, ids, ws, [jnp.asarray(y0.cpu().float().numpy())], "torch")
-        for fmt in fmts:
-            rows[(fmt, m)]["torch"] = us
-        log(f"torch._grouped_mm bf16 M={m}: {us:.1f} µs")
-
-    def align(_, m):
-        """The align alone (M > 1; the kernel up to 64 pairs, the blocked path beyond), as the bf16
-        default plan runs it: how much of the layer it is. N aligns of shifted routings a dispatch
-        (one alone is shorter than the host's dispatch: the queue would time the host)."""
-        x, ids, ws, _ = routing(m)
-        bm, n = fm.plan_for(m, K, False).block_m, 32
-        f = jax.jit(lambda ids: [moe_align.moe_align((i + j) % E, E, bm, backend=backend) for i in ids for j in range(n)])
-        jax.block_until_ready(f(ids))
-        us = 0.0 if args.smoke else queued_us(f, ids, hi=12, lo=3) / (n * len(ids))
-        for fmt in fmts:
-            rows[(fmt, m)]["align"] = us
-        log(f"align M={m} ({m * K} pairs, block {bm}, {'kernel' if m * K <= moe_align.MAX_ALIGN_PAIRS else 'blocked'}): "
-            f"{us:.1f} µs")
-
-    def interleaved(fmt, m, rounds=3):
-        """--ab: the default plan and the sweep's, each timed once a round in turn (machines of one
-        kind differ by up to 25% at M = 1: compare plans within a run); best of the rounds."""
-        x, ids, ws, _ = routing(m)
-        plans = [None] + sweep.get((fmt, m), [])
-        fns = []
-        for plan in plans:
-            f = jax.jit(lambda w, x, ids, ws, plan=plan: [ours(plan)(x, i, s, w) for i, s in zip(ids, ws)])
-            check(fmt, m, wts[fmt], x, ids, ws, jax.block_until_ready(f(wts[fmt], x, ids, ws)), "ab")
-            fns.append(f)
-        times = [[] for _ in plans]
-        for _ in range(0 if args.smoke else rounds):
-            for f, t in zip(fns, times):
-                t.append(queued_us(f, wts[fmt], x, ids, ws, hi=10, lo=2) / len(ids))
-        for plan, t in zip(plans, times):
-            RESULTS["sweep"].append(dict(fmt=fmt, m=m, us=min(t, default=0.0), rounds=t, plan=str(plan or "default")))
-            log(f"ab {fmt} M={m}: {' '.join(f'{u:6.1f}' for u in t)}  best {min(t, default=0.0):6.1f} µs  "
-                f"{'default ' + str(fm.plan_for(m, K, fmt == 'int4', (D // G, I // G))) if plan is None else plan}")
+    peers, peer, torch_peer = peer_tasks(routing, timed, check, wts, fmts, rows, (K, D), log)
+    align = align_task(routing, rows, fmts, (E, K), backend, args.smoke, log)
+    interleaved = ab_task(routing, sweep, ours, check, wts, (K, D, I, G), args.smoke, RESULTS, log)
 
     def variants(fmt, m):
         x, ids, ws, _ = routing(m)
-        for n, plan in enumerate(sweep.get((fmt, m), [])):
-            if left() < 0:
-                log(f"budget spent: sweep stopped at {fmt} M={m}")
-                return
-            try:
-                us, ys = timed(ours(plan), wts[fmt], x, ids, ws, f"{fmt}_m{m}_sweep{n}", plan)
-                err = check(fmt, m, wts[fmt], x, ids, ws, ys, "sweep")
-                RESULTS["sweep"].append(dict(fmt=fmt, m=m, us=us, err=err, plan=str(plan)))
-                log(f"sweep {fmt} M={m}: {us:.1f} µs err {err} {plan}")
-                row = rows[(fmt, m)]
-                if us and (not row.get("best_us") or us < row["best_us"]):
-                    row.update(best_us=us, best_plan=str(plan))
-            except Exception as e:
-                log(f"FAILED sweep {fmt} M={m} {plan}: {e!r}")
-                RESULTS["errors"].append(f"sweep {fmt} M={m} {plan}: " + traceback.format_exc(limit=4)[-1500:])
+        sweep_plans(sweep.get((fmt, m), []), fmt, m,
+                    lambda n, plan: timed(ours(plan), wts[fmt], x, ids, ws, f"{fmt}_m{m}_sweep{n}", plan),
+                    lambda ys: check(fmt, m, wts[fmt], x, ids, ws, ys, "sweep"), rows[(fmt, m)], RESULTS, left, log)
 
     # In order of value: the budget may cut the tail. The peers run on bf16 weights.
     bf16, int4 = "bf16" in fmts, "int4" in fmts
@@ -394,45 +239,8 @@ def run(args):
         tasks = [t for t in tasks if t[0] is align]
     if args.ab:
         tasks = [(interleaved, (fmt, m)) for m in ms for fmt in fmts]
-    for fn, a in tasks:
-        if a[1] not in ms:
-            continue
-        if left() < 0:
-            log(f"budget spent: skipped {fn.__name__}{a}")
-            continue
-        try:
-            fn(*a)
-        except Exception as e:
-            log(f"FAILED {fn.__name__}{a}: {e!r}")
-            RESULTS["errors"].append(f"{fn.__name__}{a}: " + traceback.format_exc(limit=4)[-1500:])
+    run_tasks([t for t in tasks if t[1][1] in ms], left, log, RESULTS["errors"])
     log(f"[{time.time() - T0:.0f} s] done")
-
-
-def table():
-    cbw = RESULTS.get("copy_tbs")
-    lines = ["", f"fused MoE, E={E} top-{K} D={D} I={I}, on {RESULTS.get('device')}; "
-                 f"copy ceiling {cbw and round(cbw, 2)} TB/s",
-             "fmt  M   experts   MB   ours µs (best)  TB/s  floor µs  %floor  torch µs   x    ragged µs  x    "
-             "gathered µs  x    SGLang* x"]
-    for r in RESULTS["rows"]:
-        cands = [v for v in (r.get("us"), r.get("best_us")) if v]
-        us = min(cands) if cands else None
-        if not us or "mbytes" not in r:
-            lines.append(f"{r['fmt']:4} {r['m']:3}  (no timing)")
-            continue
-        floor = r["mbytes"] / cbw if cbw else float("nan")
-        rat = lambda p: f"{p:9.1f} {p / us:5.2f}" if p else "      n/a      "  # noqa: E731
-        sgl = SGLANG_ANCHOR.get(r["m"])
-        lines.append(
-            f"{r['fmt']:4} {r['m']:3} {r['distinct']:6.1f} {r['mbytes']:7.1f} {r.get('us') or 0:7.1f} ({us:6.1f}) "
-            f"{r['mbytes'] / us:5.2f} {floor:8.1f} {100 * floor / us:6.0f}%  {rat(r.get('torch'))} {rat(r.get('ragged'))} "
-            f" {rat(r.get('gathered'))}  {sgl / us if sgl else float('nan'):5.2f}")
-    lines.append("x = peer µs / ours (best); SGLang* = perf-anchors.md bf16 figure (not this run) / ours")
-    for r in RESULTS["rows"]:
-        if r.get("best_plan"):
-            lines.append(f"best {r['fmt']} M={r['m']}: {r['best_plan']}")
-    for line in lines:
-        log(line)
 
 
 if __name__ == "__main__":

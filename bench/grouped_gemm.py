@@ -12,7 +12,7 @@ uniform random routing (distinct experts per token), so every expert has rows (M
 Per row (format, M):
   ours     grouped_moe = align (blocked) + up GEMM/SwiGLU + down GEMM/weights + combine, with
            `plan_for`'s plan, then the sweep's plans (the best is shown with its plan)
-  ragged   XLA `lax.ragged_dot` on bf16 weights (bench/common.py `xla_ragged`)
+  ragged   XLA `lax.ragged_dot` on bf16 weights (bench/peers.py `xla_ragged`)
   torch    torch._grouped_mm on its own random bf16 weights, same routing: argsort, gather,
            gate_up, SiLU*up, down, weights, index_add; eager, CUDA events over 20 layers (its
            ~10 launches a layer are noise at ~2 ms); the row says n/a if torch fails
@@ -34,8 +34,11 @@ import time
 import traceback
 
 
-from bench.common import (
-    capture_triton, compile_report, copy_ceiling_tbs, kernel_name, queued_us, random_experts, xla_ragged)
+from bench.common import Log, copy_ceiling_tbs, queued_us, random_experts, run_tasks
+from bench.moe_plans import grouped_gemm_sweep, sweep_plans
+from bench.moe_tables import grouped_gemm_table
+from bench.peers import torch_grouped_mm_us, xla_ragged
+from bench.sass import capture_triton, compile_report, kernel_name
 
 E, K, D, I = 512, 8, 2560, 768
 MS = (512, 2048, 4096)
@@ -45,53 +48,8 @@ PEAK_TFLOPS = 989.0  # H200 SXM dense bf16, data sheet
 CHECK_TOKENS = 256
 TORCH_ANCHOR = {512: 1950.0, 4096: 2090.0}  # µs, perf-anchors.md (another run)
 T0 = time.time()
-LOG = None
+log = Log()
 RESULTS: dict = {"rows": [], "sweep": [], "checks": [], "errors": [], "compiled": []}
-
-
-def log(*a):
-    s = " ".join(str(x) for x in a)
-    print(s, flush=True)
-    if LOG is not None:
-        LOG.write(s + "\n")
-        LOG.flush()
-
-
-def sweep_plans(fmt: str, m: int):
-    """Plans timed after the default (`plan_for`), most promising first (the budget cuts the tail)."""
-    from pallas_kernels.grouped_gemm import Plan, Tile as T
-
-    if fmt == "bf16":
-        base = [Plan(16, T(64, 128, 4, 5), T(64, 128, 4, 5)),
-                Plan(16, T(64, 128, 4, 4), T(64, 128, 4, 4), swap=True),
-                Plan(32, T(64, 128, 4, 4), T(64, 128, 4, 4)),
-                Plan(32, T(64, 128, 4, 4), T(64, 128, 4, 4), swap=True),
-                Plan(64, T(64, 128, 4, 4), T(64, 128, 4, 4)),
-                Plan(64, T(64, 256, 8, 3), T(64, 256, 8, 3)),
-                Plan(64, T(64, 128, 4, 4), T(64, 128, 4, 4), combine="atomic"),
-                Plan(128, T(64, 128, 8, 3), T(64, 128, 8, 3)),
-                Plan(128, T(64, 256, 8, 3), T(64, 256, 8, 3)),
-                Plan(64, T(128, 128, 4, 3), T(128, 128, 4, 3)),
-                Plan(64, T(64, 128, 4, 6), T(64, 128, 4, 6)),  # deeper pipelines: at 4096 tokens
-                Plan(64, T(64, 256, 8, 4), T(64, 256, 8, 4)),  # the weight stream dominates
-                Plan(128, T(64, 128, 8, 3), T(64, 128, 8, 3), half=True),  # 7 and 8 with half blocks
-                Plan(128, T(64, 256, 8, 3), T(64, 256, 8, 3), half=True)]
-        order = {512: [0, 1, 2, 3, 6, 4], 2048: [2, 3, 4, 6, 0, 5, 7, 12],
-                 4096: [4, 10, 11, 5, 7, 12, 6, 8, 13, 2, 9, 3]}
-    else:
-        base = [Plan(16, T(0, 0, 4, 3), T(0, 0, 4, 3)),
-                Plan(16, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True),
-                Plan(64, T(0, 0, 4, 3), T(0, 0, 4, 3)),
-                Plan(64, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True),
-                Plan(64, T(0, 0, 8, 3), T(0, 0, 8, 3)),
-                Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3)),
-                Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3), swap=True),
-                Plan(64, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True, combine="atomic"),
-                Plan(32, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True),
-                Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3), half=True),  # 5 and 6 with half blocks
-                Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3), swap=True, half=True)]
-        order = {512: [0, 1, 8, 3], 2048: [8, 3, 2, 1, 7], 4096: [3, 2, 6, 10, 5, 9, 4, 7]}
-    return [base[i] for i in order.get(m, range(len(base)))]
 
 
 def main():
@@ -103,7 +61,7 @@ def main():
     ap.add_argument("--ms", type=int, nargs="+", help="token counts (default: 512 2048 4096)")
     ap.add_argument("--fmts", nargs="+", choices=("bf16", "int4"), help="weight formats (default: both)")
     args = ap.parse_args()
-    global E, D, I, MS, CHECK_TOKENS, LOG, FMTS
+    global E, D, I, MS, CHECK_TOKENS, FMTS
     MS, FMTS = tuple(args.ms or MS), tuple(args.fmts or FMTS)
     if args.smoke or args.lower:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -113,7 +71,7 @@ def main():
         E, D, I, MS, CHECK_TOKENS = 13, 256, 128, (24, 64), 16
     out_dir = os.environ.get("OUT", "bench_out")
     os.makedirs(out_dir, exist_ok=True)
-    LOG = open(os.path.join(out_dir, "grouped_gemm_log.txt"), "w")
+    log.open(os.path.join(out_dir, "grouped_gemm_log.txt"))
     try:
         run(args)
     except Exception:
@@ -123,51 +81,7 @@ def main():
     if args.lower:
         RESULTS["compiled"] = compile_report(args.lower, log)
     else:
-        table()
-
-
-# ---------------------------------------------------------------------------------- lowering
-# ---------------------------------------------------------------------------------- the torch peer
-def torch_grouped_mm_us(ids, ws, *, e: int, d: int, inter: int, n: int = 20) -> float:
-    """µs per MoE layer of torch._grouped_mm on its own random bf16 weights for this routing
-    (ids, ws [M, k] host arrays): argsort, gather, gate_up, SiLU*up, down, weights, index_add;
-    eager, CUDA events over n layers (its ~10 launches a layer are noise at ~2 ms)."""
-    import numpy as np
-    import torch
-
-    m, k = ids.shape
-    dv = "cuda"
-    g = torch.Generator(device=dv).manual_seed(0)
-    # B operands in the layout torch's grouped GEMM wants: [E, N, K] stored, K-major view.
-    w13 = (torch.randn(e, 2 * inter, d, device=dv, dtype=torch.bfloat16, generator=g) * 0.03).transpose(1, 2)
-    w2 = (torch.randn(e, d, inter, device=dv, dtype=torch.bfloat16, generator=g) * 0.05).transpose(1, 2)
-    x = torch.randn(m, d, device=dv, dtype=torch.bfloat16, generator=g)
-    tid = torch.from_numpy(np.asarray(ids)).to(dv).long()
-    tw = torch.from_numpy(np.asarray(ws, np.float32)).to(dv)
-
-    def layer():
-        flat = tid.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
-        tok = order // k
-        h = torch._grouped_mm(x[tok], w13, offs=offs)  # [P, 2I]
-        h = (torch.nn.functional.silu(h[:, 0::2].float()) * h[:, 1::2].float()).to(torch.bfloat16)
-        out = torch._grouped_mm(h, w2, offs=offs).float() * tw.reshape(-1)[order, None]
-        return torch.zeros(m, d, device=dv).index_add_(0, tok, out).to(torch.bfloat16)
-
-    for _ in range(3):
-        layer()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        layer()
-    b.record()
-    torch.cuda.synchronize()
-    us = a.elapsed_time(b) * 1e3 / n
-    del w13, w2, x
-    torch.cuda.empty_cache()
-    return us
+        grouped_gemm_table(RESULTS, (E, K, D, I), PEAK_TFLOPS, TORCH_ANCHOR, log)
 
 
 # ---------------------------------------------------------------------------------- the run
@@ -287,21 +201,9 @@ def run(args):
             log(f"ours {fmt} M={m}: checked (err {row['err']}), {plan}")
 
     def variants(fmt, m):
-        for n, plan in enumerate(sweep_plans(fmt, m)):
-            if left() < 0:
-                log(f"budget spent: sweep stopped at {fmt} M={m}")
-                return
-            try:
-                us, y = timed(ours(plan), wts[fmt], m, f"{fmt}_m{m}_sweep{n}", plan)
-                err = check(fmt, m, wts[fmt], y, "sweep")
-                RESULTS["sweep"].append(dict(fmt=fmt, m=m, us=us, err=err, plan=str(plan)))
-                log(f"sweep {fmt} M={m}: {us:.1f} µs err {err} {plan}")
-                row = rows[(fmt, m)]
-                if us and (not row.get("best_us") or us < row["best_us"]):
-                    row.update(best_us=us, best_plan=str(plan))
-            except Exception as e:  # noqa: BLE001
-                log(f"FAILED sweep {fmt} M={m} {plan}: {e!r}")
-                RESULTS["errors"].append(f"sweep {fmt} M={m} {plan}: " + traceback.format_exc(limit=4)[-1500:])
+        sweep_plans(grouped_gemm_sweep(fmt, m), fmt, m,
+                    lambda n, plan: timed(ours(plan), wts[fmt], m, f"{fmt}_m{m}_sweep{n}", plan),
+                    lambda y: check(fmt, m, wts[fmt], y, "sweep"), rows[(fmt, m)], RESULTS, left, log)
 
     def ragged(m):
         us, y = timed(lambda x, i, s, w: xla_ragged(x, i, s, w[0], w[1]), wts["bf16"], m,
@@ -329,43 +231,8 @@ def run(args):
         tasks += [(variants, (fmt, m)) for m in MS[::-1] for fmt in FMTS]
     if not args.lower:
         tasks += [(ragged, (m,)) for m in MS[1:]]
-    for fn, a in tasks:
-        if left() < 0 and not args.lower:
-            log(f"budget spent: skipped {fn.__name__}{a}")
-            continue
-        try:
-            fn(*a)
-        except Exception as e:  # noqa: BLE001
-            log(f"FAILED {fn.__name__}{a}: {e!r}")
-            RESULTS["errors"].append(f"{fn.__name__}{a}: " + traceback.format_exc(limit=4)[-1500:])
+    run_tasks(tasks, (lambda: 1.0) if args.lower else left, log, RESULTS["errors"])
     log(f"[{time.time() - T0:.0f} s] done")
-
-
-def table():
-    cbw = RESULTS.get("copy_tbs")
-    lines = ["", f"grouped GEMM MoE layer, E={E} top-{K} D={D} I={I}, on {RESULTS.get('device')}; copy ceiling "
-                 f"{cbw and round(cbw, 2)} TB/s; floor = max(bytes / copy, FLOPs / {PEAK_TFLOPS:.0f} TFLOP/s)",
-             "fmt     M  experts     GB  GFLOP  default µs  best µs  TFLOP/s  TB/s  floor µs  %floor  "
-             "ragged µs      x  torch µs     x"]
-    for r in RESULTS["rows"]:
-        cands = [v for v in (r.get("us"), r.get("best_us")) if v]
-        us = min(cands) if cands else None
-        if not us or "mbytes" not in r:
-            lines.append(f"{r['fmt']:4} {r['m']:5}  (no timing; rel err of the default plan {r.get('err')})")
-            continue
-        floor = max(r["mbytes"] / cbw if cbw else 0.0, r["gflop"] / PEAK_TFLOPS * 1e3)
-        rat = lambda p: f"{p:9.0f} {p / us:6.2f}" if p else "      n/a       "  # noqa: E731
-        lines.append(
-            f"{r['fmt']:4} {r['m']:5} {r['distinct']:7.1f} {r['mbytes'] / 1e3:6.2f} {r['gflop']:6.1f} "
-            f"{r.get('us') or 0:10.1f} {us:8.1f} {r['gflop'] / us * 1e3:8.0f} {r['mbytes'] / us / 1e6:5.2f} "
-            f"{floor:9.1f} {100 * floor / us:6.0f}%  {rat(r.get('ragged'))} {rat(r.get('torch'))}")
-    lines.append("x = peer µs / ours (best): > 1 means ours is faster; the int4 rows' peers run bf16 weights. "
-                 f"torch anchors (perf-anchors.md, another run): {TORCH_ANCHOR} µs")
-    for r in RESULTS["rows"]:
-        if r.get("best_plan"):
-            lines.append(f"best {r['fmt']} M={r['m']}: {r['best_plan']}")
-    for line in lines:
-        log(line)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ import os
 import sys
 
 
-from bench.common import copy_ceiling_tbs, device_trace, queued_us, random_experts
+from bench.common import copy_ceiling_tbs, queued_us, random_experts
+from bench.trace import device_trace
 
 E, K, D, I = 512, 8, 2560, 768
 

@@ -6,7 +6,8 @@ Run on the GPU machine from the repository root (gemlite carried as an sdist, se
         .whl/gemlite-*.tar.gz && PYTHONPATH=/tmp/site:. python -m bench.qmatvec
 Options: --sweep (also time launch-plan variants), --quick (two shapes only).
 
-Per shape (N x K), M in {1, 6}, int4 and int8 (G = 128, symmetric), bf16 activations:
+Per shape (N x K), M in {1, 6}, int4 and int8 (G = 128, symmetric), bf16 activations (torch peers:
+bench/qmatvec_peers.py):
   ours     qmatvec's default plan, many calls per iteration of a fori_loop in one jit
   cuBLAS   torch F.linear bf16 under a CUDA graph
   gemlite  gemlite 0.6 A16W4 (int4 only), its H100-tuned config of the nearest shape, CUDA graph
@@ -21,17 +22,17 @@ last and writes the full log under $OUT (or ./bench_out).
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import os
-import statistics
 import time
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
 
-from bench.common import time_torch_graph
+from bench.common import Log
+from bench.qmatvec_peers import torch_part
+from bench.qmatvec_table import qmatvec_table
 
 SHAPES = [(4096, 2560), (2560, 4096), (6144, 2560), (20480, 2560), (157184, 2560)]
 MS = (1, 6)
@@ -39,17 +40,9 @@ BITS = (4, 8)
 G = 128
 BACKEND = "pallas"
 ROTATE_BYTES = 240e6
-LOG_FILE = None
+log = Log()  # written as it goes: a run cut short still leaves its log
 RESULTS: dict = {"rows": [], "sweep": [], "errors": []}
 T0 = time.time()
-
-
-def log(*a):
-    s = " ".join(str(x) for x in a)
-    print(s, flush=True)
-    if LOG_FILE is not None:  # written as we go: a run cut short still leaves its log
-        LOG_FILE.write(s + "\n")
-        LOG_FILE.flush()
 
 
 MIN_CALLS = 8
@@ -57,138 +50,6 @@ MIN_CALLS = 8
 
 def n_calls(nbytes):  # distinct buffers per timed batch: > ROTATE_BYTES in all, 8..96 calls
     return int(min(96, max(MIN_CALLS, math.ceil(ROTATE_BYTES / nbytes))))
-
-
-# ----------------------------------------------------------------------------------- torch peers
-def torch_part(shapes, args):
-    import torch
-    import torch.nn.functional as F
-
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(0)
-    RESULTS["device"] = f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}"
-    log("device:", RESULTS["device"])
-
-    # Copy ceiling: 1 GiB device-to-device, bytes read + written.
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(10):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e-3)
-    copy_bw = 2 * a.numel() / statistics.median(ts) / 1e12
-    RESULTS["copy_tbs"] = copy_bw
-    log(f"copy ceiling: {copy_bw:.2f} TB/s (1 GiB device copy, read + write)")
-    del a, b
-
-    gemlite = None
-    try:
-        import gemlite as gl
-        from gemlite.helper import A16Wn
-
-        # M = 1 (GEMV_REVSPLITK): gemlite's own "fast" autotune (the seeded H100 configs of other
-        # shapes were 10-30x off in a first run); M = 6: its H100-tuned config of the nearest shape.
-        gl.set_autotune({"GEMV": "default", "GEMV_REVSPLITK": "fast", "GEMV_SPLITK": "default",
-                         "GEMM_SPLITK": "default", "GEMM": "default"})
-        cfg_path = os.path.join(os.path.dirname(gl.__file__), "configs", "h100.json")
-        with open(cfg_path) as f:
-            h100 = json.load(f)
-        gemlite = (gl, A16Wn, h100)
-        RESULTS["gemlite"] = gl.__version__
-    except Exception as e:  # gemlite missing: its columns read n/a
-        log("gemlite unavailable:", repr(e))
-
-    def seed_gemlite_config(h100, m, n, k):
-        """Copy the H100-tuned config of the nearest (N, K) for gemlite's kernel choice at M."""
-        import gemlite.core as gc
-
-        from gemlite.triton_kernels.utils import get_closest_m
-
-        mtype = gc.get_matmul_type(m, 4)
-        mm = get_closest_m(m)
-        key = str((mm, n, k, G, 8, 104))
-        table = h100.get(mtype, {})
-        best, best_d = None, None
-        for kk, v in table.items():
-            t = ast.literal_eval(kk)  # keys are tuple literals written by gemlite
-            if t[0] != mm or t[3] != G or t[4] != 8 or t[5] != 104:
-                continue
-            d = abs(math.log(t[1] / n)) + abs(math.log(t[2] / k))
-            if best_d is None or d < best_d:
-                best, best_d = (kk, v), d
-        if best is not None:
-            gc.GEMLITE_TRITON_CONFIG_CACHE.setdefault(mtype, {})[key] = best[1]
-        return mtype, None if best is None else best[0]
-
-    out = {}
-    gemlite_tuning_s = 0.0
-    # lm_head and the fused KDA projection first: gemlite's M = 1 autotune is time-limited.
-    order = sorted(shapes, key=lambda s: -s[0] if s[0] in (157184, 20480) else 0)
-    for n, k in order:
-        for m in MS:
-            x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
-            nb = n * k * 2
-            ws = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) for _ in range(n_calls(nb))]
-            outs = [None] * len(ws)
-
-            def mk(i):
-                def f():
-                    outs[i] = F.linear(x, ws[i])
-                return f
-
-            t_cublas = time_torch_graph([mk(i) for i in range(len(ws))])
-            ref = F.linear(x.float(), ws[0].float())
-            err = (F.linear(x, ws[0]).float() - ref).norm() / ref.norm()
-            log(f"cuBLAS bf16 {n}x{k} M={m}: {t_cublas:.2f} µs ({nb / t_cublas / 1e6:.2f} TB/s), "
-                f"rel err {err:.1e}")
-            ws = outs = None  # free the buffers before the next shape
-            t_gl = None
-            if gemlite is not None and m == 1 and gemlite_tuning_s > args.gemlite_budget:
-                log(f"gemlite {n}x{k} M=1 skipped: autotune time budget spent")
-            elif gemlite is not None:
-                t_start = time.time()
-                try:
-                    gl, A16Wn, h100 = gemlite
-                    mtype, src = ("GEMV_REVSPLITK", "autotune") if m == 1 else \
-                        seed_gemlite_config(h100, m, n, k)
-                    nl = n_calls(n * k // 2)
-                    layers = []
-                    for _ in range(nl):
-                        wq = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=dev)
-                        sc = torch.rand(n, k // G, dtype=torch.bfloat16, device=dev) * 0.02 + 0.001
-                        zr = torch.full((n, k // G), 8.0, dtype=torch.bfloat16, device=dev)
-                        layers.append((A16Wn(device=dev, dtype=torch.bfloat16).from_weights(
-                            wq, sc, zr, W_nbits=4, group_size=G), wq if not layers else None, sc))
-                    lay, wq, sc = layers[0]
-                    y = lay(x)
-                    wd = ((wq.float() - 8) * sc.float().repeat_interleave(G, 1))
-                    ref = x.float() @ wd.T
-                    err = (y.float() - ref).norm() / ref.norm()
-                    gouts = [None] * nl
-
-                    def mkg(i):
-                        def f():
-                            gouts[i] = layers[i][0](x)
-                        return f
-
-                    t_gl = time_torch_graph([mkg(i) for i in range(nl)])
-                    log(f"gemlite int4 {n}x{k} M={m}: {t_gl:.2f} µs ({mtype}, config of {src}), "
-                        f"rel err {err:.1e}")
-                    del layers, gouts
-                except Exception as e:
-                    log(f"gemlite {n}x{k} M={m} failed: {e!r}")
-                    RESULTS["errors"].append(f"gemlite {n}x{k} M={m}: {e!r}")
-                if m == 1:
-                    gemlite_tuning_s += time.time() - t_start
-            out[(n, k, m)] = (t_cublas, t_gl)
-            torch.cuda.empty_cache()
-    return out
 
 
 # ------------------------------------------------------------------------------------ JAX part
@@ -348,12 +209,11 @@ def main():
         shapes, BACKEND, ROTATE_BYTES, MIN_CALLS = [(300, 256)], "interpret", 1.0, 1
     outdir = os.environ.get("OUT", "bench_out")
     os.makedirs(outdir, exist_ok=True)
-    global LOG_FILE
-    LOG_FILE = open(os.path.join(outdir, "qmatvec_log.txt"), "w")
+    log.open(os.path.join(outdir, "qmatvec_log.txt"))
     t0 = T0
     peers = {}
     try:
-        peers = {} if args.smoke else torch_part(shapes, args)
+        peers = {} if args.smoke else torch_part(shapes, MS, G, args, RESULTS, log, n_calls)
     except Exception:
         log("torch part failed:", traceback.format_exc())
     log(f"[{time.time() - t0:.0f} s] torch peers done")
@@ -363,34 +223,7 @@ def main():
         log("jax part failed:", traceback.format_exc())
     log(f"[{time.time() - t0:.0f} s] done")
 
-    cbw = RESULTS.get("copy_tbs")
-    lines = ["", f"qmatvec on {RESULTS.get('device')}, copy ceiling {cbw and round(cbw, 2)} TB/s",
-             "shape          M bits   ours µs  TB/s  %copy  cuBLAS µs  x   gemlite µs  x   XLA µs   x"]
-
-    def ratio(peer, ours):
-        return f"{peer / ours:5.2f}" if peer else "  n/a"
-
-    for r in RESULTS["rows"]:
-        pct = 100 * r["tbs"] / cbw if cbw else float("nan")
-        cub, glt, xl = r["cublas"], r["gemlite"], r["xla"]
-        lines.append(
-            f"{r['n']:>6}x{r['k']:<6} {r['m']:>2} int{r['bits']} {r['us']:8.2f} {r['tbs']:5.2f} {pct:5.0f}%"
-            f" {cub or float('nan'):9.2f} {ratio(cub, r['us'])} {glt or float('nan'):10.2f}"
-            f" {ratio(glt, r['us'])} {xl:7.2f} {ratio(xl, r['us'])}")
-    if RESULTS["sweep"]:
-        lines.append("best sweep variant per (shape, M), int4:")
-        best = {}
-        for r in RESULTS["sweep"]:
-            kk = (r["n"], r["k"], r["m"])
-            if kk not in best or r["us"] < best[kk]["us"]:
-                best[kk] = r
-        for kk, r in sorted(best.items()):
-            lines.append(f"  {kk[0]}x{kk[1]} M={kk[2]}: {r['us']:.2f} µs {r['tbs']:.2f} TB/s "
-                         f"bn{r['block_n']} {r['plan']}")
-    if RESULTS["errors"]:
-        lines.append(f"{len(RESULTS['errors'])} errors (see the log)")
-    for line in lines:
-        log(line)
+    qmatvec_table(RESULTS, log)
     with open(os.path.join(outdir, "qmatvec.json"), "w") as f:
         json.dump(RESULTS, f, indent=1, default=str)
 

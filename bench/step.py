@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import tempfile
 import time
 
@@ -35,70 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.common import copy_ceiling_tbs, device_trace, stream_trace
-
-# Device time by what a kernel does: the named scopes of the ops the kernel runs (the model's
-# `jax.named_scope`s, read from the compiled program's HLO metadata), first match wins.
-SCOPES = (
-    ("lm_head", "lm_head"),
-    ("router", "router"),
-    ("mlp", "shared expert, dense MLP"),
-    ("experts", "routed experts"),
-    ("proj", "projections"),
-    ("kda", "attention"),
-    ("mla", "attention"),
-    ("norm", "norms"),
-    ("sample", "sampling, accept, commit"),
-    ("accept", "sampling, accept, commit"),
-    ("emit", "sampling, accept, commit"),
-    ("commit", "sampling, accept, commit"),
-)
-OTHER = "other glue"
-
-
-def hlo_scopes(hlo_text: str) -> dict[str, str]:
-    """Instruction name (as a kernel is named in the trace: '.' -> '_') -> its op_name metadata."""
-    out = {}
-    for m in re.finditer(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=[^\n]*?metadata=\{[^}\n]*?op_name="([^"]*)"', hlo_text,
-                         re.M):
-        out[m.group(1).replace(".", "_").replace("-", "_")] = m.group(2)
-    return out
-
-
-PALLAS = (  # our kernels are custom calls, whose HLO names are not the kernels': by kernel name
-    (r"kda_verify|mla_decode", "attention kernels"),
-    (r"moe_align|fused_moe", "fused MoE: routed, shared, dense MLP"),
-    (r"router_select", "router"),
-    (r"qmatvec", "low-bit matvec (projections, lm_head)"),
-)
-
-
-def op_name(name: str, scopes: dict[str, str]) -> str:
-    """The op_name metadata of the HLO instruction a trace kernel runs ('' if none is found)."""
-    op, key = None, name
-    while op is None and key:
-        op = scopes.get(key)
-        key = re.sub(r"_?\d+$", "", key) if re.search(r"\d$", key) else ""
-    return op or ""
-
-
-def category(name: str, scopes: dict[str, str]) -> str:
-    for pat, cat in PALLAS:
-        if re.search(pat, name):
-            return f"{cat} (Pallas)"
-    parts = set(re.split(r"[/()]", op_name(name, scopes)))
-    return next((c for s, c in SCOPES if s in parts), OTHER)
-
-
-def by_category(kernels: list[dict], scopes: dict[str, str]) -> dict:
-    """Launches and µs a step by category; annotates each kernel row with its op_name."""
-    out: dict[str, list[float]] = {}
-    for r in kernels:
-        r["op_name"] = op_name(r["name"], scopes)
-        c = out.setdefault(category(r["name"], scopes), [0.0, 0.0])
-        c[0] += r["count"]
-        c[1] += r["us_per_call"]
-    return out
+from bench.common import copy_ceiling_tbs
+from bench.step_categories import by_category, hlo_scopes
+from bench.trace import device_trace, stream_trace
 
 
 def build_model(args):

@@ -1,0 +1,64 @@
+"""bench.mixed_moe --profile-tiles: the tile kernel at one plan (BM 64) over a grid of (decode,
+prefill) token counts, timed as the mixed runs (one jit of R routings, queued dispatches); x_moe
+from each call's routing; spot checks against the union launch; a least-squares fit of
+moe/tiles.py's model t = alpha + beta x on two thirds of the shapes, its error on the held-out
+third, the model written as JSON (--tile-model PATH, default $OUT/tile_model.json). --smoke: a
+synthetic time, to run the fit's pipeline.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+from bench.mixed_common import K, PROFILE, PROFILE_BM
+
+
+class ProfilePart:
+    def profile(self):
+        from moe.tiles import LatencyFit, TileModel
+
+        shapes = [(1, 0), (2, 16), (0, 32), (4, 64)] if self.smoke else PROFILE
+        for n, (md, mp) in enumerate(shapes):
+            if self.left() < 0:
+                self.log(f"budget spent: --profile-tiles stopped before {md}+{mp}")
+                break
+            try:
+                x, ids, ws = self.routings(md, mp, 2 if mp > 1024 else 3, salt=7)
+                bm = PROFILE_BM if not self.smoke else 16
+                plan = self.plan(mp, bm, bm_hot=bm)
+                k = self.kernels(md, plan)
+                us, ys = self.timed(k["tiles"], x, ids, ws)
+                if n == 0 or mp >= 2048:  # spot checks against the union launch
+                    self.check(ys[0], self.once(k["union"], x, ids[0], ws[0]), f"tiles {md}+{mp} vs union")
+                row = dict(decode=md, prefill=mp, x_moe=self.x_moe(ids, md, plan), us=us,
+                           held_out=n % 3 == 2, block_m=plan.block_m)
+                self.results["profile"].append(row)
+                self.log(f"profile {md}+{mp}: x_moe {row['x_moe']:.1f}, {us:.1f} µs")
+            except Exception as e:
+                self.log(f"FAILED profile {md}+{mp}: {e!r}")
+                self.results["errors"].append(f"profile {md}+{mp}: " + traceback.format_exc(limit=6)[-2000:])
+        rows = self.results["profile"]
+        train = [r for r in rows if not r["held_out"]]
+        if self.smoke:  # no times on CPU: fit the shape of the pipeline on a synthetic time
+            for r in rows:
+                r["us"] = 10.0 + 0.5 * r["x_moe"]
+        if len({r["x_moe"] for r in train}) < 2:
+            self.log("profile: too few shapes measured to fit")
+            return
+        fit = LatencyFit.fit([r["x_moe"] for r in train], [r["us"] for r in train])
+        for r in rows:
+            r["pred_us"] = fit(r["x_moe"])
+            r["err"] = r["pred_us"] / r["us"] - 1
+        held = [abs(r["err"]) for r in rows if r["held_out"]]
+        info = dict(device=self.results["device"], kernel="pallas_kernels.expert_tiles.tile_moe (bf16)",
+                    plan=str(self.plan(0, rows[0]["block_m"])), samples=rows,
+                    held_out_max_rel_err=max(held) if held else None, date=time.strftime("%Y-%m-%d"),
+                    synthetic=self.smoke)
+        model = TileModel(fit, rows[0]["block_m"], self.e, K, 0.0, info)
+        path = self.args.tile_model or os.path.join(self.out_dir, "tile_model.json")
+        model.save(path)
+        self.results["fit"] = dict(path=path, **{c: getattr(fit, c) for c in ("alpha", "beta")})
+        self.log(f"profile: t = {fit.alpha:.2f} + {fit.beta:.4f} x µs, held-out max |rel err| "
+                 f"{max(held) if held else float('nan'):.3f}; written to {path}")
