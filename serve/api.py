@@ -206,7 +206,7 @@ def _choices(c: Context, req) -> tuple[int, int]:
     limit = c.engine.runner.max_batch
     if not 1 <= req.n <= limit:
         raise APIError(400, f"'n' must be in [1, {limit}] (this server's slots, --max-batch), got {req.n}", param="n")
-    best_of = getattr(req, "best_of", None)
+    best_of = req.best_of if isinstance(req, CompletionRequest) else None  # chat refuses it while preparing
     if best_of is None:
         return req.n, req.n
     if not req.n <= best_of <= limit:

@@ -163,8 +163,10 @@ def copy_slots(model: LingModel, slots: Slots, src, dst, count, seed):
     [K, 1 + k], top ids [K, k]) of them, as `spec.sampling.token_logprobs`)."""
     b = slots.done.shape[0]
     leaves, treedef = jax.tree_util.tree_flatten(slots)
+    # A loop over the copies (a while loop, count being dynamic: one program for any number of
+    # them), each writing one row of every leaf in place.
 
-    def one(i, leaves):  # a row at a time: no temporary larger than one slot's state
+    def one(i, leaves):  # no temporary larger than one slot's state
         return [jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, src[i], 1, 0), dst[i], 0)
                 for x in leaves]
 
