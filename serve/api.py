@@ -2,7 +2,16 @@
 /health, /metrics and the profiler switches. Handlers admit (queue limit, shutdown), read the body
 under a size limit, then parse, validate, render and tokenize in a worker thread (the event loop
 keeps answering), hand a Request to the engine and relay its events, as one JSON body or as
-server-sent events, until it ends, times out or the server's shutdown grace runs out."""
+server-sent events, until it ends, times out or the server's shutdown grace runs out.
+
+Choices: `n` (both endpoints, 1..--max-batch) and `best_of` (completions, n..--max-batch, not
+streamed) make one request a group of that many sequences, whose prompt is prefilled once and
+copied on the device to the others' slots. Choice i samples with seed (seed + i) mod 2**32, seed
+being the request's `seed` (random when absent), so choice i equals a separate n = 1 request with
+that seed. best_of returns the n candidates with the highest cumulative log-probability (the
+sum of their tokens' log-probabilities, as `logprobs` reports them), most likely first. `usage`
+counts the prompt once and the completion tokens of every sequence generated (all best_of
+candidates)."""
 
 from __future__ import annotations
 
@@ -170,18 +179,52 @@ async def chat_completions(request: HTTPRequest):
 
 async def _generate(http: HTTPRequest, prepare: Callable, prefix: str, shape: "Chunks", whole: Callable):
     """Admits, reads the body, prepares it in a worker thread (prepare: (context, body) ->
-    (request, prompt ids, sampling)), then runs it, streamed or whole."""
+    (request, prompt ids, sampling)), then runs its choices, streamed or whole."""
     c = _ctx(http)
     _admit(c)
     req, ids, sampling = await asyncio.to_thread(prepare, c, await _body(c, http))
+    n, best_of = _choices(c, req)
     _admit(c)  # again: the queue may have filled, or shutdown begun, while the body was prepared
-    r = Request(ids, sampling, loop=asyncio.get_running_loop())
+    asked = sampling.logprobs is not None
+    if best_of > n and not asked:  # ranking needs each token's log-probability
+        sampling = dataclasses.replace(sampling, logprobs=0)
+    group = _group(ids, sampling, best_of, asyncio.get_running_loop())
     rid, timeout = protocol.new_id(prefix), _timeout(c, req)
     if req.stream:
-        return _sse(_stream(c, r, shape, rid, timeout, _include_usage(req)))
-    text, reason, use, entries = await _collect(c, http, r, rid, timeout)
-    logprobs = None if sampling.logprobs is None else shape.logprobs(c.tokenizer.token_text, entries, 0)
-    return whole(rid, c.info.model_name, text, reason, use, logprobs)
+        return _sse(_stream(c, group, shape, rid, timeout, _include_usage(req)))
+    results = await _collect(c, http, group, rid, timeout)  # (text, reason, tokens, entries) per choice
+    use = protocol.usage(len(ids), sum(tokens for _, _, tokens, _ in results))
+    if best_of > n:
+        results = sorted(results, key=lambda x: -sum(e.logprob for e in x[3]))[:n]  # stable: ties by index
+    return whole(rid, c.info.model_name, [
+        (text, reason, shape.logprobs(c.tokenizer.token_text, entries, 0) if asked else None)
+        for text, reason, _, entries in results], use)
+
+
+def _choices(c: Context, req) -> tuple[int, int]:
+    """(n, best_of) of a request, checked: 1 <= n <= best_of <= the slots, best_of not streamed."""
+    limit = c.engine.runner.max_batch
+    if not 1 <= req.n <= limit:
+        raise APIError(400, f"'n' must be in [1, {limit}] (this server's slots, --max-batch), got {req.n}", param="n")
+    best_of = req.best_of if isinstance(req, CompletionRequest) else None  # chat refuses it while preparing
+    if best_of is None:
+        return req.n, req.n
+    if not req.n <= best_of <= limit:
+        raise APIError(400, f"'best_of' must be in ['n' = {req.n}, {limit}] (this server's slots, --max-batch), got "
+                       f"{best_of}", param="best_of")
+    if req.stream and best_of > 1:
+        raise APIError(400, "'best_of' cannot be used with 'stream'", param="best_of")
+    return req.n, best_of
+
+
+def _group(ids: list[int], sampling: Sampling, count: int, loop) -> list[Request]:
+    """count choices of one prompt, choice i with seed (sampling.seed + i) mod 2**32; choice 0
+    carries the others as its copies and they share its events queue."""
+    first = Request(ids, sampling, loop=loop)
+    rest = [Request(ids, dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**32), loop=loop,
+                    events=first.events, choice=i) for i in range(1, count)]
+    first.copies = tuple(rest)
+    return [first, *rest]
 
 
 def _prepare_completion(c: Context, raw: bytes):
@@ -191,7 +234,7 @@ def _prepare_completion(c: Context, raw: bytes):
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
-            raise APIError(400, "only one prompt per request is supported (n=1, no batched prompts)", param="prompt")
+            raise APIError(400, "only one prompt per request is supported (no batched prompts)", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
         _check_length(c, prompt, "prompt")
@@ -211,6 +254,10 @@ def _prepare_chat(c: Context, raw: bytes):
     """Worker thread: the body -> (request, rendered prompt ids, sampling)."""
     req = protocol.parse(ChatRequest, protocol.load(raw))
     _check_model(c, req.model)
+    best_of = (req.model_extra or {}).get("best_of")
+    if best_of is not None and not (type(best_of) is int and best_of == 1):
+        raise APIError(400, f"'best_of' = {best_of!r} is not supported by chat completions (only by /v1/completions)",
+                       param="best_of")
     if not req.messages:
         raise APIError(400, "'messages' must hold at least one message", param="messages")
     messages = []
@@ -352,30 +399,32 @@ def _timeout(c: Context, req) -> float | None:
 
 # -- relaying the engine's events ------------------------------------------------------------------
 
-async def _events(c: Context, r: Request, rid: str, timeout: float | None):
-    """The request's events until it ends. APIError 408 past its timeout and 503 past the
-    shutdown grace. Aborts it in the engine if it does not end here (the client disconnected: the
-    stream task is cancelled or the generator closed; a timeout; the shutdown)."""
-    c.engine.submit(r)
-    c.in_flight += 1
+async def _events(c: Context, group: list[Request], rid: str, timeout: float | None):
+    """The (choice, event) pairs of a group of choices (`_group`) until every choice ends.
+    APIError 408 past its timeout and 503 past the shutdown grace. Aborts the choices that do not
+    end here (the client disconnected: the stream task is cancelled or the generator closed; a
+    timeout; the shutdown; the caller stopped after a failure), the copies before choice 0."""
+    c.engine.submit(group[0])
+    c.in_flight += len(group)
     deadline = None if timeout is None else time.monotonic() + timeout
-    ended, last = False, None
+    running, last = set(range(len(group))), [None] * len(group)
     try:
-        while True:
-            ev = await _next_event(c, r, deadline, timeout)
-            ended, last = isinstance(ev, (Finished, Failed)), ev
-            yield ev
-            if ended:
-                return
+        while running:
+            i, ev = await _next_event(c, group[0], deadline, timeout)
+            last[i] = ev
+            if isinstance(ev, (Finished, Failed)):
+                running.discard(i)
+            yield i, ev
     except APIError as e:
-        last = e
+        last = [e if i in running else x for i, x in enumerate(last)]
         raise
     finally:
-        c.in_flight -= 1
-        if not ended:
-            c.engine.abort(r)
+        c.in_flight -= len(group)
+        for i in sorted(running, reverse=True):
+            c.engine.abort(group[i])
         if access_log.isEnabledFor(logging.INFO):
-            _log_request(rid, r, last, ended)
+            for i, r in enumerate(group):
+                _log_request(rid if len(group) == 1 else f"{rid}/{i}", r, last[i], i not in running)
 
 
 async def _next_event(c: Context, r: Request, deadline: float | None, timeout: float | None):
@@ -407,18 +456,20 @@ def _log_request(rid: str, r: Request, last, ended: bool) -> None:
                     len(r.prompt_ids), tokens, ttft, (time.perf_counter() - r.arrival) * 1e3, outcome)
 
 
-async def _collect(c: Context, http: HTTPRequest, r: Request, rid: str, timeout: float | None):
-    """(text, finish reason, usage, log-probability entries) of a non-streaming request; aborts it
-    if the client disconnects."""
-    parts, entries, events = [], [], _events(c, r, rid, timeout)
+async def _collect(c: Context, http: HTTPRequest, group: list[Request], rid: str, timeout: float | None):
+    """Per choice (text, finish reason, completion tokens, log-probability entries) of a
+    non-streaming request; aborts it if the client disconnects."""
+    parts, entries = [[] for _ in group], [[] for _ in group]
+    ends: list[Finished | None] = [None] * len(group)
+    events = _events(c, group, rid, timeout)
 
     async def gather():
-        async for ev in events:
+        async for i, ev in events:
             if isinstance(ev, Delta):
-                parts.append(ev.text)
-                entries.extend(ev.logprobs or ())
+                parts[i].append(ev.text)
+                entries[i].extend(ev.logprobs or ())
             elif isinstance(ev, Finished):
-                return ev
+                ends[i] = ev
             else:
                 raise APIError(500, ev.message)
 
@@ -427,8 +478,8 @@ async def _collect(c: Context, http: HTTPRequest, r: Request, rid: str, timeout:
         while True:
             done, _ = await asyncio.wait({task}, timeout=POLL_S)
             if done:
-                fin = task.result()
-                return "".join(parts), fin.reason, protocol.usage(fin.prompt_tokens, fin.completion_tokens), entries
+                task.result()
+                return [("".join(p), e.reason, e.completion_tokens, lp) for p, e, lp in zip(parts, ends, entries)]
             if await http.is_disconnected():
                 raise APIError(499, "client disconnected")
     finally:
@@ -450,56 +501,65 @@ def _sse(chunks) -> StreamingResponse:
 
 @dataclasses.dataclass(frozen=True)
 class Chunks:
-    """The shapes of one endpoint: the stream's opening chunk (before any text; None: none), a
-    text chunk (with its logprobs object or None), the closing chunk with the finish reason, the
-    usage chunk's object name, and the logprobs object of some tokens (token_text, entries,
-    characters of text before them)."""
+    """The shapes of one endpoint: the stream's opening chunk of a choice (before any text;
+    None: none), a text chunk (with its logprobs object or None), the closing chunk with the
+    finish reason, the usage chunk's object name, and the logprobs object of some tokens
+    (token_text, entries, characters of text before them). The chunks take the choice's index
+    last."""
 
-    opening: Callable[[str, str], dict] | None
-    text: Callable[[str, str, str, dict | None], dict]
-    end: Callable[[str, str, str], dict]
+    opening: Callable[[str, str, int], dict] | None
+    text: Callable[[str, str, str, dict | None, int], dict]
+    end: Callable[[str, str, str, int], dict]
     usage_object: str
     logprobs: Callable[[Callable, list, int], dict]
 
 
 COMPLETION_CHUNKS = Chunks(opening=None,
-                           text=lambda rid, model, t, lp: protocol.completion_chunk(rid, model, t, None, lp),
-                           end=lambda rid, model, reason: protocol.completion_chunk(rid, model, "", reason),
+                           text=lambda rid, model, t, lp, i: protocol.completion_chunk(rid, model, t, None, lp, i),
+                           end=lambda rid, model, reason, i: protocol.completion_chunk(rid, model, "", reason,
+                                                                                       index=i),
                            usage_object="text_completion",
                            logprobs=lambda token_text, entries, offset: protocol.completion_logprobs(
                                entries, token_text, offset))
-CHAT_CHUNKS = Chunks(opening=lambda rid, model: protocol.chat_chunk(rid, model, {"role": "assistant", "content": ""},
-                                                                    None),
-                     text=lambda rid, model, t, lp: protocol.chat_chunk(rid, model, {"content": t}, None, lp),
-                     end=lambda rid, model, reason: protocol.chat_chunk(rid, model, {}, reason),
+CHAT_CHUNKS = Chunks(opening=lambda rid, model, i: protocol.chat_chunk(rid, model, {"role": "assistant", "content": ""},
+                                                                       None, index=i),
+                     text=lambda rid, model, t, lp, i: protocol.chat_chunk(rid, model, {"content": t}, None, lp, i),
+                     end=lambda rid, model, reason, i: protocol.chat_chunk(rid, model, {}, reason, index=i),
                      usage_object="chat.completion.chunk",
                      logprobs=lambda token_text, entries, _: protocol.chat_logprobs(entries, token_text))
 
 
-async def _stream(c: Context, r: Request, shape: Chunks, rid: str, timeout: float | None, include_usage: bool):
-    """The payloads of one streamed request: the opening chunk, a chunk per piece of text, the
-    closing chunk and (if asked) the usage; an error payload if the request fails, times out or
-    outlives the shutdown grace."""
+async def _stream(c: Context, group: list[Request], shape: Chunks, rid: str, timeout: float | None,
+                  include_usage: bool):
+    """The payloads of one streamed request: per choice the opening chunk, a chunk per piece of
+    text and the closing chunk with its finish reason, each tagged with the choice's index; then
+    (if asked) the usage; an error payload if a choice fails (the others are ended), or the
+    request times out or outlives the shutdown grace."""
     model = c.info.model_name
-    events = _events(c, r, rid, timeout)
-    sent = 0  # characters of text streamed so far
+    events = _events(c, group, rid, timeout)
+    sent = [0] * len(group)  # characters of text streamed so far, per choice
+    tokens = [0] * len(group)
     try:
         if shape.opening is not None:
-            yield shape.opening(rid, model)
-        async for ev in events:
+            for i in range(len(group)):
+                yield shape.opening(rid, model, i)
+        async for i, ev in events:
             if isinstance(ev, Delta):
                 if ev.logprobs:
-                    yield shape.text(rid, model, ev.text, shape.logprobs(c.tokenizer.token_text, ev.logprobs, sent))
+                    yield shape.text(rid, model, ev.text,
+                                     shape.logprobs(c.tokenizer.token_text, ev.logprobs, sent[i]), i)
                 elif ev.text:
-                    yield shape.text(rid, model, ev.text, None)
-                sent += len(ev.text)
+                    yield shape.text(rid, model, ev.text, None, i)
+                sent[i] += len(ev.text)
             elif isinstance(ev, Finished):
-                yield shape.end(rid, model, ev.reason)
-                if include_usage:
-                    yield protocol.usage_chunk(rid, model, shape.usage_object,
-                                               protocol.usage(ev.prompt_tokens, ev.completion_tokens))
+                tokens[i] = ev.completion_tokens
+                yield shape.end(rid, model, ev.reason, i)
             else:
                 yield protocol.error_body(ev.message, "server_error")
+                return
+        if include_usage:
+            yield protocol.usage_chunk(rid, model, shape.usage_object,
+                                       protocol.usage(len(group[0].prompt_ids), sum(tokens)))
     except APIError as e:
         yield e.body()
     finally:

@@ -51,6 +51,7 @@ class Engine:
         self._thread.join(timeout=30)
 
     def submit(self, request: Request) -> None:
+        """Queues a request, with its copies (`Request.copies`) when it has some."""
         self.inbox.put((_ADD, request))
 
     def abort(self, request: Request) -> None:
@@ -104,7 +105,8 @@ class Engine:
                 return
             block = False
             if kind == _ADD:
-                self.outputs[request.id] = TextOutput(self.tokenizer, request, self.stop_ids)
+                for r in (request, *request.copies):
+                    self.outputs[r.id] = TextOutput(self.tokenizer, r, self.stop_ids)
                 self.scheduler.add(request)
             elif kind == _ABORT and not request.finished and request.id in self.outputs:
                 self._finish(request, "abort")
@@ -123,7 +125,8 @@ class Engine:
     def _on_first_tokens(self, chunk: PrefillChunk, first, logprobs) -> None:
         for b, r in enumerate(chunk.owners):
             if r is not None and not r.finished:
-                self.metrics.prompt_tokens.inc(len(r.prompt_ids))
+                if chunk.valid[b] > 0:  # prefilled here, not copied
+                    self.metrics.prompt_tokens.inc(len(r.prompt_ids))
                 self._deliver(r, [int(first[b])], device_done=False,
                               logprobs=None if logprobs is None else [logprobs[b]])
 
@@ -168,14 +171,15 @@ class Engine:
         r.send(Finished(reason, len(r.prompt_ids), out.tokens))
 
     def _fail_all(self, message: str) -> None:
-        pending = list(self.scheduler.waiting) + [r for r in self.scheduler.slots if r is not None]
+        queued = list(self.scheduler.waiting)
         while True:  # requests still in the inbox
             try:
                 kind, r = self.inbox.get_nowait()
             except queue.Empty:
                 break
             if kind == _ADD:
-                pending.append(r)
+                queued.append(r)
+        pending = [x for r in queued for x in (r, *r.copies)] + [r for r in self.scheduler.slots if r is not None]
         for r in pending:
             if not r.finished:
                 r.finished = True

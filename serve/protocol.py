@@ -54,7 +54,7 @@ class _Sampling(_Strict):
     top_k: int = 0
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = 1  # choices, 1..--max-batch; choice i samples with seed (seed + i) mod 2**32
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # an extension (vLLM, SGLang): generate exactly max_tokens tokens
@@ -67,6 +67,7 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str]
     logprobs: int | None = None  # alternatives per token, 0..MAX_TOP_LOGPROBS
+    best_of: int | None = None  # candidates (n..--max-batch) of which the n most likely are returned; not streamed
 
 
 class ContentPart(_Strict):
@@ -87,10 +88,10 @@ class ChatRequest(_Sampling):
 
 
 # Fields that would change the output in ways this server does not implement: refused rather than
-# silently ignored. Each maps to the values that mean "off".
-UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1),
-               "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
-               "n": (1,)}
+# silently ignored. Each maps to the values that mean "off". (`n` is served by both endpoints,
+# `best_of` by /v1/completions; chat refuses best_of != 1 itself.)
+UNSUPPORTED = {"echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
+               "functions": (None, [])}
 
 
 MAX_DEPTH = 64  # nesting of a request body: OpenAI's bodies need under 10, tool schemas a few more
@@ -183,25 +184,31 @@ def chat_logprobs(entries, token_text) -> dict:
                         for e in entries]}
 
 
-def completion(id: str, model: str, text: str, reason: str, use: dict, logprobs: dict | None = None) -> dict:
+def completion(id: str, model: str, choices: list[tuple], use: dict) -> dict:
+    """choices: (text, finish reason, logprobs object or None) each, indexed in order."""
     return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}], "usage": use}
+            "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+                        for i, (text, reason, logprobs) in enumerate(choices)], "usage": use}
 
 
-def completion_chunk(id: str, model: str, text: str, reason: str | None, logprobs: dict | None = None) -> dict:
+def completion_chunk(id: str, model: str, text: str, reason: str | None, logprobs: dict | None = None,
+                     index: int = 0) -> dict:
     return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
 
 
-def chat_completion(id: str, model: str, text: str, reason: str, use: dict, logprobs: dict | None = None) -> dict:
+def chat_completion(id: str, model: str, choices: list[tuple], use: dict) -> dict:
+    """choices: (text, finish reason, logprobs object or None) each, indexed in order."""
     return {"id": id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                         "finish_reason": reason}], "usage": use}
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                         "finish_reason": reason} for i, (text, reason, logprobs) in enumerate(choices)],
+            "usage": use}
 
 
-def chat_chunk(id: str, model: str, delta: dict, reason: str | None, logprobs: dict | None = None) -> dict:
+def chat_chunk(id: str, model: str, delta: dict, reason: str | None, logprobs: dict | None = None,
+               index: int = 0) -> dict:
     return {"id": id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
 
 
 def usage_chunk(id: str, model: str, object: str, use: dict) -> dict:

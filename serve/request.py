@@ -59,12 +59,19 @@ class Failed:
 
 @dataclasses.dataclass(eq=False)
 class Request:
+    """One sequence to generate. A request of n choices is a group: choice 0 carries the others in
+    `copies` (same prompt, sampling that differs in seed only) and is the one submitted and
+    queued; its prompt is prefilled once and its slot state copied to theirs. The choices of a
+    group share one events queue, whose items are (choice, event)."""
+
     prompt_ids: list[int]
     sampling: Sampling
     loop: asyncio.AbstractEventLoop | None = None  # None: no listener (the engine's own warm-up, tests)
     id: int = dataclasses.field(default_factory=lambda: next(_ids))
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
-    events: asyncio.Queue | None = None
+    events: asyncio.Queue | None = None  # items (choice, event)
+    choice: int = 0  # this sequence's index in its group
+    copies: tuple = ()  # choice 0 only: the group's other choices (Requests), in order
     # Engine-side progress, written by the engine thread only.
     finished: bool = False
     first_token_time: float | None = None
@@ -77,6 +84,6 @@ class Request:
     def send(self, event) -> None:
         if self.loop is not None:
             try:
-                self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+                self.loop.call_soon_threadsafe(self.events.put_nowait, (self.choice, event))
             except RuntimeError:  # the loop is closed: the server is shutting down
                 pass

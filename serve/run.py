@@ -330,6 +330,7 @@ def start(args, bar) -> Loaded:
         bar.set_description("compiling prefill")
         for width in (sizer.candidates if sizer is not None else (args.prefill_chunk,)):
             runner.warmup_prefill(width)
+        runner.warmup_copy()  # the slot copy of n > 1 choices
         bar.update()
         bar.set_description("compiling decode step")
         runner.warmup_step()

@@ -28,7 +28,7 @@ class Runner:
     def __init__(self, model, *, max_batch: int, max_seq_len: int, speculative_steps: int, buckets=None):
         """buckets: the batch sizes the step is compiled for (`spec.stepper.Stepper`; None: the
         powers of two up to max_batch); a step runs the smallest that holds the decoding slots."""
-        from spec.stepper import ChunkPrefiller, Stepper, batch_buckets
+        from spec.stepper import ChunkPrefiller, SlotCopier, Stepper, batch_buckets
 
         self.model = model
         self.max_batch, self.max_seq_len, self.speculative_steps = max_batch, max_seq_len, speculative_steps
@@ -36,6 +36,7 @@ class Runner:
                                num_steps=max(speculative_steps, 1),
                                buckets=batch_buckets(max_batch) if buckets is None else buckets)
         self.prefiller = ChunkPrefiller(model)
+        self.copier = SlotCopier(model)
         self._owners = collections.deque()  # owners of the dispatched, not yet read steps
         # Whether each slot's request (as last set by a prefill chunk) samples or has a penalty: the
         # host's copy, from which it picks the all-greedy or the sampling variant of a step without
@@ -45,8 +46,10 @@ class Runner:
 
     def prefill(self, chunk: PrefillChunk):
         """Dispatches one prefill chunk over the slots it touches (in the smallest batch bucket
-        that holds them); returns what `read_first` turns into the first tokens [B] (-1 where the
-        prompt does not end), to be read after the next step is dispatched."""
+        that holds them), then the copies it names (`PrefillChunk.copies`: the prefilled slot's
+        state into each copy's slot, one program for all); returns what `read_first` turns into
+        the first tokens [B] (-1 where the prompt does not end; a copy's own first token at its
+        slot), to be read after the next step is dispatched."""
         from spec.sampling import SamplingParams, any_sampling, needs_sampling
         from spec.stepper import bucket_rows
 
@@ -64,7 +67,15 @@ class Runner:
             eos=pick(chunk.eos), tokens=pick(chunk.tokens), next_tokens=pick(chunk.next_tokens),
             valid=pick(chunk.valid), ends=pick(chunk.ends), sampling=any_sampling(self._sampling, chunk.ends),
             rows=rows, logprobs=logprobs)
-        return first, (lp[0] if lp else None), rows
+        copied = None
+        if chunk.copies:
+            at = np.array([d for _, d in chunk.copies])
+            self._sampling[at] = needs_sampling(chunk)[at]
+            self._logprobs[at] = False if chunk.logprobs is None else np.asarray(chunk.logprobs, bool)[at]
+            self.stepper.slots, copy_first, copy_lp = self.copier(self.stepper.slots, chunk.copies,
+                                                                  np.asarray(chunk.seed)[at])
+            copied = (copy_first, copy_lp, at)
+        return first, (lp[0] if lp else None), rows, copied
 
     def step(self, owners: list) -> StepResult | None:
         """Dispatches a decode (or speculative) step for the slots; returns the previous step's result."""
@@ -121,18 +132,25 @@ class Runner:
     def read_first(self, dispatched):
         """(first tokens [B], their log-probabilities: None, or [B] (log-probabilities [1 + K],
         top ids [K])) of a dispatched prefill chunk (a host sync)."""
-        first, lp, rows = dispatched
+        first, lp, rows, copied = dispatched
         first = np.asarray(first)
         if lp is not None:
             lp = [np.asarray(a) for a in lp]
         rows = np.arange(self.max_batch) if rows is None else rows
         out = np.full(self.max_batch, -1, first.dtype)
         out[rows[::-1]] = first[::-1]  # a padded duplicate repeats its slot's value
-        if lp is None:
-            return out, None
-        logprobs = [None] * self.max_batch
-        for i, b in reversed(list(enumerate(rows))):
-            logprobs[b] = (lp[0][i], lp[1][i])
+        logprobs = None
+        if lp is not None:
+            logprobs = [None] * self.max_batch
+            for i, b in reversed(list(enumerate(rows))):
+                logprobs[b] = (lp[0][i], lp[1][i])
+        if copied is not None:
+            copy_first, (copy_lp, copy_ids), at = copied
+            copy_first, copy_lp, copy_ids = np.asarray(copy_first), np.asarray(copy_lp), np.asarray(copy_ids)
+            out[at] = copy_first[:len(at)]
+            logprobs = [None] * self.max_batch if logprobs is None else logprobs
+            for i, b in enumerate(at):
+                logprobs[b] = (copy_lp[i], copy_ids[i])
         return out, logprobs
 
     def warmup_prefill(self, chunk_size: int) -> None:
@@ -152,6 +170,13 @@ class Runner:
                                      max_new=np.ones(b, np.int32), eos=np.full(b, -1, np.int32))
                 self.read_first(self.prefill(chunk))
         self._sampling[:] = False
+
+    def warmup_copy(self) -> None:
+        """Compiles the slot copy (`spec.stepper.SlotCopier`) by running it with no copies, which
+        changes nothing."""
+        if self.max_batch > 1:
+            self.stepper.slots, first, _ = self.copier(self.stepper.slots, [], [])
+            np.asarray(first)
 
     def warmup_step(self) -> None:
         """Compiles the decode (or speculative) step for every batch bucket, all-greedy and

@@ -6,6 +6,12 @@ iteration (all prefilling slots share one [B, C] chunk call), each iteration als
 decode step for the slots already decoding: chunked prefill interleaved with decode. After its last
 chunk the slot decodes until the request finishes; then the slot is free again.
 
+A group of n choices (`Request.copies`) is admitted whole, once n slots are free together (the
+queue stays FIFO: a group at its head waits for them, and since n never exceeds the slots it
+gets them as running requests end). Choice 0 prefills; the others hold their slots, neither
+prefilling nor decoding, until its last chunk, which names them in `PrefillChunk.copies`: the
+runner copies the prefilled slot into theirs and they decode from the next step on.
+
 Chunk width. Fixed (`chunk`) by default. With a `sizer` (moe.tiles.ChunkSizer, built from a fitted
 tile model and a TPOT budget) each iteration's width is the largest the model predicts to fit
 the budget next to the decode step: the widest when no slot decodes, narrower while slots do.
@@ -42,6 +48,9 @@ class PrefillChunk:
     max_new: np.ndarray
     eos: np.ndarray
     logprobs: np.ndarray | None = None  # [B] bool: the started slots' requests ask for log-probabilities
+    # (source slot, copy slot): after this chunk the source's state is copied into the copy slot
+    # (`spec.step.copy_slots`); the copy's sampling parameters are in the [B] arrays at its slot.
+    copies: list = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
@@ -54,6 +63,8 @@ class Scheduler:
         self.slots: list[Request | None] = [None] * num_slots
         self.prefilled: list[int | None] = [None] * num_slots  # prompt tokens done; None once decoding
         self.slot_of: dict[int, int] = {}  # request id -> slot
+        self.copies_of: dict[int, list[int]] = {}  # prefilling slot -> the slots of its group's other choices
+        self.awaiting: set[int] = set()  # those slots: waiting for their source's last chunk
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -63,16 +74,29 @@ class Scheduler:
     def remove(self, request: Request) -> None:
         """Takes a finished or cancelled request out of the queue or its slot (the slot is free
         from now on; whatever the device still computes for it is ignored, and the next request
-        there resets it)."""
+        there resets it). The group's other choices that were not yet copied from it go on as a
+        group of their own, the first of them prefilling the prompt."""
         slot = self.slot_of.pop(request.id, None)
         if slot is not None:
             self.slots[slot] = None
             self.prefilled[slot] = None
-        else:
-            try:
-                self.waiting.remove(request)
-            except ValueError:
-                pass
+            self.awaiting.discard(slot)
+            for copies in self.copies_of.values():
+                if slot in copies:
+                    copies.remove(slot)
+            waiting = [self.slots[c] for c in self.copies_of.pop(slot, ())]
+            for c in waiting:  # its copies, not yet copied: queued again as a group of their own
+                self.remove(c)
+            if waiting:
+                waiting[0].copies = tuple(waiting[1:])
+                self.waiting.appendleft(waiting[0])
+        elif request in self.waiting:
+            at = self.waiting.index(request)
+            del self.waiting[at]
+            copies = [c for c in request.copies if not c.finished]
+            if copies:  # the rest of its group keeps its place
+                copies[0].copies = tuple(copies[1:])
+                self.waiting.insert(at, copies[0])
 
     @property
     def num_waiting(self) -> int:
@@ -88,7 +112,8 @@ class Scheduler:
 
     def decoding(self) -> list[Request | None]:
         """Per slot, the request it decodes for (None: idle or still prefilling)."""
-        return [r if r is not None and self.prefilled[b] is None else None for b, r in enumerate(self.slots)]
+        return [r if r is not None and self.prefilled[b] is None and b not in self.awaiting else None
+                for b, r in enumerate(self.slots)]
 
     def has_work(self) -> bool:
         return bool(self.waiting) or bool(self.slot_of)
@@ -107,11 +132,22 @@ class Scheduler:
         """Admits waiting requests into free slots, then the next chunk of every prefilling slot."""
         b, c = self.num_slots, self.chunk_width()
         start = np.zeros(b, bool)
-        for slot in range(b):
-            if self.slots[slot] is None and self.waiting:
-                r = self.waiting.popleft()
-                self.slots[slot], self.prefilled[slot], self.slot_of[r.id] = r, 0, slot
-                start[slot] = True
+        free = [slot for slot in range(b) if self.slots[slot] is None]
+        while self.waiting:
+            r = self.waiting[0]
+            copies = [c for c in r.copies if not c.finished]  # a copy aborted while queued takes no slot
+            if 1 + len(copies) > len(free):
+                break
+            self.waiting.popleft()
+            slot, taken = free[0], free[1:1 + len(copies)]
+            del free[:1 + len(copies)]
+            self.slots[slot], self.prefilled[slot], self.slot_of[r.id] = r, 0, slot
+            start[slot] = True
+            for copy, at in zip(copies, taken):
+                self.slots[at], self.slot_of[copy.id] = copy, at
+                self.awaiting.add(at)
+            if taken:
+                self.copies_of[slot] = taken
         if all(p is None for p in self.prefilled):
             return None
         p = PrefillChunk(start=start, tokens=np.zeros((b, c), np.int32), next_tokens=np.zeros((b, c), np.int32),
@@ -136,11 +172,20 @@ class Scheduler:
             if done + n == len(prompt):
                 p.ends[slot], p.owners[slot] = True, r
                 self.prefilled[slot] = None  # decoding from the next step on
+                for at in self.copies_of.pop(slot, ()):  # and so do its copies
+                    self.awaiting.discard(at)
+                    p.copies.append((slot, at))
+                    p.owners[at] = self.slots[at]
+                    self._parameters(p, at)
             if start[slot]:
-                s = r.sampling
-                p.temperature[slot], p.top_k[slot], p.top_p[slot] = s.temperature, s.top_k, s.top_p
-                p.seed[slot], p.max_new[slot] = s.seed, s.max_tokens
-                p.presence[slot], p.frequency[slot], p.repetition[slot] = s.presence, s.frequency, s.repetition
-                p.eos[slot] = -1 if s.ignore_eos or self.eos_id is None else self.eos_id
-                p.logprobs[slot] = s.logprobs is not None
+                self._parameters(p, slot)
         return p
+
+    def _parameters(self, p: PrefillChunk, slot: int) -> None:
+        """The slot's request's sampling parameters into the chunk's [B] arrays."""
+        s = self.slots[slot].sampling
+        p.temperature[slot], p.top_k[slot], p.top_p[slot] = s.temperature, s.top_k, s.top_p
+        p.seed[slot], p.max_new[slot] = s.seed, s.max_tokens
+        p.presence[slot], p.frequency[slot], p.repetition[slot] = s.presence, s.frequency, s.repetition
+        p.eos[slot] = -1 if s.ignore_eos or self.eos_id is None else self.eos_id
+        p.logprobs[slot] = s.logprobs is not None

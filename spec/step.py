@@ -152,6 +152,42 @@ def prefill_chunk(model: LingModel, slots: Slots, tokens, next_tokens, valid, en
     return _emit(slots, first[:, None], jnp.ones_like(valid), ends & ~slots.done)
 
 
+def copy_slots(model: LingModel, slots: Slots, src, dst, count, seed):
+    """Forks prompts prefilled once into further slots: for i < count, slot dst[i] becomes a copy
+    of slot src[i] (every leaf of the slots, all batch-first, copied row by row in place), except
+    that its seed is seed[i] and its first token is drawn again from the source's last logits
+    under that seed, exactly as `prefill_chunk` draws a first token. src[i] must have just ended
+    its prompt (its first token emitted, no step since); a copy's sampling must differ from its
+    source's in seed only. src, dst [K] int32 (entries i >= count: padding, dst[i] >= B), count
+    int32, seed [K] uint32. Returns (slots, first [K] the copies' first tokens, (log-probabilities
+    [K, 1 + k], top ids [K, k]) of them, as `spec.sampling.token_logprobs`)."""
+    b = slots.done.shape[0]
+    leaves, treedef = jax.tree_util.tree_flatten(slots)
+    # A loop over the copies (a while loop, count being dynamic: one program for any number of
+    # them), each writing one row of every leaf in place.
+
+    def one(i, leaves):  # no temporary larger than one slot's state
+        return [jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, src[i], 1, 0), dst[i], 0)
+                for x in leaves]
+
+    slots = jax.tree_util.tree_unflatten(treedef, jax.lax.fori_loop(0, count, one, leaves))
+    # The first token again, for the copies' rows only (the model state is not needed for it).
+    light = slots.replace(model=None)
+    sub = jax.tree.map(lambda a: a[jnp.minimum(dst, b - 1)], light)  # [K] rows; padding reads a row, writes none
+    z = jnp.zeros_like(sub.n_out)
+    sub = sub.replace(params=sub.params.replace(seed=seed.astype(jnp.uint32)), n_out=z, done=z > 0,
+                      counts=jnp.zeros_like(sub.counts))  # as after `reset`, before the first token
+    logits = model.logits(sub.last_hidden)
+    first, _ = sample(penalize(logits, sub.counts, sub.seen, sub.params), sub.params,
+                      key_for(sub.params, sub.n_out, _SAMPLE), sampling=True)  # greedy rows: the argmax
+    lp, ids = token_logprobs(logits[:, None], first[:, None])
+    if sub.logprobs.shape[1]:
+        sub = sub.replace(logprobs=sub.logprobs.at[:, :1].set(lp), top_ids=sub.top_ids.at[:, :1].set(ids))
+    sub = _emit(sub.replace(last_token=first), first[:, None], jnp.ones_like(z), z == 0)
+    light = jax.tree.map(lambda a, s: a.at[dst].set(s, mode="drop"), light, sub)
+    return light.replace(model=slots.model), first, (lp[:, 0], ids[:, 0])
+
+
 def decode_step(model: LingModel, slots: Slots, *, sampling: bool, logprobs: bool = False) -> Slots:
     """One token per live slot: the target over last_token, then sample (sampling, logprobs: as
     in `prefill_chunk`, over the live slots)."""

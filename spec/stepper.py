@@ -1,6 +1,7 @@
 """The server's stepping: `Stepper` runs one compiled decode (or speculative) step at a time,
 dispatching step k+1 before it reads step k's tokens; `ChunkPrefiller` runs one prefill chunk
-(`prefill_step`) that such steps may be interleaved with."""
+(`prefill_step`) that such steps may be interleaved with; `SlotCopier` copies prefilled slots into
+others (`copy_slots`: a prompt prefilled once for several choices)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from flax import nnx
 
 from ling.model import LingModel
 from spec.sampling import SamplingParams
-from spec.step import Slots, check_model, last_at, live_sampling, prefill_chunk, reset, step_fn
+from spec.step import Slots, check_model, copy_slots, last_at, live_sampling, prefill_chunk, reset, step_fn
 
 def _flat_weights(model: LingModel):
     """(the weights as a flat list of arrays, merge: such a list -> the model, for use under jit).
@@ -240,3 +241,31 @@ class ChunkPrefiller:
         return self._call(self._params, slots, None if rows is None else i32(rows), b(start), params, i32(max_new),
                           i32(eos), i32(tokens), i32(next_tokens), i32(valid), b(ends), bool(sampling),
                           bool(logprobs))
+
+
+class SlotCopier:
+    """`copy_slots` compiled once for the slots' shapes: the slots are donated and written in place
+    (pass the Stepper's current slots and put the result back); the pairs are host arrays padded
+    to the batch, so one program serves any number of copies. The weights cross the jit boundary
+    as a flat list (`Stepper`)."""
+
+    def __init__(self, model: LingModel):
+        self._params, merge = _flat_weights(model)
+
+        def run(param_leaves, slots, src, dst, count, seed):
+            return copy_slots(merge(param_leaves), slots, src, dst, count, seed)
+
+        self._call = jax.jit(run, donate_argnums=1)
+
+    def __call__(self, slots: Slots, pairs, seeds):
+        """pairs: (source slot, copy slot) each; seeds: the copies' seeds. Returns (slots, first [B],
+        (log-probabilities [B, 1 + k], top ids [B, k])): entry i is pair i's copy (B rows, the
+        first len(pairs) real)."""
+        b = slots.done.shape[0]
+        if len(pairs) >= b:
+            raise ValueError(f"at most {b - 1} copies fit {b} slots, got {len(pairs)}")
+        src, dst, seed = np.zeros(b, np.int32), np.full(b, b, np.int32), np.zeros(b, np.uint32)
+        for i, ((s, d), x) in enumerate(zip(pairs, seeds)):
+            src[i], dst[i], seed[i] = s, d, x
+        return self._call(self._params, slots, jnp.asarray(src), jnp.asarray(dst), jnp.int32(len(pairs)),
+                          jnp.asarray(seed))

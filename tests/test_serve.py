@@ -134,6 +134,75 @@ def test_completion_stream_equals_non_stream(client):
     assert reason == "length" and use == whole["usage"] and n >= 3
 
 
+def stream_choices(client, path, body):
+    """({index: (text, finish_reason)}, usage or None) of an SSE response with several choices."""
+    texts, reasons, use = {}, {}, None
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    for e in events[:-1]:
+        chunk = json.loads(e)
+        use = chunk.get("usage") or use
+        for c in chunk["choices"]:
+            i = c["index"]
+            texts[i] = texts.get(i, "") + (c["text"] if "text" in c else c["delta"].get("content") or "")
+            assert reasons.get(i) is None, "a choice goes on after its finish_reason"
+            reasons[i] = c["finish_reason"]
+    return {i: (texts[i], reasons[i]) for i in texts}, use
+
+
+CHAT_BODY = {"messages": [{"role": "user", "content": "Write a loop."}]}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_n_choices_equal_separate_seeded_requests(client, path):
+    """n = 3 sampled choices, whole and streamed, equal three n = 1 requests with seeds seed + i
+    (mod 2**32: the seed below wraps), text and token count; usage counts the prompt once."""
+    body = {"model": DEFAULT_MODEL_NAME, "max_tokens": 10, "temperature": 1.0, "top_p": 0.95, "ignore_eos": True,
+            **({"prompt": "for x in "} if path == "/v1/completions" else CHAT_BODY)}
+    seed = 2**32 - 2
+    text = lambda choice: choice["text"] if "text" in choice else choice["message"]["content"]
+
+    def post(**extra):
+        r = client.post(path, json={**body, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    alone = [post(seed=(seed + i) % 2**32) for i in range(3)]
+    want = [text(a["choices"][0]) for a in alone]
+    assert len(set(want)) > 1  # the seeds matter
+    out = post(seed=seed, n=3)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert [text(c) for c in out["choices"]] == want
+    assert all(c["finish_reason"] == "length" for c in out["choices"])
+    prompt_tokens = alone[0]["usage"]["prompt_tokens"]
+    assert out["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 30, "total_tokens": prompt_tokens + 30}
+    got, use = stream_choices(client, path, {**body, "seed": seed, "n": 3, "stream_options": {"include_usage": True}})
+    assert got == {i: (t, "length") for i, t in enumerate(want)} and use == out["usage"]
+    assert wait_idle(client)["free_slots"] == BATCH
+
+
+def test_best_of_returns_the_likeliest_candidates(client, tokenizer):
+    """best_of = 4, n = 2: the two of the four seeded candidates (separate requests with seeds
+    seed + i) with the highest summed token log-probability, most likely first; usage counts
+    all four."""
+    body = {"model": DEFAULT_MODEL_NAME, "prompt": "def f(", "max_tokens": 8, "temperature": 1.0,
+            "ignore_eos": True}
+    alone = [complete(client, **body, seed=40 + i, logprobs=0) for i in range(4)]
+    score = [sum(a["choices"][0]["logprobs"]["token_logprobs"]) for a in alone]
+    best = sorted(range(4), key=lambda i: -score[i])[:2]
+    ranked = sorted(score, reverse=True)
+    assert ranked[1] - ranked[2] > 1e-3 and best != [0, 1], score  # unambiguous, and not the first two
+    out = complete(client, **body, seed=40, n=2, best_of=4)
+    assert [c["text"] for c in out["choices"]] == [alone[i]["choices"][0]["text"] for i in best]
+    assert [c["index"] for c in out["choices"]] == [0, 1] and all(c["logprobs"] is None for c in out["choices"])
+    assert out["usage"]["completion_tokens"] == 32
+    with_lp = complete(client, **body, seed=40, n=2, best_of=4, logprobs=1)
+    got = [sum(c["logprobs"]["token_logprobs"]) for c in with_lp["choices"]]
+    np.testing.assert_allclose(got, [score[i] for i in best], rtol=1e-5, atol=1e-5)
+
+
 def test_chat(client, tokenizer):
     body = {"model": DEFAULT_MODEL_NAME, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
             "messages": [{"role": "system", "content": "You write Python."},
@@ -229,7 +298,15 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": BATCH + 1}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": "2"}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": BATCH + 1}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "best_of": BATCH + 1}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}, 400, "best_of"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
@@ -361,7 +438,7 @@ def test_penalties(client, tokenizer):
 def test_null_means_default(client):
     nulls = dict.fromkeys(("temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty",
                            "repetition_penalty", "stream",
-                           "stream_options", "seed", "stop", "max_tokens", "logprobs", "echo", "timeout"))
+                           "stream_options", "seed", "stop", "max_tokens", "logprobs", "echo", "timeout", "best_of"))
     out = complete(client, prompt="x = 1", **{**nulls, "temperature": 0})
     assert out["usage"]["completion_tokens"] >= 1  # max_tokens null: the default (16)
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,

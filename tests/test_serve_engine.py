@@ -4,6 +4,7 @@ equals plain greedy decoding of the prompt alone (`spec.generate.generate_batch`
 request gives the same tokens alone and in company."""
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -36,9 +37,11 @@ def runner(model):
 
 def serve(runner, requests, arrivals):
     """Runs the engine's iteration (admit + chunk, step, deliver one step late) until every request
-    has max_tokens tokens; request i joins at iteration arrivals[i]. Returns the token lists."""
+    has max_tokens tokens; request i joins at iteration arrivals[i]. Returns the token lists (a
+    group's copies after their request)."""
     sched = Scheduler(SLOTS, CHUNK, eos_id=None)
-    out = {r.id: [] for r in requests}
+    everyone = [x for r in requests for x in (r, *r.copies)]
+    out = {r.id: [] for r in everyone}
 
     def take(r, tokens):
         if r is not None and not r.finished:
@@ -62,9 +65,9 @@ def serve(runner, requests, arrivals):
             first, _ = runner.read_first(first)
             for b, r in enumerate(chunk.owners):
                 take(r, [int(first[b])])
-        if all(r.finished for r in requests) and not runner.pending:
+        if all(r.finished for r in everyone) and not runner.pending:
             break
-    return [out[r.id][: r.sampling.max_tokens] for r in requests]
+    return [out[r.id][: r.sampling.max_tokens] for r in everyone]
 
 
 @pytest.mark.parametrize("speculative", [True, False])
@@ -88,6 +91,60 @@ def test_seeded_sampling_does_not_depend_on_company(model, runner):
                                                                                    seed=n)) for n in (45, 9)]
     together = serve(runner, [others[0], sampled(), others[1]], arrivals=(0, 1, 1))
     assert together[1] == alone
+
+
+def group(prompt, sampling, seeds):
+    """A request of len(seeds) choices, choice i sampled with seeds[i]."""
+    first, *rest = [Request(prompt, dataclasses.replace(sampling, seed=s), choice=i) for i, s in enumerate(seeds)]
+    first.copies = tuple(rest)
+    return first
+
+
+def test_n_choices_prefill_once_and_equal_separate_requests(model, runner, monkeypatch):
+    """A request of 3 choices prefills its prompt once (3 chunks); each choice's tokens equal
+    those of a separate request with its seed (penalties on: the copies' token counts start
+    afresh), queued behind a running request so that the group waits for its 3 slots."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(2, model.cfg.vocab_size, 2 * CHUNK + 5).tolist()
+    sampling = Sampling(max_tokens=20, temperature=0.9, top_p=0.95, presence=0.4, frequency=0.2)
+    seeds = (21, 22, 23)
+    alone = [serve(runner, [Request(prompt, dataclasses.replace(sampling, seed=s))], arrivals=(0,))[0]
+             for s in seeds]
+    assert len({tuple(a) for a in alone}) == 3  # the seeds matter
+
+    prefilled = []
+    real = runner.prefiller.__call__
+    monkeypatch.setattr(runner, "prefiller", lambda slots, **kw: prefilled.append(np.asarray(kw["valid"]).sum())
+                        or real(slots, **kw))
+    busy = Request(rng.integers(2, model.cfg.vocab_size, 5).tolist(), Sampling(max_tokens=6, temperature=0.0))
+    got = serve(runner, [busy, group(prompt, sampling, seeds)], arrivals=(0, 1))
+    assert got[1:] == alone
+    assert sum(prefilled) == len(busy.prompt_ids) + len(prompt)
+
+
+def test_a_copied_slot_equals_its_source_leaf_by_leaf(model, runner):
+    """With the source's own seed, the copy redraws the source's first token: every leaf of the
+    copied slots equals the source's, the model state (KDA, MLA, NEXTN caches, lengths), the
+    token counts and the log-probability buffers included."""
+    import jax
+
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(2, model.cfg.vocab_size, CHUNK + 9).tolist()
+    g = group(prompt, Sampling(max_tokens=8, temperature=1.0, logprobs=2), (5, 5, 5))
+    sched = Scheduler(SLOTS, CHUNK, eos_id=None)
+    sched.add(g)
+    while True:
+        chunk = sched.next_chunk()
+        first, _ = runner.read_first(runner.prefill(chunk))
+        if chunk.copies:
+            break
+    src = sched.slot_of[g.id]
+    assert sorted(d for _, d in chunk.copies) == sorted(sched.slot_of[c.id] for c in g.copies)
+    assert len(set(first.tolist())) == 1
+    for path, leaf in jax.tree_util.tree_flatten_with_path(runner.stepper.slots)[0]:
+        leaf = np.asarray(leaf)
+        for _, d in chunk.copies:
+            np.testing.assert_array_equal(leaf[d], leaf[src], err_msg=jax.tree_util.keystr(path))
 
 
 def test_a_paused_prefill_keeps_its_nextn_cache(model, runner):
@@ -133,7 +190,7 @@ def test_engine_fails_the_requests_of_a_failed_step_and_keeps_serving(runner, mo
         async def one():
             r = Request([5, 6, 7], Sampling(max_tokens=10, temperature=0.0), loop=loop)
             engine.submit(r)
-            while not isinstance(ev := await asyncio.wait_for(r.events.get(), 300), (Finished, Failed)):
+            while not isinstance(ev := (await asyncio.wait_for(r.events.get(), 300))[1], (Finished, Failed)):
                 pass
             return ev
 
