@@ -92,7 +92,7 @@ def mla_parts(run, shared, caches, perturb, cfg, nbytes, ceiling, case):
 
     def split_only(sh, c):
         q_lat, q_rope, lens = sh
-        return md._split(q_lat, q_rope, c[0], c[1], lens, **kw)
+        return md.split_pass(q_lat, q_rope, c[0], c[1], lens, **kw)
 
     record("mla", case, "· split kernel alone", time_jax(split_only, shared, caches, perturb), nbytes, ceiling)
 

@@ -62,7 +62,7 @@ def dispatch_seconds(model, mesh, m: int) -> tuple[float, float]:
     weights = jnp.full(ids.shape, 1.0 / moe.top_k, jnp.float32)
     x, ids, weights = (jax.device_put(a, NamedSharding(mesh, P())) for a in (x, ids, weights))
     out = []
-    for path in (parallel._replicated, parallel._all_to_all):
+    for path in (parallel.replicated, parallel.all_to_all):
         f = jax.jit(lambda x, i, w, a, b, path=path: path(x, i, w, a, b, None, mesh, routed_experts))
         out.append(timed(f, x, ids, weights, moe.w13[...], moe.w2[...], repeat=3))
     return out[0], out[1]

@@ -79,7 +79,7 @@ def bench_ours(gate, ceiling, backend, args):
     def conv_pass(block_t, warps):
         def step(a, c):
             x, w = a
-            xc, _, conv = kp._convs(x, w, c, valid, interpret=interp, block_t=block_t, num_warps=warps)
+            xc, _, conv = kp.conv_pass(x, w, c, valid, interpret=interp, block_t=block_t, num_warps=warps)
             return c._replace(conv_q=conv[0] + (xc.v[0, 0, 0] * 0).astype(c.conv_q.dtype))
         return time_loop(step, (x, w), s)
 
@@ -101,7 +101,7 @@ def bench_ours(gate, ceiling, backend, args):
                                    (32, 4, 8), (64, 4, 8), (16, 8, 2), (32, 4, 4)):
             def pass_step(a, c, rows=rows, steps=steps, warps=warps):
                 x, w = a
-                return kp._norm_pass(c, x.gate_in, w.o_norm, eps=1e-6, interpret=interp, block_t=rows, n_steps=steps,
+                return kp.norm_pass(c, x.gate_in, w.o_norm, eps=1e-6, interpret=interp, block_t=rows, n_steps=steps,
                                      num_warps=warps)
             if time.time() - T0 < args.budget:
                 record(gate, f"the gated norm alone (norm pass, {steps} x {rows} rows, {warps} warps)",
@@ -109,28 +109,28 @@ def bench_ours(gate, ceiling, backend, args):
 
     # The two kernels alone (kda_prefill's internals, with the same precisions it uses), on the
     # conv pass's outputs.
-    xc, rn, _ = kp._convs(x, w, s, valid, interpret=interp)
+    xc, rn, _ = kp.conv_pass(x, w, s, valid, interpret=interp)
 
     def intra(warps, precision):
         def step(a, c):
             x, w, rn, valid = a
             inter, tick = c
-            inter = kp._intra(x._replace(q=x.q + tick), w, rn, valid, chunk=chunk, gate=gate, lower_bound=-5.0,
+            inter = kp.intra_pass(x._replace(q=x.q + tick), w, rn, valid, chunk=chunk, gate=gate, lower_bound=-5.0,
                               precision=prec(precision), inv_precision=inv_prec, num_warps=warps, interpret=interp)
             return inter, (inter[5][0, 0, 0, 0] * 0).astype(x.q.dtype)  # the next call depends on this one
-        inter0 = jax.eval_shape(lambda: kp._intra(xc, w, rn, valid, chunk=chunk, gate=gate, lower_bound=-5.0,
+        inter0 = jax.eval_shape(lambda: kp.intra_pass(xc, w, rn, valid, chunk=chunk, gate=gate, lower_bound=-5.0,
                                                   precision=prec(precision), inv_precision=inv_prec,
                                                   num_warps=warps, interpret=interp))
         inter0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), inter0)
         return time_loop(step, (xc, w, rn, valid), (inter0, jnp.zeros((), xc.q.dtype)))
 
-    inter = kp._intra(xc, w, rn, valid, chunk=chunk, gate=gate, lower_bound=-5.0, precision=prec(base.precision),
+    inter = kp.intra_pass(xc, w, rn, valid, chunk=chunk, gate=gate, lower_bound=-5.0, precision=prec(base.precision),
                       inv_precision=inv_prec, num_warps=base.intra_warps, interpret=interp)
 
     def state(bv, warps, stages, precision, hi_lo):
         def step(a, c):
             inter, x, w = a
-            return kp._state(inter, x, w, c[1], chunk=chunk, eps=1e-6, bv=bv, precision=prec(precision),
+            return kp.state_pass(inter, x, w, c[1], chunk=chunk, eps=1e-6, bv=bv, precision=prec(precision),
                              num_warps=warps, num_stages=stages, interpret=interp, hi_lo=hi_lo)
         return time_loop(step, (inter, x, w), (zeros_o, s.recurrent))
 

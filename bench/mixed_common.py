@@ -133,7 +133,7 @@ class Part:
 
         def traced(x, i, s, w, n=None):
             n = x.shape[0] if n is None else n  # tokens: the union, or the decode tokens alone
-            run = et._run(x[:n], i[:n], s[:n], *w, n_decode=md, swiglu_limit=None, backend=b, plan=plan,
+            run = et.run_tiles(x[:n], i[:n], s[:n], *w, n_decode=md, swiglu_limit=None, backend=b, plan=plan,
                           trace=True, stamps=not self.smoke)
             return run.y, run.trace, run.stamps
 

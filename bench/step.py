@@ -145,8 +145,7 @@ def main():
             stepper = Stepper(model, fresh(), speculative=mode == "spec", num_steps=s)
             holder = {"stepper": stepper}
             one, sync = stepper.step, stepper.drain
-            lowered = stepper._step.lower(stepper._params, stepper._slots, stepper._count, None, stepper.sampling,
-                                             False)
+            lowered = stepper.lower()
         t = time.perf_counter()
         one(), one(), sync()  # compile, warm up
         print(f"{mode}: compiled in {time.perf_counter() - t:.0f} s", flush=True)
@@ -181,7 +180,7 @@ def main():
             else:
                 holder["stepper"].dispatch()
         dispatch = (time.perf_counter() - t) / k
-        sync() if mode == "verify" else jax.block_until_ready(holder["stepper"]._slots)
+        sync() if mode == "verify" else jax.block_until_ready(holder["stepper"].slots)
         reset()
         stream = stream_trace(back_to_back, k, scratch)
         reset()

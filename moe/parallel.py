@@ -80,11 +80,11 @@ def expert_parallel(x, ids, weights, w13, w2, *, swiglu_limit, mesh: Mesh, compu
     pairs carry id E/ep. w13, w2 are sharded along experts."""
     ep = mesh.shape[EXPERT]
     if x.shape[0] >= A2A_MIN_TOKENS and x.shape[0] % ep == 0:
-        return _all_to_all(x, ids, weights, w13, w2, swiglu_limit, mesh, compute)
-    return _replicated(x, ids, weights, w13, w2, swiglu_limit, mesh, compute)
+        return all_to_all(x, ids, weights, w13, w2, swiglu_limit, mesh, compute)
+    return replicated(x, ids, weights, w13, w2, swiglu_limit, mesh, compute)
 
 
-def _replicated(x, ids, weights, w13, w2, limit, mesh, compute):
+def replicated(x, ids, weights, w13, w2, limit, mesh, compute):
     """Tokens on every rank; each computes the pairs of its local experts; psum of the partials.
     (The partials are rounded to x's dtype before the sum: exact in fp32, one extra bf16 rounding
     per rank in bf16.)"""
@@ -101,7 +101,7 @@ def _replicated(x, ids, weights, w13, w2, limit, mesh, compute):
                          check_vma=False)(x, ids, weights, w13, w2)
 
 
-def _all_to_all(x, ids, weights, w13, w2, limit, mesh, compute):
+def all_to_all(x, ids, weights, w13, w2, limit, mesh, compute):
     """Tokens split over the ranks; every (token, slot) pair travels to the rank owning its expert
     and back, by two all-to-alls of fixed capacity (a rank may receive every pair of a sender:
     capacity M/ep·k). XLA:CPU has no ragged_all_to_all, so this dense form is the portable one."""

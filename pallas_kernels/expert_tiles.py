@@ -613,7 +613,7 @@ def _programs(plan: Plan, interpret: bool) -> int:
     return PROGRAMS_PER_SM * (getattr(jax.devices()[0], "core_count", None) or H200_SMS)
 
 
-def _run(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, backend, plan: Plan | None,
+def run_tiles(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit, backend, plan: Plan | None,
          trace=False, stamps=False, poison=False) -> TileRun:
     m, k = topk_ids.shape
     if not 0 <= n_decode <= m:
@@ -725,6 +725,6 @@ def tile_moe(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit=
     if backend == "reference":
         y = reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit)
         return (y, None) if trace else y
-    run = _run(x, topk_ids, topk_weights, w13, w2, n_decode=n_decode, swiglu_limit=swiglu_limit,
+    run = run_tiles(x, topk_ids, topk_weights, w13, w2, n_decode=n_decode, swiglu_limit=swiglu_limit,
                backend=backend, plan=plan, trace=trace)
     return (run.y, run.trace) if trace else run.y

@@ -270,7 +270,7 @@ def _conv_kernel(valid_ref, xq, xk, xv, csq, csk, csv, wq, wk, wv, yq, yk, yv, r
         lambda: rows(xv, csv, wv, yv, None, sv, scale=1.0)])
 
 
-def _convs(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, interpret: bool, block_t: int = CONV_ROWS,
+def conv_pass(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, interpret: bool, block_t: int = CONV_ROWS,
            num_warps: int = 4):
     """The conv pass over q, k and v in one launch, grid (B, T / block_t, 3H): (x with q, k, v
     replaced by SiLU(conv) in their dtype, (rnq, rnk) [B, H, T] the L2-norm factors of q's rows
@@ -535,10 +535,10 @@ def _intra_kernel(valid_ref, q_ref, k_ref, v_ref, g_ref, b_ref, rnq_ref, rnk_ref
     gc_ref[...] = jnp.exp2(o_c)
 
 
-def _intra(x: KdaInputs, w: KdaWeights, rn, valid, *, chunk, gate, lower_bound, precision, inv_precision,
+def intra_pass(x: KdaInputs, w: KdaWeights, rn, valid, *, chunk, gate, lower_bound, precision, inv_precision,
            num_warps, interpret):
     """The intra kernel over x, whose q, k, v are the conv pass's outputs, and rn = (rnq, rnk)
-    [B, H, T] their norm factors (`_convs`)."""
+    [B, H, T] their norm factors (`conv_pass`)."""
     b, t, c = x.q.shape
     h = x.b_in.shape[2]
     kd, vd = c // h, x.v.shape[2] // h
@@ -635,7 +635,7 @@ def _state_kernel(w_ref, qg_ref, kg_ref, u_ref, aqk_ref, gc_ref, s0_ref, gate_re
     s_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(f32))
 
 
-def _state(inter, x: KdaInputs, w: KdaWeights, rec, *, chunk, eps, bv, precision, num_warps, num_stages,
+def state_pass(inter, x: KdaInputs, w: KdaWeights, rec, *, chunk, eps, bv, precision, num_warps, num_stages,
            interpret, hi_lo: bool):
     wy, u, qg, kg, aqk, gc = inter
     b, h, tp, kd = wy.shape
@@ -679,7 +679,7 @@ def _state(inter, x: KdaInputs, w: KdaWeights, rec, *, chunk, eps, bv, precision
         name="kda_prefill_state",
     )(wy, qg, kg, u, aqk, gc, rec, x.gate_in, w.o_norm)
     if not fuse_norm:  # the norm needs the whole V row, spread over V-blocks: a pass of its own
-        o = _norm_pass(o, x.gate_in, w.o_norm, eps=eps, interpret=interpret)
+        o = norm_pass(o, x.gate_in, w.o_norm, eps=eps, interpret=interpret)
     return o, s
 
 
@@ -725,7 +725,7 @@ def _norm_kernel(o_ref, gate_ref, wn_ref, y_ref, *, t_len: int, block_t: int, n_
     lax.fori_loop(0, n_steps, step, load(first))
 
 
-def _norm_pass(o, gate_in, weight, *, eps: float, interpret: bool, block_t: int = NORM_ROWS,
+def norm_pass(o, gate_in, weight, *, eps: float, interpret: bool, block_t: int = NORM_ROWS,
                n_steps: int = NORM_STEPS, num_warps: int = 4):
     """o [B, T, H, V], gate_in [B, T, H·V], weight [V] -> the gated norm [B, T, H, V] in o's dtype.
     Bytes: o and gate read, y written (201 MB at Ling's T 8192)."""
@@ -753,10 +753,10 @@ def _prefill_pallas(x: KdaInputs, w: KdaWeights, state: KdaState, valid, *, gate
     # dots, except "bf16", whose operand rounding is explicit (so interpret tests exercise it).
     precision = lax.Precision.HIGHEST if interpret and plan.precision != "bf16" else PRECISIONS[plan.precision]
     inv_precision = PRECISIONS[INV_PRECISION]
-    xc, rn, conv = _convs(x, w, state, valid, interpret=interpret)
-    inter = _intra(xc, w, rn, valid, chunk=chunk, gate=gate, lower_bound=lower_bound, precision=precision,
+    xc, rn, conv = conv_pass(x, w, state, valid, interpret=interpret)
+    inter = intra_pass(xc, w, rn, valid, chunk=chunk, gate=gate, lower_bound=lower_bound, precision=precision,
                    inv_precision=inv_precision, num_warps=plan.intra_warps, interpret=interpret)
-    o, rec = _state(inter, x, w, state.recurrent, chunk=chunk, eps=eps, bv=plan.bv, precision=precision,
+    o, rec = state_pass(inter, x, w, state.recurrent, chunk=chunk, eps=eps, bv=plan.bv, precision=precision,
                     num_warps=plan.state_warps, num_stages=plan.state_stages, interpret=interpret,
                     hi_lo=plan.state_hi_lo)
     return o, KdaState(*conv, rec)

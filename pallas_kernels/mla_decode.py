@@ -147,7 +147,7 @@ def _combine_kernel(acc_ref, lse_ref, o_ref, *, split_block: int):
     o_ref[...] = (num / den[None, :]).T.astype(o_ref.dtype)
 
 
-def _split(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l, num_splits, num_warps,
+def split_pass(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l, num_splits, num_warps,
            num_stages, interpret):
     """The split kernel's launch: partials accᵀ / l [B, S, R, rows_pad] and lse [B, S, rows_pad]."""
     b, t, h, r = q_lat.shape
@@ -197,7 +197,7 @@ def _split(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l, num
 def _mla_pallas(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l, num_splits,
                 num_warps, num_stages, interpret):
     b, t, h, r = q_lat.shape
-    acc, lse = _split(q_lat, q_rope, c, k_rope, lengths, scale=scale, block_rows=block_rows, block_l=block_l,
+    acc, lse = split_pass(q_lat, q_rope, c, k_rope, lengths, scale=scale, block_rows=block_rows, block_l=block_l,
                       num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     ns, rows_pad, bm = acc.shape[1], acc.shape[3], block_rows
     # Tiles: BMc = 16 rows (the partials' minor dim: 32 contiguous bytes, one sector, per split

@@ -130,6 +130,11 @@ class Stepper:
             raise ValueError("the new slots differ in structure from the ones the step was built for")
         self._slots = leaves
 
+    def lower(self):
+        """The step program over every slot (greedy, without logprobs) lowered for the current slots,
+        for inspecting its HLO."""
+        return self._step.lower(self._params, self._slots, self._count, None, self.sampling, False)
+
     def rows(self, live) -> np.ndarray | None:
         """The slot indices a step over `live` [B] bool runs (`bucket_rows`; None: every slot)."""
         return bucket_rows(np.ones(self.batch, bool) if live is None else live, self.buckets, self.batch)

@@ -56,7 +56,7 @@ def _run(md, mp, k, bits, kind, limit, plan, symmetric=True, seed=0):
     m = md + mp
     x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
     ids, w = _routing(rng, m, k, kind)
-    run = et._run(x, ids, w, w13, w2, n_decode=md, swiglu_limit=limit, backend="interpret", plan=plan,
+    run = et.run_tiles(x, ids, w, w13, w2, n_decode=md, swiglu_limit=limit, backend="interpret", plan=plan,
                   trace=True, poison=True)
     ref = experts.reference(x, ids, w, w13, w2, swiglu_limit=limit)
     _assert_close(run.y, ref, _magnitude(x, ids, w, w13, w2, limit))
@@ -196,7 +196,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="block_m_hot"):
         et.tile_moe(x, ids, w, w13, w2, n_decode=1, backend="interpret", plan=et.Plan(16, block_m_hot=32))
     with pytest.raises(ValueError, match="globaltimer"):
-        et._run(x, ids, w, w13, w2, n_decode=1, swiglu_limit=None, backend="interpret", plan=BM16, stamps=True)
+        et.run_tiles(x, ids, w, w13, w2, n_decode=1, swiglu_limit=None, backend="interpret", plan=BM16, stamps=True)
 
 
 @pytest.mark.parametrize("bits,hot", [(None, None), (4, None), (None, 16)])
@@ -221,7 +221,7 @@ def test_lowers_to_triton_ir(bits, hot, monkeypatch):
         plan = dataclasses.replace(plan, block_m=2 * hot, block_m_hot=hot)
 
     def f(x, ids, w, w13, w2):
-        run = et._run(x, ids, w, w13, w2, n_decode=3, swiglu_limit=None, backend="pallas", plan=plan, trace=True,
+        run = et.run_tiles(x, ids, w, w13, w2, n_decode=3, swiglu_limit=None, backend="pallas", plan=plan, trace=True,
                       stamps=True)
         return run.y, run.trace, run.stamps
 

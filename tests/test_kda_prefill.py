@@ -133,7 +133,7 @@ def test_conv_and_norm_passes(backend, t, dtype):
     projections = (("q", x.q, s.conv_q, w.conv_q, K**-0.5), ("k", x.k, s.conv_k, w.conv_k, 1.0),
                    ("v", x.v, s.conv_v, w.conv_v, None))
     for block_t in (kp.CONV_ROWS, 8):
-        xc, rn, conv = kp._convs(x, w, s, valid, interpret=backend == "interpret", block_t=block_t)
+        xc, rn, conv = kp.conv_pass(x, w, s, valid, interpret=backend == "interpret", block_t=block_t)
         for (name, xin, cs, wt, scale), got, got_rn, got_state in zip(projections, (xc.q, xc.k, xc.v),
                                                                       rn + (None,), conv):
             m = f"{name} {msg}, {block_t} rows"
@@ -151,7 +151,7 @@ def test_conv_and_norm_passes(backend, t, dtype):
     o = x.v.reshape(b, t, H, K)
     want_o = kda_reference.gated_norm(o.astype(jnp.float32), x.gate_in.reshape(b, t, H, K), w.o_norm, 1e-6)
     for rows, steps in ((kp.NORM_ROWS, kp.NORM_STEPS), (8, 2)):
-        got = kp._norm_pass(o, x.gate_in, w.o_norm, eps=1e-6, interpret=backend == "interpret", block_t=rows,
+        got = kp.norm_pass(o, x.gate_in, w.o_norm, eps=1e-6, interpret=backend == "interpret", block_t=rows,
                             n_steps=steps)
         _close(got, want_o, 1e-5 if dtype == jnp.float32 else 2.0**-7,
                f"gated norm {msg}, {steps} steps of {rows} rows")
