@@ -66,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="weights and activations (default auto: bfloat16 on an accelerator, float32 on CPU, where "
                     "XLA has no bf16 x bf16 -> f32 dot)")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "pallas", "interpret", "reference"],
+                    help="kernel backend the model is built with (default auto: the Pallas kernels on a GPU, their "
+                    "plain-jnp references elsewhere; LING_KERNELS may set auto's choice)")
     ap.add_argument("--quantize", default=None, choices=["int8", "int4", "int2"], help="low-bit weights (ling.load)")
     ap.add_argument("--group-size", type=int, default=128, help="input columns per scale with --quantize (default 128)")
     ap.add_argument("--quantize-experts", action="store_true", help="with --quantize int4 / int8: the routed "
@@ -155,7 +158,7 @@ def _load_model(args):
     return ling.load(args.model, dtype=args.dtype, seed=args.seed, quantize=args.quantize,
                      group_size=args.group_size, quantize_experts=args.quantize_experts,
                      quantize_lm_head=args.quantize_lm_head, ep_size=args.ep_size,
-                     num_layers=args.num_layers, progress=sys.stderr.isatty())
+                     num_layers=args.num_layers, progress=sys.stderr.isatty(), kernels=args.kernels)
 
 
 def chunk_sizer(args, cfg):

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import ling
 from ling.state import commit, init_state
@@ -79,3 +80,10 @@ def test_the_backend_is_fixed_when_the_model_is_built(monkeypatch):
     assert built_interpret.kernels == "interpret" and pallas_calls(built_interpret) > 0
     assert built_reference.kernels == "reference" and pallas_calls(built_reference) == 0
     assert pallas_calls(ling.use_kernels(built_reference, "interpret")) > 0
+
+
+def test_serve_run_builds_the_model_with_its_kernels_flag():
+    from serve.run import _load_model, parse_args
+
+    model = _load_model(parse_args(["--model", "ling-tiny", "--dtype", "float32", "--kernels", "interpret"]))
+    assert {m.kernels for _, m in nnx.iter_graph(model) if hasattr(m, "kernels")} == {"interpret"}
