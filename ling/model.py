@@ -177,8 +177,10 @@ class LingModel(nnx.Module):
 
 def use_kernels(model: nnx.Module, kernels: str) -> nnx.Module:
     """Switches every layer under model (a model, a layer) to the kernel backend `kernels`, in
-    place, and returns it: programs traced afterwards run that backend (a program is keyed by its
-    modules' static attributes, so one compiled before keeps its own)."""
+    place, and returns it: calls traced afterwards run that backend (`nnx.jit` keys a program by
+    its modules' static attributes). Objects that captured the model's graph when they were
+    built (`spec.stepper.Stepper`, `ChunkPrefiller`, `SlotCopier`) keep the backend they saw:
+    switch before building them."""
     kernels = resolve(kernels)
     for _, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and hasattr(node, "kernels"):

@@ -88,7 +88,7 @@ def routed_ids(moe: MoE, x):
     flat = jax.lax.stop_gradient(x).reshape(-1, x.shape[-1])
     _, ids = route(flat, moe.gate_weight[...], moe.expert_bias[...], top_k=moe.top_k, n_group=moe.n_group,
                    topk_group=moe.topk_group, routed_scaling_factor=moe.routed_scaling_factor,
-                   norm_topk_prob=moe.norm_topk_prob)
+                   norm_topk_prob=moe.norm_topk_prob, backend=moe.kernels)
     return ids.reshape(*x.shape[:-1], moe.top_k)
 
 

@@ -184,7 +184,7 @@ async def _generate(http: HTTPRequest, prepare: Callable, prefix: str, shape: "C
     _admit(c)
     req, ids, sampling = await asyncio.to_thread(prepare, c, await _body(c, http))
     n, best_of = _choices(c, req)
-    _admit(c)  # again: the queue may have filled, or shutdown begun, while the body was prepared
+    _admit(c, best_of)  # again, for every sequence: the queue may have filled, or shutdown begun, meanwhile
     asked = sampling.logprobs is not None
     if best_of > n and not asked:  # ranking needs each token's log-probability
         sampling = dataclasses.replace(sampling, logprobs=0)
@@ -292,14 +292,15 @@ def _top_count(n: int | None, param: str) -> int | None:
 
 # -- admission, limits, checks ---------------------------------------------------------------------
 
-def _admit(c: Context) -> None:
-    """503 while shutting down or after an engine failure; 429 when the queue is full."""
+def _admit(c: Context, count: int = 1) -> None:
+    """503 while shutting down or after an engine failure; 429 when `count` more sequences would
+    overfill the queue."""
     if c.shutdown_at is not None:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     if c.engine.error:
         raise APIError(503, c.engine.error)
     limit = c.info.max_queue
-    if limit is not None and c.in_flight >= c.engine.runner.max_batch + limit:
+    if limit is not None and c.in_flight + count > c.engine.runner.max_batch + limit:
         raise APIError(429, f"the server is at capacity: every slot is busy and {limit} requests wait; retry later",
                        code="queue_full", type="rate_limit_error", headers={"Retry-After": "1"})
 

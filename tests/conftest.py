@@ -5,22 +5,29 @@ import sys
 import pytest
 
 
-def gpu_tier(argv=None) -> bool:
-    """`python -m pytest -m gpu`: the kernel tests' compiled (`pallas`) cases, on the machine's GPU.
-    Any other run is the CPU suite (interpret mode), whatever devices the machine has."""
-    argv = sys.argv if argv is None else argv
+def gpu_tier() -> bool:
+    """`python -m pytest -m gpu` (or `--markexpr gpu`, also through PYTEST_ADDOPTS): the kernel
+    tests' compiled (`pallas`) cases, on the machine's GPU. Any other run is the CPU suite
+    (interpret mode), whatever devices the machine has. The controlling process decides from its
+    arguments and tells pytest-xdist's workers through LING_TEST_TIER."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return os.environ.get("LING_TEST_TIER") == "gpu"
+    argv = sys.argv[1:] + os.environ.get("PYTEST_ADDOPTS", "").split()
     for i, a in enumerate(argv):
-        if a == "-m" and i + 1 < len(argv):
+        if a in ("-m", "--markexpr") and i + 1 < len(argv):
             return argv[i + 1].strip() == "gpu"
+        if a.startswith("--markexpr="):
+            return a.split("=", 1)[1].strip() == "gpu"
         if a.startswith("-m") and a[2:].strip() == "gpu":
             return True
-    return os.environ.get("LING_TEST_TIER") == "gpu"  # set below for pytest-xdist's workers
+    return False
 
 
 # The CPU suite runs on CPU only; fp32 matmuls at full precision in both tiers (the oracle
 # comparisons are fp32). The GPU tier does not preallocate, so that two workers share the device.
-if gpu_tier():
-    os.environ["LING_TEST_TIER"] = "gpu"
+GPU_TIER = gpu_tier()
+os.environ["LING_TEST_TIER"] = "gpu" if GPU_TIER else "cpu"
+if GPU_TIER:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 else:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -48,10 +55,11 @@ def release_compiled_programs():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Outside the GPU tier, the `gpu` cases are skipped with the command that runs them."""
-    if gpu_tier():
+    """Outside the GPU tier, the `gpu` cases are skipped with the command that runs them; in it,
+    on a machine without a GPU, with that reason."""
+    if GPU_TIER and jax.default_backend() == "gpu":
         return
-    skip = pytest.mark.skip(reason="compiled kernels on a GPU: python -m pytest -m gpu")
+    skip = pytest.mark.skip(reason="no GPU here" if GPU_TIER else "compiled kernels on a GPU: python -m pytest -m gpu")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)

@@ -104,3 +104,18 @@ def test_sigterm_ends_running_streams_after_the_grace(server):
     server.proc.wait(60)
     log = server.log()
     assert "shutting down" in log and "finish=shutdown" in log
+
+
+def test_a_request_of_n_choices_counts_n_towards_the_queue_limit():
+    """`--max-queue`: a group of n sequences is admitted only if all n fit."""
+    from types import SimpleNamespace
+
+    from serve.api import _admit
+    from serve.protocol import APIError
+
+    c = SimpleNamespace(shutdown_at=None, in_flight=7, engine=SimpleNamespace(error=None, runner=SimpleNamespace(
+        max_batch=8)), info=SimpleNamespace(max_queue=0))
+    _admit(c)  # one more sequence fits the eighth slot
+    with pytest.raises(APIError) as e:
+        _admit(c, 2)
+    assert e.value.status == 429

@@ -161,6 +161,15 @@ def toy_dir(tmp_path_factory):
     return out
 
 
+def test_training_runs_the_reference_kernels_whatever_the_environment(monkeypatch):
+    """The trainer builds its model with the plain-jnp kernels (the Pallas kernels define no VJP),
+    router included: LING_KERNELS naming a Pallas backend, as "auto" is on a GPU, changes nothing."""
+    monkeypatch.setenv("LING_KERNELS", "interpret")
+    trainer = train.Trainer(ling.preset("ling-tiny"), seed=0, lr=1e-3, warmup=1)
+    metrics = trainer.step(np.random.default_rng(0).integers(0, 256, (1, 16)), 0, 10)
+    assert np.isfinite(float(metrics["loss"]))
+
+
 def test_train_loss_and_mtp_loss_fall(toy_dir):
     log = [json.loads(line) for line in open(os.path.join(toy_dir, "train_log.jsonl"))]
     steps = [r for r in log if "loss" in r]
