@@ -204,3 +204,37 @@ def test_engine_fails_the_requests_of_a_failed_step_and_keeps_serving(runner, mo
     assert isinstance(failed, Failed) and "injected device failure" in failed.message
     assert isinstance(served, Finished) and served.completion_tokens == 10 and engine.error is None
     assert engine.stats()["free_slots"] == SLOTS
+
+
+def test_a_group_removed_mid_prefill_or_queued_leaves_no_slot_taken():
+    """Scheduler bookkeeping of an n-choice request: its source removed mid-prefill puts the
+    choices not yet copied back at the head of the queue as a group of their own (the first
+    prefilling again), and removing everything, queued or running, frees every slot."""
+    sched = Scheduler(SLOTS, CHUNK, eos_id=None)
+    g = group(list(range(2, 2 + 2 * CHUNK + 3)), Sampling(max_tokens=4, temperature=0.5), (1, 2, 3))
+    sched.add(g)
+    assert sched.next_chunk() is not None and sched.free_slots == 0 and sched.decoding() == [None] * SLOTS
+    g.finished = True
+    sched.remove(g)  # mid-prefill: its two copies were never copied
+    assert sched.free_slots == SLOTS and sched.num_waiting == 1
+    head = sched.waiting[0]
+    assert head is g.copies[0] and head.copies == (g.copies[1],)
+    chunk = sched.next_chunk()  # the rest of the group, admitted again: prefilled from its first token
+    assert chunk.valid.sum() == CHUNK and sched.free_slots == SLOTS - 2
+    for r in g.copies:
+        r.finished = True
+        sched.remove(r)
+    assert sched.free_slots == SLOTS and not sched.has_work() and not sched.copies_of and not sched.awaiting
+
+    queued = group([5, 6, 7], Sampling(max_tokens=4), (1, 2))
+    busy = [Request([5], Sampling(max_tokens=4)) for _ in range(SLOTS)]
+    for r in busy + [queued]:
+        sched.add(r)
+    sched.next_chunk()
+    assert sched.num_waiting == 1  # no two slots free
+    queued.copies[0].finished = queued.finished = True  # the API aborts every choice
+    sched.remove(queued.copies[0])
+    sched.remove(queued)
+    for r in busy:
+        sched.remove(r)
+    assert sched.free_slots == SLOTS and not sched.has_work()
