@@ -58,9 +58,8 @@ class Runner:
         self._logprobs[start] = False if chunk.logprobs is None else np.asarray(chunk.logprobs, bool)[start]
         rows = bucket_rows(start | (np.asarray(chunk.valid) > 0), self.stepper.buckets, self.max_batch)
         pick = (lambda a: np.asarray(a)) if rows is None else (lambda a: np.asarray(a)[rows])
-        params = SamplingParams.make(len(pick(start)), pick(chunk.temperature), pick(chunk.top_k), pick(chunk.top_p),
-                                     pick(chunk.seed), pick(chunk.presence), pick(chunk.frequency),
-                                     pick(chunk.repetition))
+        params = SamplingParams(pick(chunk.temperature), pick(chunk.top_k), pick(chunk.top_p), pick(chunk.seed),
+                                pick(chunk.presence), pick(chunk.frequency), pick(chunk.repetition))  # host arrays
         logprobs = bool(np.any(self._logprobs & np.asarray(chunk.ends, bool)))
         self.stepper.slots, first, *lp = self.prefiller(
             self.stepper.slots, start=pick(chunk.start), params=params, max_new=pick(chunk.max_new),

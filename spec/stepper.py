@@ -217,6 +217,47 @@ def prefill_step(model: LingModel, slots: Slots, start, params: SamplingParams, 
     return slots, jnp.where(ends, slots.out[:, 0], -1)
 
 
+# The columns of a prefill chunk's packed arguments (`ChunkPrefiller`), after tokens and next_tokens
+# [K, C] each: int32 flags and limits, then the sampling parameters (float32 and uint32 bits).
+_INT_ARGS = ("start", "valid", "ends", "max_new", "eos", "top_k", "seed")
+_FLOAT_ARGS = ("temperature", "top_p", "presence", "frequency", "repetition")
+
+
+def _unpack_chunk(packed, c: int):
+    """packed [K, 2C + 12] int32 (`ChunkPrefiller._pack`) -> (start, params, max_new, eos, tokens,
+    next_tokens, valid, ends) as `prefill_step` takes them."""
+    tokens, next_tokens, rest = packed[:, :c], packed[:, c:2 * c], packed[:, 2 * c:]
+    ints = dict(zip(_INT_ARGS, (rest[:, i] for i in range(len(_INT_ARGS)))))
+    floats = {n: jax.lax.bitcast_convert_type(rest[:, len(_INT_ARGS) + i], jnp.float32)
+              for i, n in enumerate(_FLOAT_ARGS)}
+    params = SamplingParams(floats["temperature"], ints["top_k"], floats["top_p"],
+                            jax.lax.bitcast_convert_type(ints["seed"], jnp.uint32), floats["presence"],
+                            floats["frequency"], floats["repetition"])
+    return (ints["start"] > 0, params, ints["max_new"], ints["eos"], tokens, next_tokens, ints["valid"],
+            ints["ends"] > 0)
+
+
+class KeptBuffers:
+    """Host arrays put on the device into one buffer kept per shape, rewritten in place by a small
+    program when the values change: a program that reads them sees the same address every call
+    (its CUDA graph is then replayed as recorded, `Stepper`)."""
+
+    def __init__(self):
+        self._held: dict[tuple, tuple[np.ndarray, jax.Array]] = {}
+        self._put = jax.jit(lambda old, new: old * 0 + new, donate_argnums=0)
+
+    def __call__(self, values: np.ndarray) -> jax.Array:
+        key = (values.shape, values.dtype.str)
+        held = self._held.get(key)
+        if held is None or not np.array_equal(held[0], values):
+            buf = jnp.asarray(values) if held is None else self._put(held[1], values)
+            held = self._held[key] = (values.copy(), buf)
+        return held[1]
+
+    def buffers(self) -> list[jax.Array]:
+        return [buf for _, buf in self._held.values()]
+
+
 class ChunkPrefiller:
     """`prefill_step` compiled once for the slots' shapes (and each `sampling` variant and batch
     bucket); the arguments are host arrays, [K] and [K, C] for the K slots `rows` names (all B
@@ -224,28 +265,55 @@ class ChunkPrefiller:
     so the slots a chunk does not touch cost nothing. The slots are donated: pass the Stepper's
     current slots and put the result back. The weights cross the jit boundary as a flat list
     (`Stepper`). Returns (slots, first [K]), and with logprobs (slots, first [K],
-    (log-probabilities [K, 1 + top], top ids [K, top]) of the first tokens)."""
+    (log-probabilities [K, 1 + top], top ids [K, top]) of the first tokens).
+
+    As the `Stepper`'s step, the chunk's program touches only buffers that keep their address, so
+    that its CUDA graph is replayed as recorded: the per-chunk arguments are packed into one int32
+    array [K, 2C + 12] (`_pack`) written into a buffer kept per shape, the rows into one kept per
+    bucket (`KeptBuffers`), and its one output is the slots, written in place; the first tokens
+    are read from them by a small program of their own (`report`), whose output is fresh."""
 
     def __init__(self, model: LingModel):
         self._params, merge = _flat_weights(model)
+        self._kept = KeptBuffers()
 
-        def run(param_leaves, slots, rows, start, sampling_params, max_new, eos, tokens, next_tokens, valid, ends,
-                sampling, logprobs):
-            sub, first = prefill_step(merge(param_leaves), gather_rows(slots, rows), start, sampling_params, max_new,
-                                      eos, tokens, next_tokens, valid, ends, sampling=sampling, logprobs=logprobs)
-            if logprobs:
-                return scatter_rows(slots, rows, sub), first, (sub.logprobs[:, 0] + 0, sub.top_ids[:, 0] + 0)
-            return scatter_rows(slots, rows, sub), first
+        def run(param_leaves, slots, rows, packed, sampling, logprobs):
+            args = _unpack_chunk(packed, (packed.shape[1] - len(_INT_ARGS) - len(_FLOAT_ARGS)) // 2)
+            sub, _ = prefill_step(merge(param_leaves), gather_rows(slots, rows), *args, sampling=sampling,
+                                  logprobs=logprobs)
+            return scatter_rows(slots, rows, sub)
 
-        self._call = jax.jit(run, donate_argnums=1, static_argnums=(11, 12))
+        def report(out, logprobs_buf, top_ids, rows, packed, logprobs):
+            """The first tokens [K] of the rows whose prompt ended in the chunk (-1 elsewhere); with
+            logprobs also their (log-probabilities [K, 1 + top], top ids [K, top])."""
+            out, logprobs_buf, top_ids = gather_rows((out, logprobs_buf, top_ids), rows)
+            ends = packed[:, -len(_FLOAT_ARGS) - len(_INT_ARGS) + _INT_ARGS.index("ends")] > 0
+            first = jnp.where(ends, out[:, 0], -1)
+            return (first, (logprobs_buf[:, 0] + 0, top_ids[:, 0] + 0)) if logprobs else first
+
+        self._call = jax.jit(run, donate_argnums=1, static_argnums=(4, 5))
+        self._report = jax.jit(report, static_argnums=5)
+
+    @staticmethod
+    def _pack(start, params: SamplingParams, max_new, eos, tokens, next_tokens, valid, ends) -> np.ndarray:
+        """The chunk's arguments as one int32 array [K, 2C + 12] (`_unpack_chunk` reads it)."""
+        host = lambda a, dt: np.asarray(a, dt).reshape(-1)  # noqa: E731
+        ints = dict(start=host(start, np.int32), valid=host(valid, np.int32), ends=host(ends, np.int32),
+                    max_new=host(max_new, np.int32), eos=host(eos, np.int32), top_k=host(params.top_k, np.int32),
+                    seed=host(params.seed, np.uint32).view(np.int32))
+        floats = [host(getattr(params, n), np.float32).view(np.int32) for n in _FLOAT_ARGS]
+        return np.concatenate([np.asarray(tokens, np.int32), np.asarray(next_tokens, np.int32),
+                               np.stack([ints[n] for n in _INT_ARGS] + floats, axis=1)], axis=1)
 
     def __call__(self, slots: Slots, *, start, params: SamplingParams, max_new, eos, tokens, next_tokens, valid,
                  ends, sampling: bool, rows=None, logprobs: bool = False):
-        i32 = lambda a: jnp.asarray(np.asarray(a, np.int32))
-        b = lambda a: jnp.asarray(np.asarray(a, bool))
-        return self._call(self._params, slots, None if rows is None else i32(rows), b(start), params, i32(max_new),
-                          i32(eos), i32(tokens), i32(next_tokens), i32(valid), b(ends), bool(sampling),
-                          bool(logprobs))
+        packed = self._kept(self._pack(start, params, max_new, eos, tokens, next_tokens, valid, ends))
+        on_device = None if rows is None else self._kept(np.asarray(rows, np.int32))
+        slots = self._call(self._params, slots, on_device, packed, bool(sampling), bool(logprobs))
+        first = self._report(slots.out, slots.logprobs, slots.top_ids, on_device, packed, bool(logprobs))
+        for a in jax.tree_util.tree_leaves(first):
+            a.copy_to_host_async()
+        return (slots, *first) if logprobs else (slots, first)
 
 
 class SlotCopier:

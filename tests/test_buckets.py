@@ -123,3 +123,32 @@ def test_a_step_keeps_every_buffer_it_touches_in_place(model):
         stepper.step(live=np.array(live))
         assert where() == before
     assert stepper.drain() is not None
+
+
+def test_a_prefill_chunk_keeps_every_buffer_it_touches_in_place(model):
+    """As the step: a prefill chunk's program reads its arguments from buffers kept per shape and
+    writes the slots in place, so chunk after chunk no argument of it moves (its CUDA graph is
+    replayed as recorded); its first tokens come from the report program."""
+    from spec.stepper import ChunkPrefiller
+
+    b, c = 4, 8
+    stepper = Stepper(model, new_slots(model, b, 40, 16), speculative=False, buckets=batch_buckets(b))
+    prefiller = ChunkPrefiller(model)
+    rng = np.random.default_rng(0)
+
+    def chunk(rows, ends):
+        k = b if rows is None else len(rows)
+        first = prefiller(stepper.slots, start=np.zeros(k, bool), params=SamplingParams.make(k),
+                          max_new=np.full(k, 12), eos=np.full(k, -1), tokens=rng.integers(2, 50, (k, c)),
+                          next_tokens=rng.integers(2, 50, (k, c)), valid=np.full(k, c), ends=np.asarray(ends),
+                          sampling=False, rows=rows)
+        stepper.slots, first = first
+        return np.asarray(first)
+
+    where = lambda: [a.unsafe_buffer_pointer() for a in (*stepper._slots, *prefiller._kept.buffers()) if a.size]  # noqa: E731
+    for rows, ends in ((None, [False] * 4), (np.array([1, 3], np.int32), [False, True])):
+        chunk(rows, ends)
+        before = where()
+        first = chunk(rows, ends)
+        assert where() == before
+    assert first[0] == -1 and first[1] >= 0  # the prompt that ended has its first token

@@ -44,8 +44,6 @@ def programs(runner: Runner):
 
     stepper, prefiller = runner.stepper, runner.prefiller
     b, c = runner.max_batch, 8
-    i32 = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-    flags = jnp.ones((b,), bool)
     for sampling, logprobs in ((False, False), (True, False), (True, True)):
         variant = f"sampling={sampling} logprobs={logprobs}"
         for k in stepper.buckets:  # every batch bucket's step
@@ -55,13 +53,18 @@ def programs(runner: Runner):
                 stepper._params, stepper._slots, stepper._count, on_device, sampling, logprobs)
             yield f"report batch {k} {variant}", jax.make_jaxpr(stepper._report, static_argnums=7)(
                 *(stepper._slots[i] for i in stepper._read), stepper._count, on_device, logprobs)
-        for k in stepper.buckets:  # every batch bucket's prefill chunk
+        for k in stepper.buckets:  # every batch bucket's prefill chunk and the report of its first tokens
             rows = stepper.rows(np.arange(b) < k)
             n = b if rows is None else len(rows)
-            yield f"prefill batch {k} {variant}", jax.make_jaxpr(prefiller._call, static_argnums=(11, 12))(
-                prefiller._params, stepper.slots, None if rows is None else jnp.asarray(rows), flags[:n],
-                SamplingParams.make(n, temperature=0.5), i32(n), i32(n), i32(n, c), i32(n, c), i32(n), flags[:n],
-                sampling, logprobs)
+            on_device = None if rows is None else jnp.asarray(rows)
+            packed = jnp.asarray(prefiller._pack(np.ones(n, bool), SamplingParams.make(n, temperature=0.5),
+                                                 np.zeros(n), np.zeros(n), np.zeros((n, c)), np.zeros((n, c)),
+                                                 np.ones(n), np.ones(n, bool)))
+            yield f"prefill batch {k} {variant}", jax.make_jaxpr(prefiller._call, static_argnums=(4, 5))(
+                prefiller._params, stepper.slots, on_device, packed, sampling, logprobs)
+            s = stepper.slots
+            yield f"prefill report batch {k} {variant}", jax.make_jaxpr(prefiller._report, static_argnums=5)(
+                s.out, s.logprobs, s.top_ids, on_device, packed, logprobs)
 
 
 def quantized_tiny():
@@ -82,7 +85,7 @@ def test_step_programs_hold_no_host_round_trip(backend, spec_steps, weights):
         bad = round_trips(jaxpr.jaxpr)
         assert not bad, f"{name} ({backend}, {weights}, S={spec_steps}) makes the host wait:\n  " + "\n  ".join(bad)
         seen += 1
-    assert runner.stepper.buckets == (1, 2) and seen == 18  # 2 buckets x (step, report, prefill) x 3 variants
+    assert runner.stepper.buckets == (1, 2) and seen == 24  # 2 buckets x (step, prefill and their reports) x 3 variants
 
 
 def test_the_check_finds_a_cond_and_names_its_line():
