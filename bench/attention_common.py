@@ -5,7 +5,6 @@ over the copy ceiling measured in the run), and the shapes (BENCH_SMOKE=1: tiny,
 from __future__ import annotations
 
 import os
-import statistics
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.55")  # leave room for torch (fla)
@@ -14,7 +13,7 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # fla's own Triton k
 import jax
 import jax.numpy as jnp
 
-from bench.common import Log, copy_ceiling_tbs
+from bench.common import Log, copy_ceiling_tbs, time_loop
 
 OUT = os.environ.get("OUT", "/tmp/attention_bench")
 os.makedirs(OUT, exist_ok=True)
@@ -48,31 +47,19 @@ def time_jax(fn, shared, rotating, perturb) -> float:
     so no call is loop-invariant (one small fusion per iteration, shared by all calls)."""
     n = len(rotating)
 
-    def loop(sh0, rots, n_iter):
-        def calls(sh):
-            return [fn(sh, r) for r in rots]
+    def calls(sh, rots):
+        return [fn(sh, r) for r in rots]
 
-        def body(_, carry):
-            eps, _ = carry
-            outs = calls(perturb(sh0, eps))
-            probe = sum(leaf.reshape(-1)[0].astype(jnp.float32) for leaf in jax.tree.leaves(outs))
-            return eps + probe * 0.0, outs
+    def step(args, carry):
+        (sh0, rots), (eps, _) = args, carry
+        outs = calls(perturb(sh0, eps), rots)
+        probe = sum(leaf.reshape(-1)[0].astype(jnp.float32) for leaf in jax.tree.leaves(outs))
+        return eps + probe * 0.0, outs
 
-        init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(calls, sh0))
-        return jax.lax.fori_loop(0, n_iter, body, (jnp.float32(0.0), init))
-
-    run = jax.jit(loop)
-    jax.block_until_ready(run(shared, rotating, 1))  # compile + warm-up
-
-    def wall(k):
-        t = time.perf_counter()
-        jax.block_until_ready(run(shared, rotating, k))
-        return time.perf_counter() - t
-
-    lo = statistics.median(wall(2) for _ in range(3))
-    hi = statistics.median(wall(12) for _ in range(3))
-    log.write(f"    time_jax: {n} calls/iter, 2 iters {lo * 1e3:.3f} ms, 12 iters {hi * 1e3:.3f} ms\n")
-    return (hi - lo) / (10 * n) * 1e6
+    init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(calls, shared, rotating))
+    us = time_loop(step, (shared, rotating), (jnp.float32(0.0), init), lo=2, hi=12) / n
+    log.write(f"    time_jax: {n} calls/iter, {us:.2f} µs a call\n")
+    return us
 
 
 def add_eps(a, eps):

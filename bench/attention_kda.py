@@ -54,7 +54,7 @@ def bench_kda(t, ceiling, n_rot=4 if SMOKE else 32, sweep=True):
     ref_us = time_jax(lambda sh, r: run(sh, r, backend="reference"), (x, w, s), recs, perturb)
     record("kda", case, "xla reference", ref_us, nbytes, ceiling)
 
-    # A first sweep (2026-11-30) put BV 64 and 128 far behind (the serial chain of one program
+    # A sweep put BV 64 and 128 far behind (the serial chain of one program
     # grows with BV while the grid shrinks); fla's own tiling is BV 32 / 4 warps.
     configs = [(16, 4), (8, 2), (32, 4)]
     if sweep:

@@ -155,3 +155,39 @@ def random_experts(fmt: str, key, *, e: int, d: int, inter: int, group: int, blo
         return QuantizedWeight(words, scales, None, 4, group, True, (n, k))
 
     return q(k1, k2, 2 * inter, d), q(k3, k4, d, inter)
+
+
+def time_loop(step, args, carry, lo=2, hi=7):
+    """µs per step: fori_loop(n, step) in one dispatch for n = lo and hi, difference / (hi - lo)."""
+    import jax
+
+    def run(args, carry, n):
+        return jax.lax.fori_loop(0, n, lambda i, c: step(args, c), carry)
+
+    f = jax.jit(run)
+    jax.block_until_ready(f(args, carry, 1))  # compile + warm-up
+
+    def wall(n):
+        t = time.perf_counter()
+        jax.block_until_ready(f(args, carry, n))
+        return time.perf_counter() - t
+
+    t_lo = statistics.median(wall(lo) for _ in range(3))
+    t_hi = statistics.median(wall(hi) for _ in range(3))
+    return (t_hi - t_lo) / (hi - lo) * 1e6
+
+
+def torch_us(fn, n=10, warm=3):
+    """µs per call of a torch callable, CUDA events around n calls after warm-up calls."""
+    import torch
+
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / n

@@ -7,11 +7,10 @@ check against the jnp reference, plan names and the table printed last.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 
-from bench.common import rel_err
+from bench.common import rel_err, time_loop
 
 B, T, H, KD, W = 1, 8192, 32, 128, 4
 T_CHECK = 1024
@@ -63,26 +62,6 @@ def make_inputs(t, key, dtype):
     s = kda.KdaState(nrm(ks[10], (B, W - 1, c)), nrm(ks[11], (B, W - 1, c)), nrm(ks[10], (B, W - 1, c), 0.5),
                      nrm(ks[11], (B, H, KD, KD), 0.1, jnp.float32))
     return x, w, s, jnp.full((B,), t, jnp.int32)
-
-
-def time_loop(step, args, carry, lo=2, hi=7):
-    """µs per step: fori_loop(n, step) in one dispatch for n = lo and hi, difference / (hi - lo)."""
-    import jax
-
-    def run(args, carry, n):
-        return jax.lax.fori_loop(0, n, lambda i, c: step(args, c), carry)
-
-    f = jax.jit(run)
-    jax.block_until_ready(f(args, carry, 1))  # compile + warm-up
-
-    def wall(n):
-        t = time.perf_counter()
-        jax.block_until_ready(f(args, carry, n))
-        return time.perf_counter() - t
-
-    t_lo = statistics.median(wall(lo) for _ in range(3))
-    t_hi = statistics.median(wall(hi) for _ in range(3))
-    return (t_hi - t_lo) / (hi - lo) * 1e6
 
 
 def copy_ceiling():

@@ -9,8 +9,8 @@ import traceback
 
 
 from bench import kda_prefill_common as kc
-from bench.common import time_torch_graph
-from bench.kda_prefill_common import log, make_inputs, record, time_loop
+from bench.common import time_loop, time_torch_graph
+from bench.kda_prefill_common import log, make_inputs, record
 
 
 def bench_reference(gate, ceiling, args):

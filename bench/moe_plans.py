@@ -14,7 +14,7 @@ def fused_moe_sweep(d: int, i: int, g: int) -> dict:
 
     dot = lambda up, down: Plan("dot", 16, up, down)  # noqa: E731
     fma = lambda up, down: Plan("fma", 1, up, down)  # noqa: E731
-    tiles = [dot(GP(128, 64, 4, 4), GP(128, 64, 4, 4)),  # the default before 2026-11-30's sweep
+    tiles = [dot(GP(128, 64, 4, 4), GP(128, 64, 4, 4)),  # the default before the plan sweep
              dot(GP(256, 32, 4, 3), GP(256, 32, 4, 3))]
     m1 = tiles + [dot(GP(128, 64, 2, 5), GP(128, 32, 2, 4)),
                   dot(GP(256, 64, 8, 3), GP(128, 64, 4, 4)),

@@ -4,6 +4,12 @@ the floor and the peers)."""
 from __future__ import annotations
 
 
+def best_us(row: dict) -> float | None:
+    """The faster of a row's default plan and its sweep's best (None when neither was timed)."""
+    cands = [v for v in (row.get("us"), row.get("best_us")) if v]
+    return min(cands) if cands else None
+
+
 def grouped_gemm_table(results: dict, dims, peak_tflops: float, torch_anchor: dict, log) -> None:
     """bench.grouped_gemm's table: per (format, M) its default and best µs, TFLOP/s, TB/s, floor =
     max(bytes / copy ceiling, FLOPs / peak_tflops), and the peers' ratios. dims: (E, k, D, I)."""
@@ -14,8 +20,7 @@ def grouped_gemm_table(results: dict, dims, peak_tflops: float, torch_anchor: di
              "fmt     M  experts     GB  GFLOP  default µs  best µs  TFLOP/s  TB/s  floor µs  %floor  "
              "ragged µs      x  torch µs     x"]
     for r in results["rows"]:
-        cands = [v for v in (r.get("us"), r.get("best_us")) if v]
-        us = min(cands) if cands else None
+        us = best_us(r)
         if not us or "mbytes" not in r:
             lines.append(f"{r['fmt']:4} {r['m']:5}  (no timing; rel err of the default plan {r.get('err')})")
             continue
@@ -44,8 +49,7 @@ def fused_moe_table(results: dict, dims, sglang_anchor: dict, log) -> None:
              "fmt  M   experts   MB   ours µs (best)  TB/s  floor µs  %floor  torch µs   x    ragged µs  x    "
              "gathered µs  x    SGLang* x"]
     for r in results["rows"]:
-        cands = [v for v in (r.get("us"), r.get("best_us")) if v]
-        us = min(cands) if cands else None
+        us = best_us(r)
         if not us or "mbytes" not in r:
             lines.append(f"{r['fmt']:4} {r['m']:3}  (no timing)")
             continue

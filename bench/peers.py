@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+from bench.common import torch_us
+
 
 def xla_gathered(x, topk_ids, topk_weights, w13, w2):
     """XLA's peer at decode sizes: an einsum over the pairs' gathered experts in x's dtype with
@@ -65,16 +67,7 @@ def torch_grouped_mm_us(ids, ws, *, e: int, d: int, inter: int, n: int = 20) -> 
         out = torch._grouped_mm(h, w2, offs=offs).float() * tw.reshape(-1)[order, None]
         return torch.zeros(m, d, device=dv).index_add_(0, tok, out).to(torch.bfloat16)
 
-    for _ in range(3):
-        layer()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        layer()
-    b.record()
-    torch.cuda.synchronize()
-    us = a.elapsed_time(b) * 1e3 / n
+    us = torch_us(layer, n=n)
     del w13, w2, x
     torch.cuda.empty_cache()
     return us

@@ -29,22 +29,6 @@ def device_us(f, *args, reps=(6, 2)):
     return queued_us(f, *args, hi=reps[0], lo=reps[1])
 
 
-def torch_us(fn, n=10, warm=3):
-    """µs per call of a torch callable, CUDA events around n calls after warm-up calls."""
-    import torch
-
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / n
-
-
 def fmt_us(us):
     return "-" if us is None else (f"{us / 1e3:.2f} ms" if us >= 1e4 else f"{us:.1f} µs")
 

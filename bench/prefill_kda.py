@@ -8,8 +8,8 @@ kda   KDA prefill at 8192 tokens, B 1, H 32, K = V 128, bf16 activations, fp32 s
 
 from __future__ import annotations
 
-from bench.common import rel_err
-from bench.prefill_common import device_us, fmt_us, log, row, torch_us
+from bench.common import rel_err, torch_us
+from bench.prefill_common import device_us, fmt_us, log, row
 
 
 class KdaPart:
