@@ -48,6 +48,27 @@ def scatter_rows(tree, rows, sub):
     return sub if rows is None else jax.tree_util.tree_map(lambda a, b: a.at[rows].set(b), tree, sub)
 
 
+class KeptBuffers:
+    """Host arrays put on the device into one buffer kept per shape, rewritten in place by a small
+    program when the values change: a program that reads them sees the same address every call
+    (its CUDA graph is then replayed as recorded, `Stepper`)."""
+
+    def __init__(self):
+        self._held: dict[tuple, tuple[np.ndarray, jax.Array]] = {}
+        self._put = jax.jit(lambda old, new: old * 0 + new, donate_argnums=0)
+
+    def __call__(self, values: np.ndarray) -> jax.Array:
+        key = (values.shape, values.dtype.str)
+        held = self._held.get(key)
+        if held is None or not np.array_equal(held[0], values):
+            buf = jnp.asarray(values) if held is None else self._put(held[1], values)
+            held = self._held[key] = (values.copy(), buf)
+        return held[1]
+
+    def buffers(self) -> list[jax.Array]:
+        return [buf for _, buf in self._held.values()]
+
+
 class Stepper:
     """Steps the slots one compiled step at a time, dispatching step k+1 before it reads step k's
     results (JAX dispatch is asynchronous, so the device never waits for the host between steps).
@@ -114,9 +135,8 @@ class Stepper:
 
         self._step = jax.jit(run, donate_argnums=(1, 2), static_argnums=(4, 5))
         self._report = jax.jit(report, static_argnums=7)
-        self._put_rows = jax.jit(lambda old, new: old * 0 + new, donate_argnums=0)
         self._count = jnp.zeros((self.batch,), jnp.int32)
-        self._rows: dict[int, tuple[np.ndarray, jax.Array]] = {}
+        self._kept = KeptBuffers()  # each bucket's rows
         self._pending = None
 
     @property
@@ -139,22 +159,12 @@ class Stepper:
         """The slot indices a step over `live` [B] bool runs (`bucket_rows`; None: every slot)."""
         return bucket_rows(np.ones(self.batch, bool) if live is None else live, self.buckets, self.batch)
 
-    def _device_rows(self, rows: np.ndarray | None):
-        """rows on the device, in the one buffer kept for their bucket (rewritten when they change)."""
-        if rows is None:
-            return None
-        held = self._rows.get(len(rows))
-        if held is None or not np.array_equal(held[0], rows):
-            buf = jnp.asarray(rows) if held is None else self._put_rows(held[1], rows)
-            held = self._rows[len(rows)] = (rows.copy(), buf)
-        return held[1]
-
     def dispatch(self, sampling: bool | None = None, live=None, logprobs: bool = False) -> None:
         """Queues a step over the `live` slots (None: all of them) and its report, whose copy to the
         host starts at once; `step` and `drain` read it."""
         sampling = self.sampling if sampling is None else sampling
         rows = self.rows(live)
-        on_device = self._device_rows(rows)
+        on_device = None if rows is None else self._kept(rows)
         self._slots, self._count = self._step(self._params, self._slots, self._count, on_device, bool(sampling),
                                               bool(logprobs))
         report = self._report(*(self._slots[i] for i in self._read), self._count, on_device, bool(logprobs))
@@ -207,14 +217,13 @@ def prefill_step(model: LingModel, slots: Slots, start, params: SamplingParams, 
     so the NEXTN entry that a speculative step rewrites at p-1 for a done slot keeps its true value.
     sampling (static): whether any slot in `ends` samples its first token; logprobs (static): keep
     the first tokens' log-probabilities in `slots.logprobs[:, 0]`.
-    Returns (slots, first [B]): the sampled first token of the slots in `ends`, -1 elsewhere — a
-    fresh buffer the host can read after dispatching the next step."""
+    Returns the slots; the sampled first token of a slot in `ends` is its `out[:, 0]`."""
     slots = reset(slots, start, params, max_new, eos)
     slots = slots.replace(done=(slots.done | start) & ~ends)
     slots = prefill_chunk(model, slots, tokens, next_tokens, valid, valid > 0, sampling=sampling, logprobs=logprobs)
     mid = (valid > 0) & ~ends
     slots = slots.replace(last_token=jnp.where(mid, last_at(next_tokens, valid), slots.last_token))
-    return slots, jnp.where(ends, slots.out[:, 0], -1)
+    return slots
 
 
 # The columns of a prefill chunk's packed arguments (`ChunkPrefiller`), after tokens and next_tokens
@@ -235,27 +244,6 @@ def _unpack_chunk(packed, c: int):
                             floats["frequency"], floats["repetition"])
     return (ints["start"] > 0, params, ints["max_new"], ints["eos"], tokens, next_tokens, ints["valid"],
             ints["ends"] > 0)
-
-
-class KeptBuffers:
-    """Host arrays put on the device into one buffer kept per shape, rewritten in place by a small
-    program when the values change: a program that reads them sees the same address every call
-    (its CUDA graph is then replayed as recorded, `Stepper`)."""
-
-    def __init__(self):
-        self._held: dict[tuple, tuple[np.ndarray, jax.Array]] = {}
-        self._put = jax.jit(lambda old, new: old * 0 + new, donate_argnums=0)
-
-    def __call__(self, values: np.ndarray) -> jax.Array:
-        key = (values.shape, values.dtype.str)
-        held = self._held.get(key)
-        if held is None or not np.array_equal(held[0], values):
-            buf = jnp.asarray(values) if held is None else self._put(held[1], values)
-            held = self._held[key] = (values.copy(), buf)
-        return held[1]
-
-    def buffers(self) -> list[jax.Array]:
-        return [buf for _, buf in self._held.values()]
 
 
 class ChunkPrefiller:
@@ -279,8 +267,8 @@ class ChunkPrefiller:
 
         def run(param_leaves, slots, rows, packed, sampling, logprobs):
             args = _unpack_chunk(packed, (packed.shape[1] - len(_INT_ARGS) - len(_FLOAT_ARGS)) // 2)
-            sub, _ = prefill_step(merge(param_leaves), gather_rows(slots, rows), *args, sampling=sampling,
-                                  logprobs=logprobs)
+            sub = prefill_step(merge(param_leaves), gather_rows(slots, rows), *args, sampling=sampling,
+                               logprobs=logprobs)
             return scatter_rows(slots, rows, sub)
 
         def report(out, logprobs_buf, top_ids, rows, packed, logprobs):

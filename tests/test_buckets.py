@@ -116,7 +116,7 @@ def test_a_step_keeps_every_buffer_it_touches_in_place(model):
     slots = prefill(model, slots, p + p, np.ones(b, bool), SamplingParams.make(b), np.full(b, 12), np.full(b, -1))
     stepper = Stepper(model, slots, speculative=False, buckets=batch_buckets(b))
     where = lambda: [a.unsafe_buffer_pointer() for a in (*stepper._slots, stepper._count)  # noqa: E731
-                     if a.size] + [buf.unsafe_buffer_pointer() for _, buf in stepper._rows.values()]
+                     if a.size] + [buf.unsafe_buffer_pointer() for buf in stepper._kept.buffers()]
     for live in ([True] * 4, [True, False, True, False], [False, True, True, False]):
         stepper.step(live=np.array(live))
         before = where()
