@@ -194,7 +194,9 @@ class Stepper:
 
         self._step = jax.jit(run, donate_argnums=(1, 2), static_argnums=(4, 5, 6))
         self._report = jax.jit(report, static_argnums=7)
-        self._count = jnp.zeros((self.batch,), jnp.int32)
+        # Placed as the slots are: a first step that met an uncommitted count would compile a
+        # program of its own that no later step (whose count is the committed output) runs.
+        self._count = jax.device_put(np.zeros(self.batch, np.int32), slots.done.sharding)
         self._kept = KeptBuffers()  # each bucket's rows
         self._pending = None
 

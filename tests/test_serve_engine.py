@@ -88,8 +88,10 @@ def test_interleaved_serving_equals_plain_greedy(model, runner, speculative):
 def test_context_buckets_change_no_output_and_hold_every_slot(model, speculative):
     """With cache lengths 32 and 64 compiled beside the whole 160 (+ width), the calls run the
     shortest that holds their slots as the requests grow across both edges: the outputs are plain
-    greedy's, and the runner's bound on each busy slot's positions never falls below the device's."""
+    greedy's, the runner's bound on each busy slot's positions never falls below the device's, and
+    every program they run was compiled by the warm-up."""
     runner = make_runner(model, STEPS if speculative else 0, contexts=(32, 64))
+    compiled = runner.stepper._step._cache_size(), runner.prefiller._call._cache_size()
     assert runner.stepper.contexts == runner.prefiller.contexts == (32, 64)  # the reference attention
     rng = np.random.default_rng(5)
     lengths, max_new = (20, 7, 50, 23, 90), (30, 40, 12, 50, 20)
@@ -113,6 +115,7 @@ def test_context_buckets_change_no_output_and_hold_every_slot(model, speculative
     got = serve(runner, requests, arrivals=(0, 0, 1, 4, 6), check=check)
     assert got == [ref[:n] for ref, n in zip(reference, max_new)]
     assert used == {32, 64, None}
+    assert (real._cache_size(), runner.prefiller._call._cache_size()) == compiled
 
 
 def test_seeded_sampling_does_not_depend_on_company(model, runner):
