@@ -115,7 +115,7 @@ def test_context_ladders_and_flag():
     # rungs at or past the cache's length are never picked: the whole cache runs in place
     assert [pick_context(n, (16, 64), 60) for n in (1, 16, 17, 60, None)] == [16, 16, None, None, None]
     auto = parse_args([])
-    assert context_ladder(auto, "cpu", 1024) == (256,) and context_ladder(auto, "cpu", 8192) == (256, 1024, 4096)
+    assert context_ladder(auto, "cpu", 1024) == () and context_ladder(auto, "cpu", 32768) == (4096, 16384)
     assert context_ladder(auto, "gpu", 8192) == (2048,) and context_ladder(auto, "gpu", 1024) == ()
     assert context_ladder(parse_args(["--context-buckets", "off"]), "cpu", 8192) == ()
     assert context_ladder(parse_args(["--context-buckets", "100,5000,50"]), "cpu", 1024) == (50, 100)
