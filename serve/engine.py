@@ -32,13 +32,23 @@ class Engine:
                  stop_ids: set[int], sizer=None):
         """sizer: None (fixed chunk) or a moe.tiles.ChunkSizer whose candidates were compiled."""
         self.runner, self.tokenizer, self.metrics = runner, tokenizer, metrics
-        self.scheduler = Scheduler(runner.max_batch, chunk, eos_id, sizer=sizer, decode_width=runner.stepper.width)
+        self.scheduler = Scheduler(runner.max_batch, chunk, eos_id, sizer=sizer, decode_width=runner.stepper.width,
+                                   prefix=self._new_index())
         self.stop_ids = set(stop_ids) | ({eos_id} if eos_id is not None else set())
         self.outputs: dict[int, TextOutput] = {}
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.error: str | None = None  # set when the device failed and could not be recovered
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ling-engine", daemon=True)
+
+    def _new_index(self):
+        from serve.prefix_cache import PrefixIndex
+
+        pool = self.runner.pool
+        index = None if pool is None else PrefixIndex(pool.entries, pool.interval)
+        if index is not None:
+            self.metrics.prefix_entries.set(index.entries)
+        return index
 
     # -- the HTTP side (any thread) ------------------------------------------------------------
 
@@ -74,6 +84,7 @@ class Engine:
                 self._fail_all(f"internal engine error: {type(e).__name__}: {e}")
                 try:
                     self.runner.reset()
+                    self.scheduler.prefix = self.scheduler.prefix and self._new_index()
                 except Exception:
                     log.error("could not reset the device slots; the server stops generating:\n%s",
                               traceback.format_exc())
@@ -86,6 +97,8 @@ class Engine:
         self._read_inbox(block=idle)
         chunk = self.scheduler.next_chunk()
         first = self.runner.prefill(chunk) if chunk is not None else None
+        if chunk is not None and chunk.lookups:
+            self.metrics.record_prefix(chunk.lookups, self.scheduler.prefix.used)
         owners = self.scheduler.decoding()
         result = self.runner.step(owners) if any(r is not None for r in owners) else self.runner.drain()
         if result is not None:
@@ -135,6 +148,13 @@ class Engine:
         out = self.outputs[r.id]
         before = out.tokens
         used = out.add(tokens)
+        if device_done and used == len(tokens) and self.scheduler.prefix is not None:
+            # The device stopped the slot at the last of these tokens: its state is prompt +
+            # output[:-1] (the host may have ended the request earlier, at a stop string).
+            saved = self.scheduler.finished(r, out.ids)
+            if saved is not None:
+                self.runner.save_finished(*saved)
+                self.metrics.prefix_used.set(self.scheduler.prefix.used)
         entries = None
         if r.sampling.logprobs is not None and logprobs is not None:
             n = r.sampling.logprobs

@@ -1,0 +1,106 @@
+"""The prefix cache: a checkpoint restored into a slot and the rest of the prompt prefilled equals a
+full prefill bit for bit (`spec.prefix`); the radix index (`serve.prefix_cache`): longest match,
+LRU eviction of leaves only, pinned nodes kept, the entry budget; through the engine's device loop,
+outputs with and without a hit are identical (greedy and seeded sampling, speculative and plain)."""
+
+import jax
+import numpy as np
+import pytest
+
+import ling
+from serve.prefix_cache import PrefixIndex
+from spec.prefix import PrefixPool
+from spec.sampling import SamplingParams
+from spec.step import new_slots
+from spec.stepper import ChunkPrefiller
+
+I = 16  # the checkpoint interval, and the prefill chunk
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ling.load("ling-tiny", dtype="float32", seed=1, progress=False)
+
+
+def test_restore_then_prefill_the_rest_equals_a_full_prefill_bit_for_bit(model):
+    """Slot 0 prefills a prompt chunk by chunk, checkpointing at 16 and 32; slot 1 restores the
+    checkpoint at 32 and prefills the rest; every leaf of the two slots' model state (KDA conv and
+    recurrent, MLA latent and rope rows < length, NEXTN rows < length), lengths, seen, the last
+    token and hidden state and the first token are equal."""
+    b, length = 3, 80
+    slots = new_slots(model, b, length, 8, logprob_width=1)
+    prefiller, pool = ChunkPrefiller(model), PrefixPool(model, slots, 4, I)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(2, model.cfg.vocab_size, 45).tolist()
+
+    def chunk(slots, slot, lo, start):
+        hi = min(lo + I, len(prompt))
+        tokens, succ = np.zeros((b, I), np.int32), np.zeros((b, I), np.int32)
+        tokens[slot, :hi - lo] = prompt[lo:hi]
+        succ[slot, :len(prompt[lo + 1:hi + 1])] = prompt[lo + 1:hi + 1]
+        valid, ends, st = np.zeros(b, np.int32), np.zeros(b, bool), np.zeros(b, np.int32)
+        valid[slot], ends[slot], st[slot] = hi - lo, hi == len(prompt), start
+        slots, _ = prefiller(slots, start=st, params=SamplingParams.make(b), max_new=np.full(b, 8),
+                             eos=np.full(b, -1), tokens=tokens, next_tokens=succ, valid=valid, ends=ends,
+                             sampling=False)
+        return slots
+
+    for lo in range(0, len(prompt), I):  # slot 1 first holds another prompt's state: restore overwrites it
+        slots = chunk(slots, 1, lo, lo == 0)
+    for lo in range(0, len(prompt), I):
+        slots = chunk(slots, 0, lo, lo == 0)
+        if lo + I < len(prompt):
+            pool.save(slots, 0, lo // I, lo)  # entry k: the page of rows [16k, 16k + 16)
+    prompt_1 = prompt
+    prompt = prompt_1[:33] + rng.integers(2, model.cfg.vocab_size, 30).tolist()
+    for lo in range(0, len(prompt), I):
+        slots = chunk(slots, 1, lo, lo == 0)
+    prompt = prompt_1
+    slots = pool.restore(slots, 1, [0, 1], 32, prompt)
+    slots = chunk(slots, 1, 32, 2)
+
+    s = jax.device_get(slots)
+    n = len(prompt)
+    assert s.model.lengths[0] == s.model.lengths[1] == n
+    for c in (*s.model.layers, s.model.nextn):
+        for name, a in c.__dict__.items() if not hasattr(c, "recurrent") else (("recurrent", c.recurrent),):
+            np.testing.assert_array_equal(a[1, :n], a[0, :n], err_msg=name)
+        if hasattr(c, "recurrent"):
+            for a in c.conv:
+                np.testing.assert_array_equal(a[1], a[0])
+    for name in ("seen", "last_token", "last_hidden", "out", "n_out", "counts"):
+        np.testing.assert_array_equal(getattr(s, name)[1], getattr(s, name)[0], err_msg=name)
+
+
+def test_index_longest_match_and_nextn_key():
+    idx = PrefixIndex(8, 4)
+    t = list(range(100, 120))
+    a, fresh = idx.insert(idx.root, t, 4)
+    assert fresh and a.n == 4 and idx.insert(idx.root, t, 4) == (a, False)
+    b, _ = idx.insert(a, t, 8)
+    assert idx.match(t) is b and idx.match(t[:9]) is b
+    assert idx.match(t[:8]) is a  # a hit leaves one token to prefill
+    assert idx.match(t[:8] + [0]) is a  # token 8 differs: the NEXTN row 7 of b is not this prompt's
+    assert idx.match([0] + t[1:]) is idx.root
+    assert b.path() == [a.entry, b.entry]
+    leaf, _ = idx.insert(a, t, 6)  # between grid points (a finished request)
+    assert idx.match(t[:7] + [1, 2]) is leaf and idx.match(t) is b
+    with pytest.raises(ValueError):
+        idx.insert(leaf, t, 8)
+
+
+def test_index_evicts_the_least_recently_used_unpinned_leaf_within_its_budget():
+    idx = PrefixIndex(3, 2)
+    x, y = [1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3]
+    a, _ = idx.insert(idx.root, x, 2)
+    a2, _ = idx.insert(a, x, 4)
+    c, _ = idx.insert(idx.root, y, 2)
+    assert idx.used == 3
+    idx.match(x)  # x's path is now the most recent: c is the LRU leaf
+    d, fresh = idx.insert(a2, x, 6)
+    assert fresh and d.entry == c.entry and idx.match(y) is idx.root and idx.used == 3 and idx.evictions == 1
+    idx.pin(d)  # d pinned: its ancestors are not leaves, so nothing can go
+    assert idx.insert(idx.root, y, 2) == (None, False)
+    idx.unpin(d)
+    e, fresh = idx.insert(idx.root, y, 2)
+    assert fresh and e.entry == d.entry and idx.match(x) is a2
