@@ -152,8 +152,8 @@ class Engine:
             # The device stopped the slot at the last of these tokens: its state is prompt +
             # output[:-1] (the host may have ended the request earlier, at a stop string).
             saved = self.scheduler.finished(r, out.ids)
-            if saved is not None:
-                self.runner.save_finished(*saved)
+            if saved:
+                self.runner.save_finished(saved)
                 self.metrics.prefix_used.set(self.scheduler.prefix.used)
         entries = None
         if r.sampling.logprobs is not None and logprobs is not None:

@@ -8,7 +8,10 @@ its parent's does not: tokens[0 : n + 1] under the root, tokens[p + 1 : n + 1] u
 Nodes sit on the grid n = I, 2I, ... (I the interval, a page of the pool), each owning the page of
 rows [n - I, n); a leaf may also sit between two grid points (a finished request's checkpoint):
 its page holds rows [I * floor(n / I), n), and it never has children (a later checkpoint on the
-grid hangs from the grid node above it).
+grid hangs from the grid node above it). A grid node may hold its page only (`state` False: its
+entry's KDA states are not those at n): the grid nodes a finished request's leaf hangs below,
+written from its slot's rows, whose states at those points nobody kept. A match stops at a node
+with a state.
 
 A prompt's match is its longest checkpoint at n < len(prompt): at least one prompt token is left
 to prefill, since the first generated token is sampled from the last prompt token's logits.
@@ -24,10 +27,10 @@ import itertools
 
 
 class Node:
-    __slots__ = ("entry", "n", "parent", "label", "children", "pins", "used")
+    __slots__ = ("entry", "n", "parent", "label", "children", "pins", "used", "state")
 
-    def __init__(self, entry, n, parent, label):
-        self.entry, self.n, self.parent, self.label = entry, n, parent, label
+    def __init__(self, entry, n, parent, label, state=True):
+        self.entry, self.n, self.parent, self.label, self.state = entry, n, parent, label, state
         self.children: dict[tuple, Node] = {}
         self.pins, self.used = 0, 0
 
@@ -62,36 +65,72 @@ class PrefixIndex:
     def match(self, tokens) -> Node:
         """The node of the longest checkpoint of tokens at n < len(tokens) (the root: none); the
         nodes on its path count as used now."""
-        node, now, i = self.root, next(self._clock), self.interval
+        node, best, now, i = self.root, self.root, next(self._clock), self.interval
         while True:
-            grid = (node.n // i + 1) * i
+            for c in node.children.values():  # a leaf between grid points
+                if c.n % i and best.n < c.n < len(tokens) and c.label == self._label(node, tokens, c.n):
+                    best = c
+            grid = node.n + i
             child = node.children.get(self._label(node, tokens, grid)) if grid < len(tokens) else None
-            if child is None:  # a leaf between grid points, the longest that fits
-                for c in node.children.values():
-                    if c.n % i and c.n < len(tokens) and (child is None or c.n > child.n) and \
-                            c.label == self._label(node, tokens, c.n):
-                        child = c
-                if child is None:
-                    return node
-            child.used = now
+            if child is None:
+                break
             node = child
-            if node.n % i:
-                return node
+            if node.state and node.n > best.n:
+                best = node
+        at = best
+        while at is not None:
+            at.used = now
+            at = at.parent
+        return best
+
+    def grid_node(self, tokens, n: int) -> Node:
+        """The deepest grid node (with a state or not) on tokens' path at most at n."""
+        node, i = self.root, self.interval
+        while node.n + i <= n:
+            child = node.children.get(self._label(node, tokens, node.n + i)) if node.n + i < len(tokens) else None
+            if child is None:
+                break
+            node = child
+        return node
+
+    def insert_chain(self, parent: Node, tokens, n: int) -> list[Node] | None:
+        """The checkpoint of tokens at n (< len(tokens)) below the grid node parent, with page-only
+        grid nodes between them where missing: the new nodes, top down, whose entries must be
+        written (the last holds the state at n); None when no room (what was added stays, page-only,
+        evictable)."""
+        i, made = self.interval, []
+        while parent.n + i < n:
+            nxt = parent.n + i
+            node = parent.children.get(self._label(parent, tokens, nxt))
+            if node is None:
+                entry = self._allocate(parent)
+                if entry is None:
+                    return None
+                label = self._label(parent, tokens, nxt)
+                node = self._nodes[entry] = parent.children[label] = Node(entry, nxt, parent, label, state=False)
+                made.append(node)
+            node.used = next(self._clock)
+            parent = node
+        node, fresh = self.insert(parent, tokens, n)
+        if node is None:
+            return None
+        return made + [node] if fresh else made
 
     def insert(self, parent: Node, tokens, n: int) -> tuple[Node | None, bool]:
         """The checkpoint of tokens at n (< len(tokens)) under parent, the node at I * ceil(n / I - 1)
-        on tokens' path: (node, whether it is new and its entry must be written), or (None, False)
-        when every entry is pinned or on a pinned node's path."""
+        on tokens' path: (node, whether its entry must be written: it is new, or was page-only),
+        or (None, False) when every entry is pinned or on a pinned node's path."""
         if not parent.n < n <= parent.n + self.interval or parent.n % self.interval:
             raise ValueError(f"a checkpoint at {n} does not hang from one at {parent.n} (interval {self.interval})")
         label = self._label(parent, tokens, n)
         node = parent.children.get(label)
-        fresh = node is None
-        if fresh:
+        fresh = node is None or not node.state  # a page-only node gets its state written too
+        if node is None:
             entry = self._allocate(parent)
             if entry is None:
                 return None, False
             node = self._nodes[entry] = parent.children[label] = Node(entry, n, parent, label)
+        node.state = True
         node.used = next(self._clock)
         return node, fresh
 

@@ -87,11 +87,14 @@ class Runner:
             copied = (copy_first, copy_lp, at)
         return first, (lp[0] if lp else None), rows, copied
 
-    def save_finished(self, slot: int, entry: int, row0: int) -> None:
-        """Checkpoints a slot the device finished (`serve.scheduler.Scheduler.finished`): its NEXTN
-        row at its length - 1 completed, then its state into pool entry `entry`."""
-        self.stepper.slots = self.pool.complete(self.stepper.slots, slot)
-        self.pool.save(self.stepper.slots, slot, entry, row0)
+    def save_finished(self, saves) -> None:
+        """Checkpoints a slot the device finished (`serve.scheduler.Scheduler.finished`: (slot,
+        entry, first row of the page) each, one slot): its NEXTN row at its length - 1 completed,
+        then its state into the pool entries."""
+        if saves:
+            self.stepper.slots = self.pool.complete(self.stepper.slots, saves[0][0])
+        for slot, entry, row0 in saves:
+            self.pool.save(self.stepper.slots, slot, entry, row0)
 
     def step(self, owners: list) -> StepResult | None:
         """Dispatches a decode (or speculative) step for the slots; returns the previous step's result."""
@@ -204,7 +207,7 @@ class Runner:
         entry 0 and restoring it, then completing slot 0's NEXTN row: slot 0 is done and free, and
         a request started there resets it; entry 0 is not in any index yet."""
         if self.pool is not None:
-            self.save_finished(0, 0, 0)
+            self.save_finished([(0, 0, 0)])
             self.stepper.slots = self.pool.restore(self.stepper.slots, 0, [0], 1, [0])
             np.asarray(self.stepper.slots.model.lengths)
 

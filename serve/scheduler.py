@@ -121,22 +121,21 @@ class Scheduler:
             self.prefix.unpin(self.node[slot])
             self.node[slot] = None
 
-    def finished(self, request: Request, output: list[int]) -> tuple[int, int, int] | None:
+    def finished(self, request: Request, output: list[int]) -> list[tuple[int, int, int]]:
         """A checkpoint of a request the device finished (before `remove`): its slot's state holds
         prompt + output[:-1], and output[-1] is the slot's last token, so the checkpoint at
         n = len(prompt + output) - 1, keyed on prompt + output, lets a next turn that resends them
-        hit. Returns (slot, entry, first row of its page) for the runner to write, or None (no
-        cache, no room, already there, or no grid node above n on the prompt's path)."""
+        hit. Its page and those of missing grid nodes above it (page-only: the slot's state at
+        them is gone) come from the slot's rows. Returns (slot, entry, first row of its page) of
+        each entry for the runner to write, the checkpoint's last (none: no cache, no room, or
+        already there)."""
         slot = self.slot_of.get(request.id)
         if self.prefix is None or slot is None or not output:
-            return None
+            return []
         tokens = list(request.prompt_ids) + list(output)
         n, i = len(tokens) - 1, self.prefix.interval
-        parent = self.prefix.match(tokens[:(n - 1) // i * i + 1])  # the grid node above n, if cached
-        if parent.n != (n - 1) // i * i:
-            return None
-        node, fresh = self.prefix.insert(parent, tokens, n)
-        return (slot, node.entry, (n - 1) // i * i) if fresh else None
+        made = self.prefix.insert_chain(self.prefix.grid_node(tokens, n - 1), tokens, n)
+        return [(slot, node.entry, (node.n - 1) // i * i) for node in made or ()]
 
     @property
     def num_waiting(self) -> int:

@@ -104,3 +104,81 @@ def test_index_evicts_the_least_recently_used_unpinned_leaf_within_its_budget():
     idx.unpin(d)
     e, fresh = idx.insert(idx.root, y, 2)
     assert fresh and e.entry == d.entry and idx.match(x) is a2
+
+
+SLOTS, STEPS, CONTEXT = 3, 3, 160
+
+
+def serve(runner, sched, requests):
+    """The engine's loop (as tests/test_serve_engine.py's, all requests at once) with the prefix
+    cache's finished-request checkpoints; returns the token lists and the (prompt, hit) lookups."""
+    out = {r.id: [] for r in requests}
+    lookups = []
+    for r in requests:
+        sched.add(r)
+
+    def take(r, tokens, device_done):
+        if r is not None and not r.finished:
+            out[r.id] += tokens
+            if len(out[r.id]) >= r.sampling.max_tokens:
+                if device_done:
+                    runner.save_finished(sched.finished(r, out[r.id]))
+                r.finished = True
+                sched.remove(r)
+
+    for _ in range(10_000):
+        chunk = sched.next_chunk()
+        if chunk is not None:
+            lookups += chunk.lookups
+        first = runner.prefill(chunk) if chunk is not None else None
+        owners = sched.decoding()
+        result = runner.step(owners) if any(o is not None for o in owners) else runner.drain()
+        if result is not None:
+            for b, r in enumerate(result.owners):
+                take(r, result.tokens[b], bool(result.done[b]))
+        if chunk is not None:
+            first, _ = runner.read_first(first)
+            for b, r in enumerate(chunk.owners):
+                take(r, [int(first[b])], False)
+        if all(r.finished for r in requests) and not runner.pending:
+            break
+    return [out[r.id][: r.sampling.max_tokens] for r in requests], lookups
+
+
+@pytest.fixture(scope="module")
+def runners(model):
+    from serve.runner import Runner
+
+    made = []
+    for entries in (0, 12):
+        r = Runner(model, max_batch=SLOTS, max_seq_len=CONTEXT, speculative_steps=STEPS, prefix_entries=entries,
+                   prefix_interval=I)
+        r.warmup_prefill(I)
+        r.warmup_prefix()
+        made.append(r)
+    return made
+
+
+def test_outputs_with_and_without_a_hit_are_identical(model, runners):
+    """Greedy and seeded sampling with a penalty (which reads `seen`), speculative: a first turn
+    fills the cache; a prompt that shares 40 tokens with it hits the checkpoint at 32, and the next
+    turn (first prompt + its output + new tokens) hits the first turn's finished checkpoint; each
+    output equals the same request's on a runner without the cache."""
+    from serve.request import Request, Sampling
+    from serve.scheduler import Scheduler
+
+    plain, cached = runners
+    rng = np.random.default_rng(5)
+    new = lambda n: rng.integers(2, model.cfg.vocab_size, n).tolist()  # noqa: E731
+    first = new(50)
+    greedy, sampled = Sampling(max_tokens=20, temperature=0.0), Sampling(max_tokens=20, temperature=0.9, top_p=0.95,
+                                                                           presence=0.5, seed=7)
+    sched = Scheduler(SLOTS, I, eos_id=None, prefix=PrefixIndex(cached.pool.entries, I))
+    (turn1,), looked = serve(cached, sched, [Request(first, greedy)])
+    assert looked == [(50, 0)] and sched.prefix.used == 5  # at 16, 32, 48; 64 (a page) and 69 (finished)
+    prompts = [first[:40] + new(9), first + turn1 + new(7)]
+    for sampling, hits in ((greedy, [(49, 32), (77, 69)]), (sampled, [(49, 48), (77, 69)])):  # 48: the first's
+        want = [serve(plain, Scheduler(SLOTS, I, eos_id=None), [Request(p, sampling)])[0][0] for p in prompts]
+        got, looked = serve(cached, sched, [Request(p, sampling) for p in prompts])
+        assert got == want
+        assert looked == hits
