@@ -9,6 +9,7 @@ results only after the next piece of device work is queued, so the device never 
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -24,7 +25,7 @@ from serve.tokenizer import Tokenizer
 
 log = logging.getLogger("serve.engine")
 
-_ADD, _ABORT = "add", "abort"
+_ADD, _ABORT, _FLUSH = "add", "abort", "flush"
 
 
 class Engine:
@@ -68,6 +69,12 @@ class Engine:
         """The client went away: free the request's slot (or queue place) at the next iteration."""
         self.inbox.put((_ABORT, request))
 
+    def flush_prefix_cache(self) -> concurrent.futures.Future:
+        """Empties the prefix cache at the next iteration; the future is done once it is."""
+        done = concurrent.futures.Future()
+        self.inbox.put((_FLUSH, done))
+        return done
+
     def stats(self) -> dict:
         s = self.scheduler
         return {"running": s.num_running, "waiting": s.num_waiting, "free_slots": s.free_slots,
@@ -84,7 +91,8 @@ class Engine:
                 self._fail_all(f"internal engine error: {type(e).__name__}: {e}")
                 try:
                     self.runner.reset()
-                    self.scheduler.prefix = self.scheduler.prefix and self._new_index()
+                    if self.scheduler.prefix is not None:
+                        self.scheduler.flush(self._new_index())
                 except Exception:
                     log.error("could not reset the device slots; the server stops generating:\n%s",
                               traceback.format_exc())
@@ -123,6 +131,10 @@ class Engine:
                 self.scheduler.add(request)
             elif kind == _ABORT and not request.finished and request.id in self.outputs:
                 self._finish(request, "abort")
+            elif kind == _FLUSH:
+                self.scheduler.flush(self._new_index())
+                self.metrics.prefix_used.set(0)
+                request.set_result(None)
 
     def _on_step(self, result: StepResult) -> None:
         steps = tokens = 0
@@ -199,6 +211,8 @@ class Engine:
                 break
             if kind == _ADD:
                 queued.append(r)
+            elif kind == _FLUSH:
+                r.set_result(None)
         pending = [x for r in queued for x in (r, *r.copies)] + [r for r in self.scheduler.slots if r is not None]
         for r in pending:
             if not r.finished:

@@ -116,6 +116,11 @@ class Scheduler:
                 copies[0].copies = tuple(copies[1:])
                 self.waiting.insert(at, copies[0])
 
+    def flush(self, index) -> None:
+        """Replaces the prefix index by `index` (empty): the old one's checkpoints are forgotten,
+        and the requests prefilling now write none into the new one."""
+        self.prefix, self.node = index, [None] * self.num_slots
+
     def _release(self, slot: int) -> None:
         if self.node[slot] is not None:
             self.prefix.unpin(self.node[slot])
