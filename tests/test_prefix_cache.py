@@ -145,14 +145,14 @@ def serve(runner, sched, requests):
     return [out[r.id][: r.sampling.max_tokens] for r in requests], lookups
 
 
-@pytest.fixture(scope="module")
-def runners(model):
+@pytest.fixture(scope="module", params=[STEPS, 0], ids=["speculative", "plain"])
+def runners(model, request):
     from serve.runner import Runner
 
     made = []
     for entries in (0, 12):
-        r = Runner(model, max_batch=SLOTS, max_seq_len=CONTEXT, speculative_steps=STEPS, prefix_entries=entries,
-                   prefix_interval=I)
+        r = Runner(model, max_batch=SLOTS, max_seq_len=CONTEXT, speculative_steps=request.param,
+                   prefix_entries=entries, prefix_interval=I)
         r.warmup_prefill(I)
         r.warmup_prefix()
         made.append(r)
@@ -160,7 +160,7 @@ def runners(model):
 
 
 def test_outputs_with_and_without_a_hit_are_identical(model, runners):
-    """Greedy and seeded sampling with a penalty (which reads `seen`), speculative: a first turn
+    """Greedy and seeded sampling with a penalty (which reads `seen`), speculative and plain: a first turn
     fills the cache; a prompt that shares 40 tokens with it hits the checkpoint at 32, and the next
     turn (first prompt + its output + new tokens) hits the first turn's finished checkpoint; each
     output equals the same request's on a runner without the cache."""
@@ -176,6 +176,8 @@ def test_outputs_with_and_without_a_hit_are_identical(model, runners):
     sched = Scheduler(SLOTS, I, eos_id=None, prefix=PrefixIndex(cached.pool.entries, I))
     (turn1,), looked = serve(cached, sched, [Request(first, greedy)])
     assert looked == [(50, 0)] and sched.prefix.used == 5  # at 16, 32, 48; 64 (a page) and 69 (finished)
+    # The finished slot holds prompt + output[:-1], whatever the last step accepted beyond max_tokens.
+    assert int(cached.stepper.slots.model.lengths[0]) == 50 + 20 - 1
     prompts = [first[:40] + new(9), first + turn1 + new(7)]
     for sampling, hits in ((greedy, [(49, 32), (77, 69)]), (sampled, [(49, 48), (77, 69)])):  # 48: the first's
         want = [serve(plain, Scheduler(SLOTS, I, eos_id=None), [Request(p, sampling)])[0][0] for p in prompts]

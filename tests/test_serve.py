@@ -613,4 +613,6 @@ def test_serve_bench_multi_turn(server, client, tmp_path):
         assert s["completed"] == 4 and s["failed"] == 0 and s["total_output_tokens"] == 4 * 4
         assert s["mean_ttft_first_turn_ms"] > 0 and s["mean_ttft_follow_up_ms"] > 0
     assert runs["no-cache"]["total_input_tokens"] == runs["cache"]["total_input_tokens"]
-    assert metric(client, "ling:prefix_cache_hits_total") == hits + 2 * 64  # the cache run's follow-ups, at 64
+    # The cache run's follow-ups: at the prompt's checkpoint at 64, or at 73 (70 + 4 - 1) where the
+    # re-tokenised output is the generated one (the finished request's checkpoint).
+    assert hits + 2 * 64 <= metric(client, "ling:prefix_cache_hits_total") <= hits + 2 * 73
