@@ -184,3 +184,20 @@ def test_outputs_with_and_without_a_hit_are_identical(model, runners):
         got, looked = serve(cached, sched, [Request(p, sampling) for p in prompts])
         assert got == want
         assert looked == hits
+
+
+def test_index_page_only_nodes_of_a_finished_checkpoint():
+    """A finished request's checkpoint at 11 (interval 4) below the grid node at 4: page-only grid
+    nodes at 8 fill the gap; a match never stops at one, and a later checkpoint there gives it
+    its state."""
+    idx = PrefixIndex(8, 4)
+    t = list(range(50, 70))
+    a, _ = idx.insert(idx.root, t, 4)
+    assert idx.grid_node(t, 10) is a
+    made = idx.insert_chain(a, t, 11)
+    assert [(x.n, x.state) for x in made] == [(8, False), (11, True)]
+    assert idx.match(t[:10]) is a and idx.match(t[:12] + [0]) is made[1] and made[1].path() == [a.entry] + [
+        x.entry for x in made]
+    assert idx.insert_chain(a, t, 11) == []  # already there
+    node, fresh = idx.insert(a, t, 8)
+    assert node is made[0] and fresh and node.state and idx.match(t[:10]) is node
