@@ -104,13 +104,19 @@ def _expand(c, w_uk, w_uv, dt):
 
 
 def _prefix_blocks(cache_latent, cache_rope, w_uk, w_uv, lengths, o, lse, *, dt, block, attend):
-    """Merges the prefix (cache rows < lengths[b]) into (o, lse), `block` positions per step for
-    ceil(L / block) steps: a static trip count, since one read from lengths would be a host round
+    """Merges the prefix (cache rows < lengths[b]) into (o, lse) in ceil(L / block) steps of at
+    most `block` positions: a static trip count, since one read from lengths would be a host round
     trip on XLA:GPU (the loop's predicate copied to the host every step). Blocks past every slot's
-    length add nothing (their lse is -inf). attend(k_nope, k_rope, v, kv_len [B]) -> (o, lse) of
-    the T queries over the block's first kv_len[b] keys."""
+    length add nothing (their lse is -inf); the caller cuts the cache to the positions its slots
+    hold (`spec.stepper.ChunkPrefiller`'s context buckets). The blocks are balanced, a multiple of
+    64 positions when there are several: a cache one position past `block` takes two half blocks,
+    not two whole ones. attend(k_nope, k_rope, v, kv_len [B]) -> (o, lse) of the T queries over
+    the block's first kv_len[b] keys."""
     l_max = cache_latent.shape[1]
-    bs = min(block, l_max)
+    n = -(-l_max // block)
+    bs = -(-l_max // n)
+    if n > 1 and block >= 64:
+        bs = min(-(-bs // 64) * 64, block)
 
     def body(j, carry):
         pos = jnp.minimum(j * bs + jnp.arange(bs), l_max - 1)  # rows past the cache are past lengths too

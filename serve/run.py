@@ -44,6 +44,11 @@ DEFAULTS = {"gpu": (16, 8192, 256), "cpu": (4, 1024, 64)}
 # The prefix cache's default pool: on a GPU this share of the memory left after the weights and the
 # slots (its KDA states are large: a checkpoint of Ling-3-flash holds tens of MB); on a CPU, GB.
 PREFIX_SHARE, PREFIX_CPU_GB = 0.5, 0.1
+# The cache lengths a call is compiled for by default (`--context-buckets auto`), as (smallest,
+# factor): on a CPU, where attention reads the whole cache of every slot, a ladder; on a GPU, where
+# only the prefill's prefix loop follows the cache's length (the decode kernel reads live positions),
+# one short rung for the common short prompt, each rung costing a compiled prefill chunk.
+CONTEXT_LADDER = {"gpu": (2048, 1 << 30), "cpu": (256, 4)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,6 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch-buckets", default="auto", help="batch sizes the decode step is compiled for, "
                     "comma-separated; a step runs the smallest that holds the decoding requests (default auto: "
                     "powers of two up to --max-batch; off: every step runs all --max-batch slots)")
+    ap.add_argument("--context-buckets", default="auto", help="cache lengths the prefill chunk (and, where "
+                    "attention reads the whole cache, the step) is compiled for, comma-separated; a call runs the "
+                    "shortest that holds its requests' tokens (default auto: 256, 1024, 4096, ... on CPU, 2048 on "
+                    "a GPU; off: always --max-seq-len)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per slot per prefill chunk "
                     "(with --tile-model: the widest chunk; default 256 on an accelerator, 64 on CPU)")
     ap.add_argument("--tile-model", default=None, metavar="PATH", help="fitted MoE tile model (JSON from "
@@ -132,6 +141,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--batch-buckets sizes must lie in [1, --max-batch {args.max_batch}], got {args.batch_buckets}")
     if args.prefix_cache_gb is not None and not 0 <= args.prefix_cache_gb < float("inf"):
         ap.error(f"--prefix-cache-gb must be a number of GB >= 0, got {args.prefix_cache_gb}")
+    if args.context_buckets not in ("auto", "off"):
+        try:
+            lengths = sorted({int(x) for x in args.context_buckets.split(",")})
+        except ValueError:
+            ap.error(f"--context-buckets takes auto, off or comma-separated lengths, got {args.context_buckets!r}")
+        if lengths[0] < 1:
+            ap.error(f"--context-buckets lengths must be at least 1, got {args.context_buckets}")
     if not 0 < args.mem_fraction <= 1:
         ap.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
     if args.tpot_slo_ms is not None and args.tpot_slo_ms <= 0:
@@ -163,6 +179,18 @@ def platform_defaults(args, platform: str) -> int:
     if args.batch_buckets not in ("auto", "off") and max(map(int, args.batch_buckets.split(","))) > args.max_batch:
         raise StartupError(f"--batch-buckets {args.batch_buckets}: sizes must lie in [1, --max-batch {args.max_batch}]")
     return seq_cap
+
+
+def context_ladder(args, platform: str, max_seq_len: int) -> tuple[int, ...]:
+    """The cache lengths below max_seq_len that the calls are compiled for (--context-buckets)."""
+    from spec.stepper import context_buckets
+
+    if args.context_buckets == "off":
+        return ()
+    if args.context_buckets == "auto":
+        smallest, factor = CONTEXT_LADDER[platform]
+        return context_buckets(max_seq_len, smallest, factor)[:-1]
+    return tuple(c for c in sorted({int(x) for x in args.context_buckets.split(",")}) if c < max_seq_len)
 
 
 def _enable_compile_cache(path: str) -> None:
@@ -381,7 +409,8 @@ def start(args, bar) -> Loaded:
     buckets = {"auto": None, "off": ()}.get(args.batch_buckets) if args.batch_buckets in ("auto", "off") else \
         tuple(int(x) for x in args.batch_buckets.split(","))
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, speculative_steps=steps,
-                    buckets=buckets, prefix_entries=memory.prefix_entries, prefix_interval=args.prefix_cache_interval)
+                    buckets=buckets, contexts=context_ladder(args, platform, max_seq_len),
+                    prefix_entries=memory.prefix_entries, prefix_interval=args.prefix_cache_interval)
     bar.update()
     try:
         bar.set_description("compiling prefill")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -26,9 +27,12 @@ class StepResult:
 
 class Runner:
     def __init__(self, model, *, max_batch: int, max_seq_len: int, speculative_steps: int, buckets=None,
-                 prefix_entries: int = 0, prefix_interval: int = 0):
+                 contexts=(), prefix_entries: int = 0, prefix_interval: int = 0):
         """buckets: the batch sizes the step is compiled for (`spec.stepper.Stepper`; None: the
         powers of two up to max_batch); a step runs the smallest that holds the decoding slots.
+        contexts: the cache lengths the prefill chunk and the step are compiled for (`Stepper`,
+        `ChunkPrefiller`; empty: the whole cache always); a call runs the shortest that holds its
+        slots' positions, which the runner bounds from the host's side (`_length`).
         prefix_entries, prefix_interval: the prefix cache's pool (`spec.prefix.PrefixPool`; 0
         entries: no cache); the slots' caches are then a whole number of intervals long."""
         from spec.prefix import PrefixPool
@@ -39,8 +43,8 @@ class Runner:
         self.prefix_interval = prefix_interval if prefix_entries > 0 else 0
         self.stepper = Stepper(model, self._new_slots(), speculative=speculative_steps > 0,
                                num_steps=max(speculative_steps, 1),
-                               buckets=batch_buckets(max_batch) if buckets is None else buckets)
-        self.prefiller = ChunkPrefiller(model)
+                               buckets=batch_buckets(max_batch) if buckets is None else buckets, contexts=contexts)
+        self.prefiller = ChunkPrefiller(model, contexts=contexts)
         self.pool = (PrefixPool(model, self.stepper.slots, prefix_entries, prefix_interval)
                      if self.prefix_interval else None)
         self.copier = SlotCopier(model)
@@ -50,22 +54,32 @@ class Runner:
         # asking the device.
         self._sampling = np.zeros(max_batch, bool)
         self._logprobs = np.zeros(max_batch, bool)  # and whether its request asks for log-probabilities
+        # An upper bound on the positions in each slot's state once every dispatched call has run:
+        # a prefill chunk adds its tokens, a step its width (tightened to the tokens it emitted once
+        # read, unless the slot was started again since: `_epoch` counts its starts).
+        self._length = np.zeros(max_batch, np.int64)
+        self._epoch = np.zeros(max_batch, np.int64)
 
-    def prefill(self, chunk: PrefillChunk):
+    def prefill(self, chunk: PrefillChunk, context: int | None = None):
         """Dispatches one prefill chunk over the slots it touches (in the smallest batch bucket
         that holds them), then the copies it names (`PrefillChunk.copies`: the prefilled slot's
         state into each copy's slot, one program for all); returns what `read_first` turns into
         the first tokens [B] (-1 where the prompt does not end; a copy's own first token at its
-        slot), to be read after the next step is dispatched."""
+        slot), to be read after the next step is dispatched. context: the cache length to run at
+        (default: the shortest compiled one that holds the chunk's slots)."""
         from spec.sampling import SamplingParams, any_sampling, needs_sampling
         from spec.stepper import bucket_rows
 
         start = np.asarray(chunk.start) > 0
+        touched = start | (np.asarray(chunk.valid) > 0)
+        self._length[start], self._epoch[start] = 0, self._epoch[start] + 1
         for slot, path, n, prompt in chunk.restores:  # before the chunk, which goes on from n
             self.stepper.slots = self.pool.restore(self.stepper.slots, slot, path, n, prompt)
+            self._length[slot] = n
+        self._length += np.asarray(chunk.valid)
         self._sampling[start] = needs_sampling(chunk)[start]
         self._logprobs[start] = False if chunk.logprobs is None else np.asarray(chunk.logprobs, bool)[start]
-        rows = bucket_rows(start | (np.asarray(chunk.valid) > 0), self.stepper.buckets, self.max_batch)
+        rows = bucket_rows(touched, self.stepper.buckets, self.max_batch)
         pick = (lambda a: np.asarray(a)) if rows is None else (lambda a: np.asarray(a)[rows])
         params = SamplingParams(pick(chunk.temperature), pick(chunk.top_k), pick(chunk.top_p), pick(chunk.seed),
                                 pick(chunk.presence), pick(chunk.frequency), pick(chunk.repetition))  # host arrays
@@ -74,12 +88,14 @@ class Runner:
             self.stepper.slots, start=pick(chunk.start), params=params, max_new=pick(chunk.max_new),
             eos=pick(chunk.eos), tokens=pick(chunk.tokens), next_tokens=pick(chunk.next_tokens),
             valid=pick(chunk.valid), ends=pick(chunk.ends), sampling=any_sampling(self._sampling, chunk.ends),
-            rows=rows, logprobs=logprobs)
+            rows=rows, logprobs=logprobs, context=context or int(self._length[touched].max(initial=1)))
         for slot, entry, row0 in chunk.saves:
             self.pool.save(self.stepper.slots, slot, entry, row0)
         copied = None
         if chunk.copies:
             at = np.array([d for _, d in chunk.copies])
+            self._length[at] = self._length[[s for s, _ in chunk.copies]]
+            self._epoch[at] += 1
             self._sampling[at] = needs_sampling(chunk)[at]
             self._logprobs[at] = False if chunk.logprobs is None else np.asarray(chunk.logprobs, bool)[at]
             self.stepper.slots, copy_first, copy_lp = self.copier(self.stepper.slots, chunk.copies,
@@ -100,10 +116,12 @@ class Runner:
         """Dispatches a decode (or speculative) step for the slots; returns the previous step's result."""
         from spec.sampling import any_sampling
 
-        self._owners.append(owners)
         live = np.array([r is not None for r in owners])
+        self._length[live] += self.stepper.width
+        self._owners.append((owners, live, self._epoch.copy()))
         return self._result(self.stepper.step(sampling=any_sampling(self._sampling, live), live=live,
-                                              logprobs=bool(np.any(self._logprobs & live))))
+                                              logprobs=bool(np.any(self._logprobs & live)),
+                                              context=int(self._length[live].max(initial=1))))
 
     def drain(self) -> StepResult | None:
         """The last dispatched step's result (None if every step was read)."""
@@ -124,6 +142,8 @@ class Runner:
         self.stepper.slots = self._new_slots()
         if self.pool is not None:
             self.pool.clear()
+        self._length[:] = 0
+        self._epoch += 1
         self._sampling[:] = False
         self._logprobs[:] = False
 
@@ -151,7 +171,10 @@ class Runner:
         if report is None:
             return None
         tokens, done, logprobs = report
-        return StepResult(self._owners.popleft(), tokens, done, logprobs)
+        owners, live, epoch = self._owners.popleft()
+        for b in np.flatnonzero(live & ~done & (epoch == self._epoch)):  # a slot's state grew by what it emitted
+            self._length[b] -= self.stepper.width - len(tokens[b])
+        return StepResult(owners, tokens, done, logprobs)
 
     def read_first(self, dispatched):
         """(first tokens [B], their log-probabilities: None, or [B] (log-probabilities [1 + K],
@@ -178,22 +201,22 @@ class Runner:
         return out, logprobs
 
     def warmup_prefill(self, chunk_size: int) -> None:
-        """Compiles the prefill chunk for every batch bucket, all-greedy and sampling (with JAX's
-        persistent cache, a restart loads them instead), by prefilling one token into the first k
-        slots with max_tokens 1, which leaves them done."""
+        """Compiles the prefill chunk for every batch bucket and cache length, all-greedy and
+        sampling (with JAX's persistent cache, a restart loads them instead), by prefilling one
+        token into the first k slots with max_tokens 1, which leaves them done."""
         b = self.max_batch
-        for k in self.stepper.buckets:
+        for k, context, temperature in itertools.product(self.stepper.buckets, self._warm_contexts(), (0.0, 1.0)):
             some = np.arange(b) < k
-            for temperature in (0.0, 1.0):
-                chunk = PrefillChunk(start=some, tokens=np.zeros((b, chunk_size), np.int32),
-                                     next_tokens=np.zeros((b, chunk_size), np.int32), valid=some.astype(np.int32),
-                                     ends=some, owners=[None] * b, temperature=np.full(b, temperature, np.float32),
-                                     top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),
-                                     seed=np.zeros(b, np.uint32), presence=np.zeros(b, np.float32),
-                                     frequency=np.zeros(b, np.float32), repetition=np.ones(b, np.float32),
-                                     max_new=np.ones(b, np.int32), eos=np.full(b, -1, np.int32))
-                self.read_first(self.prefill(chunk))
+            chunk = PrefillChunk(start=some, tokens=np.zeros((b, chunk_size), np.int32),
+                                 next_tokens=np.zeros((b, chunk_size), np.int32), valid=some.astype(np.int32),
+                                 ends=some, owners=[None] * b, temperature=np.full(b, temperature, np.float32),
+                                 top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),
+                                 seed=np.zeros(b, np.uint32), presence=np.zeros(b, np.float32),
+                                 frequency=np.zeros(b, np.float32), repetition=np.ones(b, np.float32),
+                                 max_new=np.ones(b, np.int32), eos=np.full(b, -1, np.int32))
+            self.read_first(self.prefill(chunk, context))
         self._sampling[:] = False
+        self._length[:] = 0
 
     def warmup_copy(self) -> None:
         """Compiles the slot copy (`spec.stepper.SlotCopier`) by running it with no copies, which
@@ -212,10 +235,16 @@ class Runner:
             np.asarray(self.stepper.slots.model.lengths)
 
     def warmup_step(self) -> None:
-        """Compiles the decode (or speculative) step for every batch bucket, all-greedy and
-        sampling; every slot is done, so nothing changes."""
-        for k in self.stepper.buckets:
-            for sampling in (False, True):
-                self._owners.append([None] * self.max_batch)
-                self._result(self.stepper.step(sampling=sampling, live=np.arange(self.max_batch) < k))
+        """Compiles the decode (or speculative) step for every batch bucket and cache length (where
+        the step has them), all-greedy and sampling; every slot is done, so nothing changes."""
+        contexts = self._warm_contexts() if self.stepper.contexts else (None,)
+        for k, context, sampling in itertools.product(self.stepper.buckets, contexts, (False, True)):
+            live = np.arange(self.max_batch) < k
+            self._owners.append(([None] * self.max_batch, np.zeros_like(live), self._epoch.copy()))
+            self._result(self.stepper.step(sampling=sampling, live=live, context=context))
         self.drain()
+
+    def _warm_contexts(self) -> tuple:
+        """The cache lengths the calls are compiled for: the compiled ones below the cache's, and it."""
+        length = self.stepper.cache_len
+        return tuple(c for c in self.prefiller.contexts if length is not None and c < length) + (length,)

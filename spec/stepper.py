@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from ling.model import LingModel
+from ling.state import MLACache
 from spec.sampling import SamplingParams
 from spec.step import Slots, check_model, copy_slots, last_at, live_sampling, prefill_chunk, reset, step_fn
 
@@ -38,14 +39,62 @@ def bucket_rows(live, buckets: tuple[int, ...], batch: int) -> np.ndarray | None
     return np.concatenate([ids, np.full(k - len(ids), ids[0] if len(ids) else 0)]).astype(np.int32)
 
 
-def gather_rows(tree, rows):
-    """Every leaf's rows `rows` (all leaves batch-first); the tree itself when rows is None."""
-    return tree if rows is None else jax.tree_util.tree_map(lambda a: a[rows], tree)
+def context_buckets(max_len: int, smallest: int = 256, factor: int = 4) -> tuple[int, ...]:
+    """The cache lengths a server compiles its calls for: smallest, smallest * factor, ... below
+    max_len, and max_len."""
+    out, n = [], smallest
+    while n < max_len:
+        out.append(n)
+        n *= factor
+    return tuple(out) + (max_len,)
 
 
-def scatter_rows(tree, rows, sub):
-    """tree with its rows `rows` replaced by sub's (a padded duplicate writes its row's own values)."""
-    return sub if rows is None else jax.tree_util.tree_map(lambda a, b: a.at[rows].set(b), tree, sub)
+def cache_len(slots: Slots) -> int | None:
+    """The positions each slot's MLA caches hold (None: the model has no MLA layer)."""
+    caches = [c for c in (*slots.model.layers, slots.model.nextn) if isinstance(c, MLACache)]
+    return caches[0].latent.shape[1] if caches else None
+
+
+def pick_context(need, contexts: tuple[int, ...], length: int | None) -> int | None:
+    """The smallest of `contexts` shorter than the cache (`length`) that holds `need` positions;
+    None (the whole cache) when there is none, when need is None or when there is no cache."""
+    if need is None or length is None:
+        return None
+    return next((c for c in contexts if need <= c < length), None)
+
+
+def _is_cache(x) -> bool:
+    return isinstance(x, MLACache)
+
+
+def gather_rows(tree, rows, context: int | None = None):
+    """Every leaf's rows `rows` (all leaves batch-first), the MLA caches' positions cut to the first
+    `context` (static); the tree itself when both are None."""
+    if rows is None and context is None:
+        return tree
+    r = slice(None) if rows is None else rows
+
+    def take(x):
+        if _is_cache(x):
+            return jax.tree.map(lambda a: a[r, :context], x)
+        return x if rows is None else x[rows]
+
+    return jax.tree_util.tree_map(take, tree, is_leaf=_is_cache)
+
+
+def scatter_rows(tree, rows, sub, context: int | None = None):
+    """tree with its rows `rows` (and its MLA caches' first `context` positions) replaced by sub's
+    (a padded duplicate writes its row's own values)."""
+    if rows is None and context is None:
+        return sub
+    r = slice(None) if rows is None else rows
+
+    def put(x, s):
+        if _is_cache(x):
+            return jax.tree.map(lambda a, b: a.at[r, :context].set(b), x, s)
+        return s if rows is None else x.at[rows].set(s)
+
+    return jax.tree_util.tree_map(put, tree, sub, is_leaf=_is_cache)
 
 
 class KeptBuffers:
@@ -83,6 +132,13 @@ class Stepper:
     stay where they are. The gather and scatter copy a live slot's state (KDA states, MLA cache)
     twice: the price of not reading the idle slots'.
 
+    Context buckets: `step(context=n)` says the live slots hold at most n positions once the step
+    has run (lengths plus the step's width). Where the step's attention reads the whole cache (the
+    reference backend: plain-jnp attention over [B, L] positions) the step runs over the MLA
+    caches' first C positions only, C the smallest of `contexts` >= n, gathered with the rows and
+    scattered back; the kernels read only each slot's live positions (`mla_decode` sizes its work
+    from the lengths), so with them the step ignores the context and is compiled once per bucket.
+
     The step is compiled in two variants, all-greedy and sampling (`spec.step.prefill_chunk`);
     `step(sampling=...)` picks one from what the host knows of its slots. Left out, `self.sampling`
     is used: set at construction from the slots (one read), kept by the owner when it changes.
@@ -100,7 +156,7 @@ class Stepper:
     16-layer model, which is host time the device waits for once a step is shorter than it."""
 
     def __init__(self, model: LingModel, slots: Slots, *, speculative: bool = True, num_steps: int = 5,
-                 buckets=None):
+                 buckets=None, contexts=None):
         check_model(model, speculative)
         self._params, merge = _flat_weights(model)
         paths, self._slot_def = jax.tree_util.tree_flatten_with_path(slots)
@@ -111,18 +167,21 @@ class Stepper:
         self.buckets = tuple(sorted(set(buckets or ()) | {self.batch}))
         if self.buckets[0] < 1 or self.buckets[-1] > self.batch:
             raise ValueError(f"batch buckets must lie in [1, {self.batch}], got {buckets}")
+        self.cache_len = cache_len(slots)
+        # The cache lengths a step is compiled for (only where its attention reads the whole cache).
+        self.contexts = tuple(sorted(set(contexts or ()))) if model.kernels == "reference" else ()
         self.sampling = live_sampling(slots)
         self.width = width = num_steps + 1 if speculative else 1
         slot_def = self._slot_def
 
-        def run(param_leaves, slot_leaves, count, rows, sampling, logprobs):
+        def run(param_leaves, slot_leaves, count, rows, sampling, logprobs, context):
             full = jax.tree_util.tree_unflatten(slot_def, slot_leaves)
-            s = gather_rows(full, rows)
+            s = gather_rows(full, rows, context)
             before = s.n_out
             s = step_fn(speculative, num_steps, sampling, logprobs=logprobs)(merge(param_leaves), s)
             emitted = s.n_out - before
             count = count.at[slice(None) if rows is None else rows].set(emitted)  # in place: a use of count
-            return jax.tree_util.tree_leaves(scatter_rows(full, rows, s)), count
+            return jax.tree_util.tree_leaves(scatter_rows(full, rows, s, context)), count
 
         def report(out, n_out, done, lp, top_ids, count, rows, logprobs):
             """[K, width + 2]: the new tokens (padded), their number and the done flag of the rows
@@ -133,7 +192,7 @@ class Stepper:
                                  done[:, None].astype(jnp.int32)], axis=1)
             return (r, lp[:, :width] + 0, top_ids[:, :width] + 0) if logprobs else r
 
-        self._step = jax.jit(run, donate_argnums=(1, 2), static_argnums=(4, 5))
+        self._step = jax.jit(run, donate_argnums=(1, 2), static_argnums=(4, 5, 6))
         self._report = jax.jit(report, static_argnums=7)
         self._count = jnp.zeros((self.batch,), jnp.int32)
         self._kept = KeptBuffers()  # each bucket's rows
@@ -153,31 +212,38 @@ class Stepper:
     def lower(self):
         """The step program over every slot (greedy, without logprobs) lowered for the current slots,
         for inspecting its HLO."""
-        return self._step.lower(self._params, self._slots, self._count, None, self.sampling, False)
+        return self._step.lower(self._params, self._slots, self._count, None, self.sampling, False, None)
 
     def rows(self, live) -> np.ndarray | None:
         """The slot indices a step over `live` [B] bool runs (`bucket_rows`; None: every slot)."""
         return bucket_rows(np.ones(self.batch, bool) if live is None else live, self.buckets, self.batch)
 
-    def dispatch(self, sampling: bool | None = None, live=None, logprobs: bool = False) -> None:
+    def context(self, need: int | None) -> int | None:
+        """The cache length a step whose live slots hold at most `need` positions runs over (None:
+        the whole cache)."""
+        return pick_context(need, self.contexts, self.cache_len) if self.contexts else None
+
+    def dispatch(self, sampling: bool | None = None, live=None, logprobs: bool = False, context=None) -> None:
         """Queues a step over the `live` slots (None: all of them) and its report, whose copy to the
-        host starts at once; `step` and `drain` read it."""
+        host starts at once; `step` and `drain` read it. context: at most this many positions in any
+        live slot after the step (None: unknown)."""
         sampling = self.sampling if sampling is None else sampling
         rows = self.rows(live)
         on_device = None if rows is None else self._kept(rows)
         self._slots, self._count = self._step(self._params, self._slots, self._count, on_device, bool(sampling),
-                                              bool(logprobs))
+                                              bool(logprobs), self.context(context))
         report = self._report(*(self._slots[i] for i in self._read), self._count, on_device, bool(logprobs))
         for a in jax.tree_util.tree_leaves(report):
             a.copy_to_host_async()
         self._pending = (report, rows)
 
-    def step(self, sampling: bool | None = None, live=None, logprobs: bool = False):
+    def step(self, sampling: bool | None = None, live=None, logprobs: bool = False, context=None):
         """Dispatches a step over the `live` slots (None: all of them); returns the previous one's
         results (`_unpack`). logprobs: report the new tokens' log-probabilities (a program of its
-        own, compiled at first use; the slots need a logprob_width of at least the step's width)."""
+        own, compiled at first use; the slots need a logprob_width of at least the step's width);
+        context: as in `dispatch`."""
         previous = self._pending
-        self.dispatch(sampling, live, logprobs)
+        self.dispatch(sampling, live, logprobs, context)
         return self._unpack(previous)
 
     def drain(self):
@@ -262,17 +328,23 @@ class ChunkPrefiller:
     that its CUDA graph is replayed as recorded: the per-chunk arguments are packed into one int32
     array [K, 2C + 12] (`_pack`) written into a buffer kept per shape, the rows into one kept per
     bucket (`KeptBuffers`), and its one output is the slots, written in place; the first tokens
-    are read from them by a small program of their own (`report`), whose output is fresh."""
+    are read from them by a small program of their own (`report`), whose output is fresh.
 
-    def __init__(self, model: LingModel):
+    Context buckets: `context=n` says the chunk's slots hold at most n positions once it has run;
+    the chunk then runs over the MLA caches' first C positions only, C the smallest of `contexts`
+    >= n (the prefix part of its attention loops over the cache it is given on every backend,
+    `pallas_kernels.mla_prefill`: a short prompt does not expand the whole cache)."""
+
+    def __init__(self, model: LingModel, contexts=None):
         self._params, merge = _flat_weights(model)
         self._kept = KeptBuffers()
+        self.contexts = tuple(sorted(set(contexts or ())))
 
-        def run(param_leaves, slots, rows, packed, sampling, logprobs):
+        def run(param_leaves, slots, rows, packed, sampling, logprobs, context):
             args = _unpack_chunk(packed, (packed.shape[1] - len(_INT_ARGS) - len(_FLOAT_ARGS)) // 2)
-            sub = prefill_step(merge(param_leaves), gather_rows(slots, rows), *args, sampling=sampling,
+            sub = prefill_step(merge(param_leaves), gather_rows(slots, rows, context), *args, sampling=sampling,
                                logprobs=logprobs)
-            return scatter_rows(slots, rows, sub)
+            return scatter_rows(slots, rows, sub, context)
 
         def report(out, logprobs_buf, top_ids, rows, packed, logprobs):
             """The first tokens [K] of the rows whose prompt ended in the chunk (-1 elsewhere); with
@@ -282,7 +354,7 @@ class ChunkPrefiller:
             first = jnp.where(ends, out[:, 0], -1)
             return (first, (logprobs_buf[:, 0] + 0, top_ids[:, 0] + 0)) if logprobs else first
 
-        self._call = jax.jit(run, donate_argnums=1, static_argnums=(4, 5))
+        self._call = jax.jit(run, donate_argnums=1, static_argnums=(4, 5, 6))
         self._report = jax.jit(report, static_argnums=5)
 
     @staticmethod
@@ -297,10 +369,11 @@ class ChunkPrefiller:
                                np.stack([ints[n] for n in _INT_ARGS] + floats, axis=1)], axis=1)
 
     def __call__(self, slots: Slots, *, start, params: SamplingParams, max_new, eos, tokens, next_tokens, valid,
-                 ends, sampling: bool, rows=None, logprobs: bool = False):
+                 ends, sampling: bool, rows=None, logprobs: bool = False, context: int | None = None):
         packed = self._kept(self._pack(start, params, max_new, eos, tokens, next_tokens, valid, ends))
         on_device = None if rows is None else self._kept(np.asarray(rows, np.int32))
-        slots = self._call(self._params, slots, on_device, packed, bool(sampling), bool(logprobs))
+        context = pick_context(context, self.contexts, cache_len(slots)) if self.contexts else None
+        slots = self._call(self._params, slots, on_device, packed, bool(sampling), bool(logprobs), context)
         first = self._report(slots.out, slots.logprobs, slots.top_ids, on_device, packed, bool(logprobs))
         for a in jax.tree_util.tree_leaves(first):
             a.copy_to_host_async()

@@ -10,7 +10,8 @@ import ling
 from spec.generate import generate_batch, prefill
 from spec.sampling import SamplingParams
 from spec.step import new_slots
-from spec.stepper import Stepper, batch_buckets
+from serve.run import parse_args
+from spec.stepper import Stepper, batch_buckets, context_buckets, pick_context
 
 S, NEW = 3, 24
 
@@ -90,7 +91,7 @@ def test_a_slot_left_out_is_untouched_and_idle_slots_add_no_expert_pairs(model, 
 
 
 def test_server_defaults_by_platform_and_bucket_flags():
-    from serve.run import StartupError, parse_args, platform_defaults
+    from serve.run import StartupError, platform_defaults
 
     args = parse_args([])
     assert platform_defaults(args, "cpu") == 1024 and (args.max_batch, args.prefill_chunk) == (4, 64)
@@ -105,6 +106,22 @@ def test_server_defaults_by_platform_and_bucket_flags():
         parse_args(["--batch-buckets", "1,x"])
     with pytest.raises(SystemExit):
         parse_args(["--batch-buckets", "4,32", "--max-batch", "16"])
+
+
+def test_context_ladders_and_flag():
+    from serve.run import context_ladder
+
+    assert context_buckets(1030) == (256, 1024, 1030) and context_buckets(200) == (200,)
+    # rungs at or past the cache's length are never picked: the whole cache runs in place
+    assert [pick_context(n, (16, 64), 60) for n in (1, 16, 17, 60, None)] == [16, 16, None, None, None]
+    auto = parse_args([])
+    assert context_ladder(auto, "cpu", 1024) == (256,) and context_ladder(auto, "cpu", 8192) == (256, 1024, 4096)
+    assert context_ladder(auto, "gpu", 8192) == (2048,) and context_ladder(auto, "gpu", 1024) == ()
+    assert context_ladder(parse_args(["--context-buckets", "off"]), "cpu", 8192) == ()
+    assert context_ladder(parse_args(["--context-buckets", "100,5000,50"]), "cpu", 1024) == (50, 100)
+    for bad in ("1,x", "0,8"):
+        with pytest.raises(SystemExit):
+            parse_args(["--context-buckets", bad])
 
 
 def test_a_step_keeps_every_buffer_it_touches_in_place(model):

@@ -70,6 +70,7 @@ CASES = [  # t, l_max, block, lengths (B = 3)
     (7, 64, 4, [0, 0, 0]),  # a first chunk everywhere: every prefix block is empty
     (16, 100, 32, [84, 1, 50]),  # a prefix filling the cache up to the chunk; L not a block multiple
     (33, 40, 512, [7, 0, 3]),  # block beyond T and L: one step each
+    (9, 200, 192, [191, 64, 0]),  # L just past a block: two balanced blocks of 128
 ]
 
 

@@ -23,8 +23,8 @@ def model():
     return ling.load("ling-tiny", dtype="float32", seed=1)
 
 
-def make_runner(model, steps):
-    r = Runner(model, max_batch=SLOTS, max_seq_len=CONTEXT, speculative_steps=steps)
+def make_runner(model, steps, contexts=()):
+    r = Runner(model, max_batch=SLOTS, max_seq_len=CONTEXT, speculative_steps=steps, contexts=contexts)
     r.warmup_prefill(CHUNK)
     r.warmup_step()
     return r
@@ -35,10 +35,10 @@ def runner(model):
     return make_runner(model, STEPS)
 
 
-def serve(runner, requests, arrivals):
+def serve(runner, requests, arrivals, check=None):
     """Runs the engine's iteration (admit + chunk, step, deliver one step late) until every request
-    has max_tokens tokens; request i joins at iteration arrivals[i]. Returns the token lists (a
-    group's copies after their request)."""
+    has max_tokens tokens; request i joins at iteration arrivals[i]; check(sched) after each
+    iteration. Returns the token lists (a group's copies after their request)."""
     sched = Scheduler(SLOTS, CHUNK, eos_id=None)
     everyone = [x for r in requests for x in (r, *r.copies)]
     out = {r.id: [] for r in everyone}
@@ -65,6 +65,8 @@ def serve(runner, requests, arrivals):
             first, _ = runner.read_first(first)
             for b, r in enumerate(chunk.owners):
                 take(r, [int(first[b])])
+        if check is not None:
+            check(sched)
         if all(r.finished for r in everyone) and not runner.pending:
             break
     return [out[r.id][: r.sampling.max_tokens] for r in everyone]
@@ -80,6 +82,37 @@ def test_interleaved_serving_equals_plain_greedy(model, runner, speculative):
     requests = [Request(p, Sampling(max_tokens=n, temperature=0.0)) for p, n in zip(prompts, max_new)]
     got = serve(runner, requests, arrivals=(0, 0, 2, 3, 9, 10))  # 6 requests, 3 slots: queueing and reuse
     assert got == [ref[:n] for ref, n in zip(reference, max_new)]
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_context_buckets_change_no_output_and_hold_every_slot(model, speculative):
+    """With cache lengths 32 and 64 compiled beside the whole 160 (+ width), the calls run the
+    shortest that holds their slots as the requests grow across both edges: the outputs are plain
+    greedy's, and the runner's bound on each busy slot's positions never falls below the device's."""
+    runner = make_runner(model, STEPS if speculative else 0, contexts=(32, 64))
+    assert runner.stepper.contexts == runner.prefiller.contexts == (32, 64)  # the reference attention
+    rng = np.random.default_rng(5)
+    lengths, max_new = (20, 7, 50, 23, 90), (30, 40, 12, 50, 20)
+    prompts = [rng.integers(2, model.cfg.vocab_size, n).tolist() for n in lengths]
+    reference = generate_batch(model, prompts, max(max_new), speculative=False, prefill_chunk=CHUNK)
+    requests = [Request(p, Sampling(max_tokens=n, temperature=0.0)) for p, n in zip(prompts, max_new)]
+    used = set()
+    real = runner.stepper._step
+
+    def recording(*args):
+        used.add(args[-1])
+        return real(*args)
+
+    runner.stepper._step = recording
+
+    def check(sched):
+        device = np.asarray(runner.stepper.slots.model.lengths)
+        busy = [b for b, r in enumerate(sched.slots) if r is not None]
+        assert np.all(runner._length[busy] >= device[busy]), (runner._length, device)
+
+    got = serve(runner, requests, arrivals=(0, 0, 1, 4, 6), check=check)
+    assert got == [ref[:n] for ref, n in zip(reference, max_new)]
+    assert used == {32, 64, None}
 
 
 def test_seeded_sampling_does_not_depend_on_company(model, runner):

@@ -1,5 +1,5 @@
 """Every program the server compiles for a step (prefill chunk; decode or speculative step and its
-report; at each batch bucket; the all-greedy and the sampling variant of each) holds no host round
+report; at each batch bucket and cache length; the all-greedy and the sampling variant of each) holds no host round
 trip: no data-dependent `cond` or `while`, no callback, no transfer to the host. On XLA:GPU each of
 those copies a value to the host and waits for it, and splits the step's CUDA graph. Checked on the
 jaxpr of each program, with the kernels the GPU runs (the Pallas backend, traced without lowering)
@@ -38,8 +38,8 @@ def round_trips(jaxpr) -> list[str]:
 
 
 def programs(runner: Runner):
-    """(name, jaxpr) of each program the runner compiles: prefill chunk and step, both sampling
-    variants, and the variant that reports log-probabilities."""
+    """(name, jaxpr) of each program the runner compiles: prefill chunk and step at each batch
+    bucket and cache length, both sampling variants, and the variant that reports log-probabilities."""
     from spec.sampling import SamplingParams
 
     stepper, prefiller = runner.stepper, runner.prefiller
@@ -49,8 +49,10 @@ def programs(runner: Runner):
         for k in stepper.buckets:  # every batch bucket's step
             rows = stepper.rows(np.arange(b) < k)
             on_device = None if rows is None else jnp.asarray(rows)
-            yield f"step batch {k} {variant}", jax.make_jaxpr(stepper._step, static_argnums=(4, 5))(
-                stepper._params, stepper._slots, stepper._count, on_device, sampling, logprobs)
+            for context in (*stepper.contexts, None):
+                yield f"step batch {k} context {context} {variant}", jax.make_jaxpr(
+                    stepper._step, static_argnums=(4, 5, 6))(stepper._params, stepper._slots, stepper._count,
+                                                             on_device, sampling, logprobs, context)
             yield f"report batch {k} {variant}", jax.make_jaxpr(stepper._report, static_argnums=7)(
                 *(stepper._slots[i] for i in stepper._read), stepper._count, on_device, logprobs)
         for k in stepper.buckets:  # every batch bucket's prefill chunk and the report of its first tokens
@@ -60,8 +62,10 @@ def programs(runner: Runner):
             packed = jnp.asarray(prefiller._pack(np.ones(n, bool), SamplingParams.make(n, temperature=0.5),
                                                  np.zeros(n), np.zeros(n), np.zeros((n, c)), np.zeros((n, c)),
                                                  np.ones(n), np.ones(n, bool)))
-            yield f"prefill batch {k} {variant}", jax.make_jaxpr(prefiller._call, static_argnums=(4, 5))(
-                prefiller._params, stepper.slots, on_device, packed, sampling, logprobs)
+            for context in (*prefiller.contexts, None):
+                yield f"prefill batch {k} context {context} {variant}", jax.make_jaxpr(
+                    prefiller._call, static_argnums=(4, 5, 6))(prefiller._params, stepper.slots, on_device, packed,
+                                                               sampling, logprobs, context)
             s = stepper.slots
             yield f"prefill report batch {k} {variant}", jax.make_jaxpr(prefiller._report, static_argnums=5)(
                 s.out, s.logprobs, s.top_ids, on_device, packed, logprobs)
@@ -85,15 +89,17 @@ def quantized_tiny():
 def test_step_programs_hold_no_host_round_trip(backend, spec_steps, weights):
     model = ling.load("ling-tiny", dtype="float32") if weights == "float32" else quantized_tiny()
     ling.use_kernels(model, backend)
-    runner = Runner(model, max_batch=2, max_seq_len=64, speculative_steps=spec_steps, prefix_entries=2,
-                    prefix_interval=16)
+    runner = Runner(model, max_batch=2, max_seq_len=64, speculative_steps=spec_steps, contexts=(16,),
+                    prefix_entries=2, prefix_interval=16)
     seen = 0
     for name, jaxpr in programs(runner):
         bad = round_trips(jaxpr.jaxpr)
         assert not bad, f"{name} ({backend}, {weights}, S={spec_steps}) makes the host wait:\n  " + "\n  ".join(bad)
         seen += 1
-    # 2 buckets x (step, prefill and their reports) x 3 variants, and the prefix cache's 3 programs
-    assert runner.stepper.buckets == (1, 2) and seen == 27
+    # 2 buckets x (step at each context, prefill at 2, and their reports) x 3 variants; the step has
+    # context buckets only where its attention reads the whole cache; and the prefix cache's 3 programs.
+    step_contexts = 2 if backend == "reference" else 1
+    assert runner.stepper.buckets == (1, 2) and seen == 3 * 2 * (step_contexts + 1 + 2 + 1) + 3
 
 
 def test_the_check_finds_a_cond_and_names_its_line():
