@@ -92,6 +92,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, metrics: Metrics, profiler:
     app.add_api_route("/v1/models", models, methods=["GET"], dependencies=guarded)
     app.add_api_route("/start_profile", start_profile, methods=["POST"], dependencies=guarded)
     app.add_api_route("/stop_profile", stop_profile, methods=["POST"], dependencies=guarded)
+    app.add_api_route("/flush_cache", flush_cache, methods=["POST"], dependencies=guarded)
     app.add_api_route("/v1/completions", completions, methods=["POST"], dependencies=guarded)
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], dependencies=guarded)
     return app
@@ -165,6 +166,16 @@ async def stop_profile(request: HTTPRequest):
     except ProfilerError as e:
         raise APIError(409, str(e), code="profiler_state") from None
     return {"message": "profiling stopped", "output_dir": path, "files": files}
+
+
+async def flush_cache(request: HTTPRequest):
+    """Empties the prefix cache (as SGLang's /flush_cache): requests admitted after this response
+    find no checkpoint. 400 when the server runs without one."""
+    engine = _ctx(request).engine
+    if engine.runner.pool is None:
+        raise APIError(400, "the server runs without a prefix cache (--disable-prefix-cache)")
+    await asyncio.wrap_future(engine.flush_prefix_cache())
+    return {"message": "prefix cache flushed"}
 
 
 # -- generation ----------------------------------------------------------------------------------

@@ -6,11 +6,20 @@ accepted length of speculative decoding (from the server's /metrics, before and 
     python -m serve.bench --num-prompts 64 --random-input-len 128 --random-output-len 64 --concurrency 8
     python -m serve.bench --dataset jsonl --dataset-path prompts.jsonl --request-rate 4 --output-json out.json
     python -m serve.bench --num-prompts 64 --concurrency 8 --plot run.png
+    python -m serve.bench --multi-turn --num-prompts 8 --turns 4 --random-input-len 4096 --turn-input-len 128
 
 Datasets (`--dataset`, or SGLang's `--dataset-name`): `random` and `random-ids` both send uniform
 random token ids (this tool has no ShareGPT text to draw `random`'s prompts from offline), `jsonl`
 reads a file. A JSONL line is {"prompt": "text" | [token ids]} or {"messages": [...]}, with an optional
 "max_tokens" (default --random-output-len).
+
+`--multi-turn`: synthetic chats for the prefix cache. --num-prompts conversations, each opening with
+a --random-input-len prompt; turn t + 1 resends turn t's prompt, its output (re-tokenised from the
+streamed text) and --turn-input-len new tokens. Turns go in rounds (every conversation's turn t,
+at most --concurrency at once, then turn t + 1), and the whole workload runs twice in the same run:
+without the cache (the server's /flush_cache before every round) and with it (flushed once at the
+start). Reported per mode: TTFT of first and of follow-up turns, TPOT, throughput, and the ratio
+of follow-up TTFTs.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ class Result:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = dataclasses.field(default_factory=list)
+    text: str = ""  # the streamed output
 
     def token_times(self) -> np.ndarray:
         """When each streamed chunk with text arrived (time.perf_counter())."""
@@ -130,6 +140,7 @@ async def send(client: httpx.AsyncClient, args, model: str, item: Item) -> Resul
                 for c in chunk.get("choices", []):
                     text = c.get("delta", {}).get("content") if chat else c.get("text")
                     if text:
+                        res.text += text
                         now = time.perf_counter()
                         if last is None:
                             res.ttft = now - start
@@ -209,6 +220,91 @@ async def run(args, items: list[Item]) -> dict:
     if args.plot:
         plot(args.plot, results, start, duration)
     return summarize(args, model, results, duration, accept)
+
+
+async def multi_turn(args, tokenizer) -> dict:
+    """The --multi-turn workload without and with the prefix cache (module docstring); returns
+    {mode: summary} with first- and follow-up-turn TTFTs added to each summary."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.concurrency or args.num_prompts, max_keepalive_connections=None)
+    out = {}
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=httpx.Timeout(None, connect=30),
+                                 limits=limits) as client:
+        model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+
+        async def flush():
+            r = await client.post("/flush_cache")
+            if r.status_code != 200:
+                raise SystemExit(f"error: POST /flush_cache: HTTP {r.status_code}: {r.text[:300]} (--multi-turn "
+                                 "compares runs with and without the server's prefix cache)")
+
+        warm = await send(client, args, model, Item(list(range(2, 10)), None, 4))
+        if not warm.ok:
+            raise SystemExit(f"error: the warm-up request failed: {warm.error}")
+        sem = asyncio.Semaphore(args.concurrency or args.num_prompts)
+
+        async def one(item):
+            async with sem:
+                return await send(client, args, model, item)
+
+        for mode in ("no-cache", "cache"):
+            rng = np.random.default_rng(args.seed)
+            ids = lambda n: rng.integers(2, tokenizer.vocab_size, n).tolist()  # noqa: E731
+            history = [ids(args.random_input_len) for _ in range(args.num_prompts)]
+            results, turn_of = [], []
+            await flush()
+            before = await spec_counters(client)
+            start = time.perf_counter()
+            for turn in range(args.turns):
+                if mode == "no-cache" and turn:
+                    await flush()
+                texts = {}
+
+                async def run_one(c, prompt):
+                    res = await one(Item(prompt, None, args.random_output_len))
+                    texts[c] = res.text
+                    return res
+
+                done = await asyncio.gather(*(run_one(c, h) for c, h in enumerate(history)))
+                results += done
+                turn_of += [turn] * len(done)
+                history = [h + tokenizer.encode(texts[c], special=False) + ids(args.turn_input_len)
+                           for c, h in enumerate(history)]
+            duration = time.perf_counter() - start
+            after = await spec_counters(client)
+            accept = None
+            if before is not None and after is not None and after[0] > before[0]:
+                accept = (after[1] - before[1]) / (after[0] - before[0])
+            s = summarize(args, model, results, duration, accept)
+            ttft = lambda first: [r.ttft * 1e3 for r, t in zip(results, turn_of) if r.ok and (t == 0) == first]  # noqa: E731
+            for name, xs in (("first_turn", ttft(True)), ("follow_up", ttft(False))):
+                s[f"mean_ttft_{name}_ms"] = float(np.mean(xs)) if xs else float("nan")
+                s[f"median_ttft_{name}_ms"] = float(np.median(xs)) if xs else float("nan")
+            out[mode] = s
+    return out
+
+
+def multi_turn_report(runs: dict) -> str:
+    a, b = runs["no-cache"], runs["cache"]
+    rows = [("Successful requests", "completed"), ("Failed requests", "failed"), ("Benchmark duration (s)", "duration_s"),
+            ("Total input tokens", "total_input_tokens"), ("Total generated tokens", "total_output_tokens"),
+            ("Mean TTFT, first turns (ms)", "mean_ttft_first_turn_ms"),
+            ("Median TTFT, first turns (ms)", "median_ttft_first_turn_ms"),
+            ("Mean TTFT, follow-up turns (ms)", "mean_ttft_follow_up_ms"),
+            ("Median TTFT, follow-up turns (ms)", "median_ttft_follow_up_ms"),
+            ("Mean TPOT (ms)", "mean_tpot_ms"), ("Median TPOT (ms)", "median_tpot_ms"),
+            ("Output token throughput (tok/s)", "output_throughput"),
+            ("Total token throughput (tok/s)", "total_throughput")]
+    fmt = lambda v: f"{v:>12.2f}" if isinstance(v, float) else f"{v!s:>12}"  # noqa: E731
+    lines = [f"{' Multi-turn Benchmark Result ':=^70}", f"{'':<38}{'no cache':>12}{'cache':>12}{'ratio':>8}"]
+    for name, key in rows:
+        ratio = a[key] / b[key] if isinstance(a[key], float) and b[key] else None
+        lines.append(f"{name + ':':<38}{fmt(a[key])}{fmt(b[key])}" + ("" if ratio is None else f"{ratio:>8.2f}"))
+    lines.append("=" * 70)
+    for mode, s in runs.items():
+        if s["first_error"]:
+            lines.append(f"first error ({mode}): {s['first_error']}")
+    return "\n".join(lines)
 
 
 def plot(path: str, results: list[Result], start: float, duration: float) -> None:
@@ -329,9 +425,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=None, help="also write the results to this file")
     ap.add_argument("--disable-tqdm", action="store_true")
+    ap.add_argument("--multi-turn", action="store_true", help="synthetic multi-turn chats, run without and with the "
+                    "server's prefix cache (module docstring): --num-prompts conversations of --turns turns")
+    ap.add_argument("--turns", type=int, default=4, help="with --multi-turn: turns per conversation")
+    ap.add_argument("--turn-input-len", type=int, default=64, help="with --multi-turn: new tokens a follow-up turn "
+                    "adds to the history")
     ap.add_argument("--plot", default=None, metavar="PNG", help="also draw TTFT and TPOT distributions and output "
                     "throughput over time to this image (needs matplotlib)")
     args = ap.parse_args(argv)
+    if args.multi_turn and (args.endpoint != "completions" or args.dataset not in ("random", "random-ids")):
+        ap.error("--multi-turn sends token-id prompts: --endpoint completions with a random dataset")
+    if args.multi_turn and (args.turns < 1 or args.turn_input_len < 1):
+        ap.error("--turns and --turn-input-len must be at least 1")
     if args.dataset == "jsonl" and not args.dataset_path:
         ap.error("--dataset jsonl needs --dataset-path")
     if args.concurrency is not None and args.concurrency < 1:
@@ -346,6 +451,19 @@ def main(argv=None) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
+    if args.multi_turn:
+        from serve.tokenizer import Tokenizer
+
+        try:
+            runs = asyncio.run(multi_turn(args, Tokenizer(args.tokenizer)))
+        except httpx.ConnectError as e:
+            print(f"error: cannot reach {args.base_url}: {e}", file=sys.stderr)
+            return 2
+        print(multi_turn_report(runs))
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(runs, f, indent=1)
+        return 0 if all(s["failed"] == 0 for s in runs.values()) else 1
     if args.dataset == "jsonl":
         items = jsonl_items(args)
     else:

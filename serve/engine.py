@@ -9,6 +9,7 @@ results only after the next piece of device work is queued, so the device never 
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -24,7 +25,7 @@ from serve.tokenizer import Tokenizer
 
 log = logging.getLogger("serve.engine")
 
-_ADD, _ABORT = "add", "abort"
+_ADD, _ABORT, _FLUSH = "add", "abort", "flush"
 
 
 class Engine:
@@ -32,13 +33,23 @@ class Engine:
                  stop_ids: set[int], sizer=None):
         """sizer: None (fixed chunk) or a moe.tiles.ChunkSizer whose candidates were compiled."""
         self.runner, self.tokenizer, self.metrics = runner, tokenizer, metrics
-        self.scheduler = Scheduler(runner.max_batch, chunk, eos_id, sizer=sizer, decode_width=runner.stepper.width)
+        self.scheduler = Scheduler(runner.max_batch, chunk, eos_id, sizer=sizer, decode_width=runner.stepper.width,
+                                   prefix=self._new_index())
         self.stop_ids = set(stop_ids) | ({eos_id} if eos_id is not None else set())
         self.outputs: dict[int, TextOutput] = {}
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.error: str | None = None  # set when the device failed and could not be recovered
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ling-engine", daemon=True)
+
+    def _new_index(self):
+        from serve.prefix_cache import PrefixIndex
+
+        pool = self.runner.pool
+        index = None if pool is None else PrefixIndex(pool.entries, pool.interval)
+        if index is not None:
+            self.metrics.prefix_entries.set(index.entries)
+        return index
 
     # -- the HTTP side (any thread) ------------------------------------------------------------
 
@@ -58,6 +69,12 @@ class Engine:
         """The client went away: free the request's slot (or queue place) at the next iteration."""
         self.inbox.put((_ABORT, request))
 
+    def flush_prefix_cache(self) -> concurrent.futures.Future:
+        """Empties the prefix cache at the next iteration; the future is done once it is."""
+        done = concurrent.futures.Future()
+        self.inbox.put((_FLUSH, done))
+        return done
+
     def stats(self) -> dict:
         s = self.scheduler
         return {"running": s.num_running, "waiting": s.num_waiting, "free_slots": s.free_slots,
@@ -74,6 +91,8 @@ class Engine:
                 self._fail_all(f"internal engine error: {type(e).__name__}: {e}")
                 try:
                     self.runner.reset()
+                    if self.scheduler.prefix is not None:
+                        self.scheduler.flush(self._new_index())
                 except Exception:
                     log.error("could not reset the device slots; the server stops generating:\n%s",
                               traceback.format_exc())
@@ -86,6 +105,8 @@ class Engine:
         self._read_inbox(block=idle)
         chunk = self.scheduler.next_chunk()
         first = self.runner.prefill(chunk) if chunk is not None else None
+        if chunk is not None and chunk.lookups:
+            self.metrics.record_prefix(chunk.lookups, self.scheduler.prefix.used)
         owners = self.scheduler.decoding()
         result = self.runner.step(owners) if any(r is not None for r in owners) else self.runner.drain()
         if result is not None:
@@ -110,6 +131,10 @@ class Engine:
                 self.scheduler.add(request)
             elif kind == _ABORT and not request.finished and request.id in self.outputs:
                 self._finish(request, "abort")
+            elif kind == _FLUSH:
+                self.scheduler.flush(self._new_index())
+                self.metrics.prefix_used.set(0)
+                request.set_result(None)
 
     def _on_step(self, result: StepResult) -> None:
         steps = tokens = 0
@@ -135,6 +160,13 @@ class Engine:
         out = self.outputs[r.id]
         before = out.tokens
         used = out.add(tokens)
+        if device_done and used == len(tokens) and self.scheduler.prefix is not None:
+            # The device stopped the slot at the last of these tokens: its state is prompt +
+            # output[:-1] (the host may have ended the request earlier, at a stop string).
+            saved = self.scheduler.finished(r, out.ids)
+            if saved:
+                self.runner.save_finished(saved)
+                self.metrics.prefix_used.set(self.scheduler.prefix.used)
         entries = None
         if r.sampling.logprobs is not None and logprobs is not None:
             n = r.sampling.logprobs
@@ -179,6 +211,8 @@ class Engine:
                 break
             if kind == _ADD:
                 queued.append(r)
+            elif kind == _FLUSH:
+                r.set_result(None)
         pending = [x for r in queued for x in (r, *r.copies)] + [r for r in self.scheduler.slots if r is not None]
         for r in pending:
             if not r.finished:

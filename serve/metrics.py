@@ -37,6 +37,19 @@ class Metrics:
         self.spec_tokens = Counter("ling:spec_decode_tokens", "Tokens those steps produced", registry=r)
         self.accept_length = Gauge("ling:spec_accept_length", "Mean accepted length since start (tokens per step)",
                                    registry=r)
+        # Prefix cache (serve.prefix_cache): prompt tokens looked up and found, as vLLM's
+        # prefix_cache_queries / prefix_cache_hits; the hit rate since start; pool entries.
+        self.prefix_queries = Counter("ling:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("ling:prefix_cache_hits", "Prompt tokens restored from the prefix cache "
+                                   "(not prefilled)", registry=r)
+        self.prefix_hit_rate = Gauge("ling:prefix_cache_hit_rate", "Hit tokens / queried tokens since start",
+                                     registry=r)
+        self.prefix_used = Gauge("ling:prefix_cache_entries_used", "Prefix-cache pool entries holding a checkpoint",
+                                 registry=r)
+        self.prefix_entries = Gauge("ling:prefix_cache_entries_total", "Prefix-cache pool entries (0: cache off)",
+                                    registry=r)
+        self._queried = self._hit = 0
         self._steps = self._tokens = 0
         Gauge("ling:model_info", "The served model", ["model_name"], registry=r).labels(model_name).set(1)
 
@@ -46,6 +59,16 @@ class Metrics:
             self.spec_tokens.inc(tokens)
             self._steps, self._tokens = self._steps + steps, self._tokens + tokens
             self.accept_length.set(self._tokens / self._steps)
+
+    def record_prefix(self, lookups, used: int) -> None:
+        """lookups: (prompt tokens, hit tokens) of each request admitted; used: pool entries in use."""
+        queried, hit = sum(q for q, _ in lookups), sum(h for _, h in lookups)
+        self.prefix_queries.inc(queried)
+        self.prefix_hits.inc(hit)
+        self._queried, self._hit = self._queried + queried, self._hit + hit
+        if self._queried:
+            self.prefix_hit_rate.set(self._hit / self._queried)
+        self.prefix_used.set(used)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

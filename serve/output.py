@@ -22,6 +22,7 @@ class TextOutput:
         self.sent = 0  # characters of text already sent
         self.checked = 0  # characters of text already searched for stop strings
         self.tokens = 0  # tokens generated, the stop token included
+        self.ids: list[int] = []  # and their ids
         self.reason: str | None = None
         self._cut = False  # a stop string has cut the text: nothing after it counts
 
@@ -34,6 +35,7 @@ class TextOutput:
                 break
             used += 1
             self.tokens += 1
+            self.ids.append(t)
             if t in self.stop_ids:
                 self._end("stop")
                 continue

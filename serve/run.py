@@ -5,6 +5,7 @@
                         [--quantize int8|int4|int2 [--quantize-experts] [--quantize-lm-head]]
                         [--dtype bfloat16|float32] [--prefill-chunk C]
                         [--tile-model PATH --tpot-slo-ms MS] [--num-layers N]
+                        [--prefix-cache-gb G] [--prefix-cache-interval N] [--disable-prefix-cache]
 
 With no --model it serves serve/default_model: ling-small, a 15 M-parameter Ling-architecture model
 trained by `python -m offline.train` on the Python standard library's sources, and its tokenizer. Start-up loads the tokenizer and the model and compiles the prefill chunk and the
@@ -15,6 +16,11 @@ With --tile-model (a fitted moe.tiles.TileModel: `python -m bench.fused_moe --pr
 --tpot-slo-ms, the prefill chunk is sized per iteration: --prefill-chunk wide when no request
 decodes, else the widest power-of-two width (>= 16) the model predicts to keep an iteration (decode
 step + chunk) within the budget; every such width is compiled at start-up.
+
+The prefix cache (on unless --disable-prefix-cache) keeps checkpoints of prefilled prompts, every
+--prefix-cache-interval tokens, and of finished requests, in a pool of --prefix-cache-gb on the
+device; a new request restores its prompt's longest checkpoint and prefills only the rest (a
+chat's next turn, a shared system prompt). Prefill chunks then end on multiples of the interval.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ DEFAULT_SPEC_STEPS = 5
 # Defaults by platform (max_batch, max_seq_len cap, prefill_chunk): on a CPU the smaller slots and
 # chunks keep a newcomer's first request near a second with the embedded model on 2 cores.
 DEFAULTS = {"gpu": (16, 8192, 256), "cpu": (4, 1024, 64)}
+# The prefix cache's default pool: on a GPU this share of the memory left after the weights and the
+# slots (its KDA states are large: a checkpoint of Ling-3-flash holds tens of MB); on a CPU, GB.
+PREFIX_SHARE, PREFIX_CPU_GB = 0.5, 0.1
 # The cache lengths a call is compiled for by default (`--context-buckets auto`), as (smallest,
 # factor); each rung costs a compiled prefill chunk (and on a CPU a step) per batch bucket. On a
 # GPU only the prefill's prefix loop follows the cache's length (the decode kernel reads live
@@ -107,6 +116,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "./profiles; a request body may name another)")
     ap.add_argument("--compile-cache", default=DEFAULT_CACHE, help="JAX persistent compilation cache directory "
                     f"(default {DEFAULT_CACHE}; '' turns it off)")
+    ap.add_argument("--prefix-cache-gb", type=float, default=None, help="the prefix cache's pool on the device, GB "
+                    f"(default: {PREFIX_SHARE:g} of the memory left after the weights and slots on an accelerator, "
+                    f"{PREFIX_CPU_GB:g} on CPU)")
+    ap.add_argument("--prefix-cache-interval", type=int, default=None, help="tokens between two checkpoints of a "
+                    "prompt; prefill chunks end on its multiples (default: the platform's prefill chunk, 256 on an "
+                    "accelerator, 64 on CPU)")
+    ap.add_argument("--disable-prefix-cache", action="store_true", help="no prefix cache: every prompt is "
+                    "prefilled whole")
     ap.add_argument("--seed", type=int, default=0, help="weight seed for a preset (random weights)")
     ap.add_argument("--num-layers", type=int, default=None, help="with a preset: only its first N decoder layers "
                     "(and the NEXTN layer), random weights, so that a cut of a large model fits for benchmarks "
@@ -123,6 +140,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--batch-buckets takes auto, off or comma-separated sizes, got {args.batch_buckets!r}")
         if sizes[0] < 1 or args.max_batch is not None and sizes[-1] > args.max_batch:
             ap.error(f"--batch-buckets sizes must lie in [1, --max-batch {args.max_batch}], got {args.batch_buckets}")
+    if args.prefix_cache_gb is not None and not 0 <= args.prefix_cache_gb < float("inf"):
+        ap.error(f"--prefix-cache-gb must be a number of GB >= 0, got {args.prefix_cache_gb}")
     if args.context_buckets not in ("auto", "off"):
         try:
             lengths = sorted({int(x) for x in args.context_buckets.split(",")})
@@ -139,7 +158,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 <= args.shutdown_grace < float("inf"):
         ap.error(f"--shutdown-grace must be a number of seconds >= 0, got {args.shutdown_grace}")
     for name, low in (("max_batch", 1), ("prefill_chunk", 1), ("max_seq_len", 2), ("speculative_num_steps", 0),
-                      ("num_layers", 1), ("max_request_bytes", 1), ("max_queue", 0)):
+                      ("num_layers", 1), ("max_request_bytes", 1), ("max_queue", 0),
+                      ("prefix_cache_interval", 1)):
         v = getattr(args, name)
         if v is not None and v < low:
             ap.error(f"--{name.replace('_', '-')} must be at least {low}, got {v}")
@@ -156,6 +176,7 @@ def platform_defaults(args, platform: str) -> int:
     max_batch, seq_cap, chunk = DEFAULTS[platform]
     args.max_batch = args.max_batch or max_batch
     args.prefill_chunk = args.prefill_chunk or chunk
+    args.prefix_cache_interval = args.prefix_cache_interval or chunk
     if args.batch_buckets not in ("auto", "off") and max(map(int, args.batch_buckets.split(","))) > args.max_batch:
         raise StartupError(f"--batch-buckets {args.batch_buckets}: sizes must lie in [1, --max-batch {args.max_batch}]")
     return seq_cap
@@ -231,27 +252,38 @@ class MemoryPlan:
     verify: int  # per slot: the KDA states a verify pass keeps after each of its positions
     other: int  # per slot: tokens, sampling parameters, the output buffer
     free: int | None  # after the weights (None where the backend does not say: CPU)
+    prefix_entry: int = 0  # one prefix-cache checkpoint (spec.prefix.entry_bytes; 0: no cache)
+    prefix_entries: int = 0  # checkpoints in the pool
+    prefix_interval: int = 0
 
     @property
     def slot(self) -> int:
         return self.kda + self.mla + self.verify + self.other
 
+    @property
+    def pool(self) -> int:
+        return self.prefix_entry * self.prefix_entries
+
     def describe(self, max_batch: int) -> str:
-        left = "" if self.free is None else f", {human(self.free - max_batch * self.slot)} left"
+        left = "" if self.free is None else f", {human(self.free - max_batch * self.slot - self.pool)} left"
+        pool = (f"; prefix cache {human(self.pool)} ({self.prefix_entries} checkpoints of {self.prefix_interval} "
+                f"tokens, {human(self.prefix_entry)} each)" if self.prefix_entries else "; prefix cache off")
         return (f"memory: weights {human(self.weights)}; a slot {human(self.slot)} (KDA states {human(self.kda)}, "
                 f"MLA cache {human(self.mla)}, verify states {human(self.verify)}); "
-                f"{max_batch} slots {human(max_batch * self.slot)}{left}")
+                f"{max_batch} slots {human(max_batch * self.slot)}{pool}{left}")
 
 
 RESERVE = 0.05  # of the device's memory kept free for the steps' activations and XLA's workspace
 
 
-def memory_plan(model, *, max_seq_len: int, speculative_steps: int) -> MemoryPlan:
+def memory_plan(model, *, max_seq_len: int, speculative_steps: int, prefix_interval: int = 0) -> MemoryPlan:
+    """prefix_interval: the prefix cache's (0: none), for the size of one checkpoint."""
     import jax
     import numpy as np
 
     from ling import build
     from ling.state import KDAState, MLACache
+    from spec.prefix import entry_bytes
     from spec.step import new_slots
 
     width = speculative_steps + 1
@@ -268,13 +300,33 @@ def memory_plan(model, *, max_seq_len: int, speculative_steps: int) -> MemoryPla
         free = int(free * (1 - RESERVE)) - stats.get("bytes_in_use", 0)
     return MemoryPlan(weights=build.nbytes(model, model.mesh), kda=kda, mla=mla,
                       mla_per_token=mla // (max_seq_len + width), verify=verify,
-                      other=size(one) - kda - mla, free=free)
+                      other=size(one) - kda - mla, free=free,
+                      prefix_entry=entry_bytes(one.model, one.last_hidden, prefix_interval) if prefix_interval else 0,
+                      prefix_interval=prefix_interval)
+
+
+def plan_prefix_cache(plan: MemoryPlan, args) -> None:
+    """Sets plan.prefix_entries from --prefix-cache-gb (or its default) and --disable-prefix-cache;
+    StartupError when an explicit budget holds no checkpoint."""
+    if args.disable_prefix_cache or not plan.prefix_entry:
+        plan.prefix_entries = 0
+        return
+    budget = args.prefix_cache_gb * 1e9 if args.prefix_cache_gb is not None else (
+        PREFIX_CPU_GB * 1e9 if plan.free is None else PREFIX_SHARE * max(plan.free - args.max_batch * plan.slot, 0))
+    plan.prefix_entries = int(budget // plan.prefix_entry)
+    if plan.prefix_entries < 1 and args.prefix_cache_gb:
+        raise StartupError(f"--prefix-cache-gb {args.prefix_cache_gb:g} holds no checkpoint of "
+                           f"{human(plan.prefix_entry)}: give it more, or --disable-prefix-cache")
 
 
 def check_memory(plan: MemoryPlan, max_batch: int, max_seq_len: int) -> None:
     """StartupError, with the numbers and the largest settings that fit, when the slots do not."""
-    if plan.free is None or max_batch * plan.slot <= plan.free:
+    if plan.free is None or max_batch * plan.slot + plan.pool <= plan.free:
         return
+    if max_batch * plan.slot <= plan.free:
+        raise StartupError(f"the prefix cache's {human(plan.pool)} do not fit next to {max_batch} slots "
+                           f"({human(max(plan.free - max_batch * plan.slot, 0))} left): pass a smaller "
+                           f"--prefix-cache-gb or --disable-prefix-cache")
     fit_batch = max(plan.free // plan.slot, 0)
     fixed = plan.slot - plan.mla_per_token * max_seq_len
     fit_len = (plan.free // max_batch - fixed) // plan.mla_per_token if plan.mla_per_token else 0
@@ -347,7 +399,9 @@ def start(args, bar) -> Loaded:
         bar.write("warning: the model has no NEXTN layer: speculative decoding is off", file=sys.stderr)
         steps = 0
     sizer = chunk_sizer(args, cfg)
-    memory = memory_plan(model, max_seq_len=max_seq_len, speculative_steps=steps)
+    memory = memory_plan(model, max_seq_len=max_seq_len, speculative_steps=steps,
+                         prefix_interval=0 if args.disable_prefix_cache else args.prefix_cache_interval)
+    plan_prefix_cache(memory, args)
     check_memory(memory, args.max_batch, max_seq_len)
     bar.write(memory.describe(args.max_batch), file=sys.stderr)
     bar.update()
@@ -356,13 +410,15 @@ def start(args, bar) -> Loaded:
     buckets = {"auto": None, "off": ()}.get(args.batch_buckets) if args.batch_buckets in ("auto", "off") else \
         tuple(int(x) for x in args.batch_buckets.split(","))
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, speculative_steps=steps,
-                    buckets=buckets, contexts=context_ladder(args, platform, max_seq_len))
+                    buckets=buckets, contexts=context_ladder(args, platform, max_seq_len),
+                    prefix_entries=memory.prefix_entries, prefix_interval=args.prefix_cache_interval)
     bar.update()
     try:
         bar.set_description("compiling prefill")
         for width in (sizer.candidates if sizer is not None else (args.prefill_chunk,)):
             runner.warmup_prefill(width)
         runner.warmup_copy()  # the slot copy of n > 1 choices
+        runner.warmup_prefix()  # the prefix cache's save and restore
         bar.update()
         bar.set_description("compiling decode step")
         runner.warmup_step()
@@ -414,7 +470,9 @@ def main(argv=None) -> int:
                                 max_queue=args.max_queue, request_timeout=args.request_timeout,
                                 shutdown_grace=args.shutdown_grace))
     decoding = f"speculative {s.speculative_steps} steps" if s.speculative_steps else "plain decoding"
-    about = (f"{args.max_batch} slots x {s.max_seq_len} tokens, {decoding}, {args.dtype}"
+    prefix = (f"prefix cache every {args.prefix_cache_interval} tokens" if s.runner.pool is not None
+              else "no prefix cache")
+    about = (f"{args.max_batch} slots x {s.max_seq_len} tokens, {decoding}, {prefix}, {args.dtype}"
              f"{', ' + args.quantize if args.quantize else ''}, {jax.devices()[0].platform}")
     engine.start()
     # uvicorn waits for open responses a little longer than the grace: by then each has ended itself.

@@ -27,20 +27,26 @@ class StepResult:
 
 class Runner:
     def __init__(self, model, *, max_batch: int, max_seq_len: int, speculative_steps: int, buckets=None,
-                 contexts=()):
+                 contexts=(), prefix_entries: int = 0, prefix_interval: int = 0):
         """buckets: the batch sizes the step is compiled for (`spec.stepper.Stepper`; None: the
         powers of two up to max_batch); a step runs the smallest that holds the decoding slots.
         contexts: the cache lengths the prefill chunk and the step are compiled for (`Stepper`,
         `ChunkPrefiller`; empty: the whole cache always); a call runs the shortest that holds its
-        slots' positions, which the runner bounds from the host's side (`_length`)."""
+        slots' positions, which the runner bounds from the host's side (`_length`).
+        prefix_entries, prefix_interval: the prefix cache's pool (`spec.prefix.PrefixPool`; 0
+        entries: no cache); the slots' caches are then a whole number of intervals long."""
+        from spec.prefix import PrefixPool
         from spec.stepper import ChunkPrefiller, SlotCopier, Stepper, batch_buckets
 
         self.model = model
         self.max_batch, self.max_seq_len, self.speculative_steps = max_batch, max_seq_len, speculative_steps
+        self.prefix_interval = prefix_interval if prefix_entries > 0 else 0
         self.stepper = Stepper(model, self._new_slots(), speculative=speculative_steps > 0,
                                num_steps=max(speculative_steps, 1),
                                buckets=batch_buckets(max_batch) if buckets is None else buckets, contexts=contexts)
         self.prefiller = ChunkPrefiller(model, contexts=contexts)
+        self.pool = (PrefixPool(model, self.stepper.slots, prefix_entries, prefix_interval)
+                     if self.prefix_interval else None)
         self.copier = SlotCopier(model)
         self._owners = collections.deque()  # owners of the dispatched, not yet read steps
         # Whether each slot's request (as last set by a prefill chunk) samples or has a penalty: the
@@ -64,9 +70,12 @@ class Runner:
         from spec.sampling import SamplingParams, any_sampling, needs_sampling
         from spec.stepper import bucket_rows
 
-        start = np.asarray(chunk.start, bool)
+        start = np.asarray(chunk.start) > 0
         touched = start | (np.asarray(chunk.valid) > 0)
         self._length[start], self._epoch[start] = 0, self._epoch[start] + 1
+        for slot, path, n, prompt in chunk.restores:  # before the chunk, which goes on from n
+            self.stepper.slots = self.pool.restore(self.stepper.slots, slot, path, n, prompt)
+            self._length[slot] = n
         self._length += np.asarray(chunk.valid)
         self._sampling[start] = needs_sampling(chunk)[start]
         self._logprobs[start] = False if chunk.logprobs is None else np.asarray(chunk.logprobs, bool)[start]
@@ -80,6 +89,8 @@ class Runner:
             eos=pick(chunk.eos), tokens=pick(chunk.tokens), next_tokens=pick(chunk.next_tokens),
             valid=pick(chunk.valid), ends=pick(chunk.ends), sampling=any_sampling(self._sampling, chunk.ends),
             rows=rows, logprobs=logprobs, context=context or int(self._length[touched].max(initial=1)))
+        for slot, entry, row0 in chunk.saves:
+            self.pool.save(self.stepper.slots, slot, entry, row0)
         copied = None
         if chunk.copies:
             at = np.array([d for _, d in chunk.copies])
@@ -91,6 +102,15 @@ class Runner:
                                                                   np.asarray(chunk.seed)[at])
             copied = (copy_first, copy_lp, at)
         return first, (lp[0] if lp else None), rows, copied
+
+    def save_finished(self, saves) -> None:
+        """Checkpoints a slot the device finished (`serve.scheduler.Scheduler.finished`: (slot,
+        entry, first row of the page) each, one slot): its NEXTN row at its length - 1 completed,
+        then its state into the pool entries."""
+        if saves:
+            self.stepper.slots = self.pool.complete(self.stepper.slots, saves[0][0])
+        for slot, entry, row0 in saves:
+            self.pool.save(self.stepper.slots, slot, entry, row0)
 
     def step(self, owners: list) -> StepResult | None:
         """Dispatches a decode (or speculative) step for the slots; returns the previous step's result."""
@@ -120,6 +140,8 @@ class Runner:
             pass
         self._owners.clear()
         self.stepper.slots = self._new_slots()
+        if self.pool is not None:
+            self.pool.clear()
         self._length[:] = 0
         self._epoch += 1
         self._sampling[:] = False
@@ -133,7 +155,10 @@ class Runner:
         # A verify pass writes num_steps + 1 positions past the slot's length: room for them beyond
         # the longest sequence the server admits.
         width = self.speculative_steps + 1
-        slots = new_slots(self.model, self.max_batch, self.max_seq_len + width, self.max_seq_len, logprob_width=width)
+        length = self.max_seq_len + width
+        if self.prefix_interval:  # a checkpoint's page is a whole interval of rows
+            length = -(-length // self.prefix_interval) * self.prefix_interval
+        slots = new_slots(self.model, self.max_batch, length, self.max_seq_len, logprob_width=width)
         # Committed to the device(s) like every step's output, so the first real call finds the
         # programs the warm-up compiled (an uncommitted input is another cache key). An
         # expert-parallel model keeps the slots replicated over its mesh.
@@ -199,6 +224,15 @@ class Runner:
         if self.max_batch > 1:
             self.stepper.slots, first, _ = self.copier(self.stepper.slots, [], [])
             np.asarray(first)
+
+    def warmup_prefix(self) -> None:
+        """Compiles the prefix cache's programs (`spec.prefix.PrefixPool`) by saving slot 0 into
+        entry 0 and restoring it, then completing slot 0's NEXTN row: slot 0 is done and free, and
+        a request started there resets it; entry 0 is not in any index yet."""
+        if self.pool is not None:
+            self.save_finished([(0, 0, 0)])
+            self.stepper.slots = self.pool.restore(self.stepper.slots, 0, [0], 1, [0])
+            np.asarray(self.stepper.slots.model.lengths)
 
     def warmup_step(self) -> None:
         """Compiles the decode (or speculative) step for every batch bucket and cache length (where

@@ -16,7 +16,15 @@ Chunk width. Fixed (`chunk`) by default. With a `sizer` (moe.tiles.ChunkSizer, b
 tile model and a TPOT budget) each iteration's width is the largest the model predicts to fit
 the budget next to the decode step: the widest when no slot decodes, narrower while slots do.
 The compiled decode step computes every slot (idle ones too), so its MoE work is
-num_slots * decode_width tokens whenever any slot decodes."""
+num_slots * decode_width tokens whenever any slot decodes.
+
+Prefix cache (`prefix`, a `serve.prefix_cache.PrefixIndex`). An admitted request takes the longest
+checkpoint of its prompt: the chunk names it in `restores` (the runner copies it into the slot
+before the chunk) and starts the slot with `start` 2, and its prefill goes on from there. While
+the cache is on, no chunk crosses a grid point (a multiple of the interval): a chunk that ends on
+one before the prompt's end names a checkpoint to write in `saves` (the runner copies the slot
+into the pool after the chunk). A finished request whose slot the device stopped (EOS, max_tokens)
+is checkpointed where its state stands (`finished`)."""
 
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ from serve.request import Request
 class PrefillChunk:
     """The arguments of one `spec.stepper.ChunkPrefiller` call (host arrays, B slots, C tokens)."""
 
-    start: np.ndarray  # [B] bool: slots reset for a newly admitted request
+    start: np.ndarray  # [B] int32: 1 a slot reset for a newly admitted request, 2 one restored first
     tokens: np.ndarray  # [B, C] int32
     next_tokens: np.ndarray  # [B, C] int32
     valid: np.ndarray  # [B] int32
@@ -51,14 +59,23 @@ class PrefillChunk:
     # (source slot, copy slot): after this chunk the source's state is copied into the copy slot
     # (`spec.step.copy_slots`); the copy's sampling parameters are in the [B] arrays at its slot.
     copies: list = dataclasses.field(default_factory=list)
+    # Prefix cache: (slot, pool entries of the checkpoint's pages, n, prompt) restored before the
+    # chunk; (slot, entry, first row of the page) written after it; (prompt tokens, hit tokens)
+    # of each request admitted here.
+    restores: list = dataclasses.field(default_factory=list)
+    saves: list = dataclasses.field(default_factory=list)
+    lookups: list = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, chunk: int, eos_id: int | None, *, sizer=None, decode_width: int = 1):
+    def __init__(self, num_slots: int, chunk: int, eos_id: int | None, *, sizer=None, decode_width: int = 1,
+                 prefix=None):
         """sizer: None (every chunk is `chunk` wide) or a callable decode_tokens -> chunk width;
-        decode_width: tokens per slot in a decode step (speculative: draft steps + 1)."""
+        decode_width: tokens per slot in a decode step (speculative: draft steps + 1); prefix:
+        None (no prefix cache) or a serve.prefix_cache.PrefixIndex."""
         self.num_slots, self.chunk, self.eos_id = num_slots, chunk, eos_id
-        self.sizer, self.decode_width = sizer, decode_width
+        self.sizer, self.decode_width, self.prefix = sizer, decode_width, prefix
+        self.node: list = [None] * num_slots  # the pinned prefix-cache node of each prefilling slot
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * num_slots
         self.prefilled: list[int | None] = [None] * num_slots  # prompt tokens done; None once decoding
@@ -78,6 +95,7 @@ class Scheduler:
         group of their own, the first of them prefilling the prompt."""
         slot = self.slot_of.pop(request.id, None)
         if slot is not None:
+            self._release(slot)
             self.slots[slot] = None
             self.prefilled[slot] = None
             self.awaiting.discard(slot)
@@ -97,6 +115,32 @@ class Scheduler:
             if copies:  # the rest of its group keeps its place
                 copies[0].copies = tuple(copies[1:])
                 self.waiting.insert(at, copies[0])
+
+    def flush(self, index) -> None:
+        """Replaces the prefix index by `index` (empty): the old one's checkpoints are forgotten,
+        and the requests prefilling now write none into the new one."""
+        self.prefix, self.node = index, [None] * self.num_slots
+
+    def _release(self, slot: int) -> None:
+        if self.node[slot] is not None:
+            self.prefix.unpin(self.node[slot])
+            self.node[slot] = None
+
+    def finished(self, request: Request, output: list[int]) -> list[tuple[int, int, int]]:
+        """A checkpoint of a request the device finished (before `remove`): its slot's state holds
+        prompt + output[:-1], and output[-1] is the slot's last token, so the checkpoint at
+        n = len(prompt + output) - 1, keyed on prompt + output, lets a next turn that resends them
+        hit. Its page and those of missing grid nodes above it (page-only: the slot's state at
+        them is gone) come from the slot's rows. Returns (slot, entry, first row of its page) of
+        each entry for the runner to write, the checkpoint's last (none: no cache, no room, or
+        already there)."""
+        slot = self.slot_of.get(request.id)
+        if self.prefix is None or slot is None or not output:
+            return []
+        tokens = list(request.prompt_ids) + list(output)
+        n, i = len(tokens) - 1, self.prefix.interval
+        made = self.prefix.insert_chain(self.prefix.grid_node(tokens, n - 1), tokens, n)
+        return [(slot, node.entry, (node.n - 1) // i * i) for node in made or ()]
 
     @property
     def num_waiting(self) -> int:
@@ -131,8 +175,9 @@ class Scheduler:
     def next_chunk(self) -> PrefillChunk | None:
         """Admits waiting requests into free slots, then the next chunk of every prefilling slot."""
         b, c = self.num_slots, self.chunk_width()
-        start = np.zeros(b, bool)
+        start = np.zeros(b, np.int32)
         free = [slot for slot in range(b) if self.slots[slot] is None]
+        restores, lookups = [], []
         while self.waiting:
             r = self.waiting[0]
             copies = [c for c in r.copies if not c.finished]  # a copy aborted while queued takes no slot
@@ -142,7 +187,19 @@ class Scheduler:
             slot, taken = free[0], free[1:1 + len(copies)]
             del free[:1 + len(copies)]
             self.slots[slot], self.prefilled[slot], self.slot_of[r.id] = r, 0, slot
-            start[slot] = True
+            start[slot] = 1
+            if self.prefix is not None:
+                hit = self.prefix.match(r.prompt_ids)
+                self.prefix.pin(hit)
+                self.node[slot] = hit
+                restores.append((slot, hit.path(), hit.n, r.prompt_ids))
+                lookups.append((len(r.prompt_ids), hit.n))
+                if hit.n:
+                    self.prefilled[slot], start[slot] = hit.n, 2
+                    if hit.n % self.prefix.interval:  # a leaf between grid points: the next
+                        self.prefix.pin(hit.parent)  # checkpoint hangs from its grid parent
+                        self.prefix.unpin(hit)
+                        self.node[slot] = hit.parent
             for copy, at in zip(copies, taken):
                 self.slots[at], self.slot_of[copy.id] = copy, at
                 self.awaiting.add(at)
@@ -156,20 +213,33 @@ class Scheduler:
                          top_p=np.ones(b, np.float32), seed=np.zeros(b, np.uint32), presence=np.zeros(b, np.float32),
                          frequency=np.zeros(b, np.float32), repetition=np.ones(b, np.float32),
                          max_new=np.zeros(b, np.int32),
-                         eos=np.full(b, -1, np.int32), logprobs=np.zeros(b, bool))
+                         eos=np.full(b, -1, np.int32), logprobs=np.zeros(b, bool),
+                         restores=[x for x in restores if x[2]], lookups=lookups)
         for slot, done in enumerate(self.prefilled):
             if done is None:
                 continue
             r = self.slots[slot]
             prompt = r.prompt_ids
             n = min(c, len(prompt) - done)
+            if self.prefix is not None:  # no chunk crosses a grid point
+                n = min(n, (done // self.prefix.interval + 1) * self.prefix.interval - done)
             p.tokens[slot, :n] = prompt[done:done + n]
             # Each token's successor in the prompt (the NEXTN pairs); the last one's is sampled later.
             succ = prompt[done + 1:done + n + 1]
             p.next_tokens[slot, :len(succ)] = succ
             p.valid[slot] = n
             self.prefilled[slot] = done + n
+            end = done + n
+            if self.node[slot] is not None and end % self.prefix.interval == 0 and end < len(prompt):
+                node, fresh = self.prefix.insert(self.node[slot], prompt, end)
+                self.prefix.unpin(self.node[slot])
+                self.node[slot] = node  # None (no room): this request writes no further checkpoint
+                if node is not None:
+                    self.prefix.pin(node)
+                    if fresh:
+                        p.saves.append((slot, node.entry, end - self.prefix.interval))
             if done + n == len(prompt):
+                self._release(slot)
                 p.ends[slot], p.owners[slot] = True, r
                 self.prefilled[slot] = None  # decoding from the next step on
                 for at in self.copies_of.pop(slot, ()):  # and so do its copies

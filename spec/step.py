@@ -10,7 +10,9 @@ A speculative step (num_steps = S):
   verify   one target forward over [token_n, d_1 .. d_S] that keeps the KDA state after each position;
   accept   greedy: while d_j equals the target's argmax; sampled: rejection sampling, so the output
            distribution is the target's; then one bonus token from the target;
-  commit   KDA state taken at the accepted position, MLA entries past it left behind the length;
+  commit   KDA state taken at the accepted position, MLA entries past it left behind the length
+           (a slot that stops at EOS or max_new within the step keeps only its emitted tokens: its
+           state then holds exactly prompt + output[:-1], which a prefix-cache checkpoint needs);
   extend   the NEXTN layer over the true pairs (h_{n-1+j}, token_{n+j}) of the verified positions.
 """
 
@@ -80,18 +82,33 @@ def _record_logprobs(slots: Slots, logits, tokens) -> Slots:
     return slots.replace(logprobs=slots.logprobs.at[:, :w].set(lp), top_ids=slots.top_ids.at[:, :w].set(ids))
 
 
-def reset(slots: Slots, which, params: SamplingParams, max_new, eos) -> Slots:
+def reset(slots: Slots, which, params: SamplingParams, max_new, eos, restored=None) -> Slots:
     """Empties the slots selected by `which` [B] bool for new requests (KDA state zeroed, lengths 0;
-    MLA entries need no clearing: the causal mask hides everything past a slot's length)."""
-    sel = lambda new, old: jnp.where(which.reshape(which.shape + (1,) * (old.ndim - 1)), new, old)
-    layers = tuple(jax.tree.map(lambda a: sel(0, a), c) if isinstance(c, KDAState) else c for c in slots.model.layers)
+    MLA entries need no clearing: the causal mask hides everything past a slot's length).
+    restored [B] bool (default none): slots whose model state and `seen` a prefix-cache restore
+    has just written (`spec.prefix.restore`): those keep them and are reset otherwise."""
+    sel = lambda new, old, w=which: jnp.where(w.reshape(w.shape + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
+    fresh = which if restored is None else which & ~restored
+    empty = lambda new, old: sel(new, old, fresh)  # noqa: E731
+    layers = tuple(jax.tree.map(lambda a: empty(0, a), c) if isinstance(c, KDAState) else c
+                   for c in slots.model.layers)
     z = jnp.zeros_like(slots.n_out)
     return slots.replace(
-        model=slots.model.replace(layers=layers, lengths=sel(z, slots.model.lengths)),
+        model=slots.model.replace(layers=layers, lengths=empty(z, slots.model.lengths)),
         params=jax.tree.map(sel, params, slots.params), n_out=sel(z, slots.n_out),
         max_new=sel(max_new, slots.max_new), eos=sel(eos, slots.eos), done=sel(False, slots.done),
         steps=sel(z, slots.steps), produced=sel(z, slots.produced), counts=sel(0, slots.counts),
-        seen=sel(False, slots.seen))
+        seen=empty(False, slots.seen))
+
+
+def _emitted(slots: Slots, tokens, count, live):
+    """(1 + the index of the first EOS among the first count[b] of tokens [B, E], else E + 1;
+    how many of them `_emit` appends) for each slot."""
+    e = tokens.shape[1]
+    is_eos = (tokens == slots.eos[:, None]) & (jnp.arange(e)[None] < count[:, None])
+    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1) + 1, e + 1)
+    count = jnp.minimum(jnp.minimum(count, first_eos), slots.max_new - slots.n_out)
+    return first_eos, jnp.where(live, jnp.maximum(count, 0), 0)
 
 
 @jax.named_scope("emit")
@@ -100,10 +117,7 @@ def _emit(slots: Slots, tokens, count, live) -> Slots:
     and counts them (`Slots.counts`)."""
     e = tokens.shape[1]
     idx = jnp.arange(e)[None]
-    is_eos = (tokens == slots.eos[:, None]) & (idx < count[:, None])
-    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1) + 1, e + 1)
-    count = jnp.minimum(jnp.minimum(count, first_eos), slots.max_new - slots.n_out)
-    count = jnp.where(live, jnp.maximum(count, 0), 0)
+    first_eos, count = _emitted(slots, tokens, count, live)
     pos = jnp.where(idx < count[:, None], slots.n_out[:, None] + idx, slots.out.shape[1])  # out of range: dropped
     out = slots.out.at[jnp.arange(tokens.shape[0])[:, None], pos].set(tokens, mode="drop")
     n_out = slots.n_out + count
@@ -266,18 +280,20 @@ def spec_step(model: LingModel, slots: Slots, num_steps: int, drafter: Drafter =
     target = penalize_verify(logits, slots.counts, slots.seen, drafts, slots.params) if sampling else logits
     accepted, bonus = accept(target, drafts, q, slots.params, key_for(slots.params, slots.n_out, _ACCEPT),
                              key_for(slots.params, slots.n_out, _BONUS), sampling=sampling)
-    kept = jnp.where(live, accepted + 1, 0)  # last_token and the accepted drafts enter the state
+    emitted = jnp.concatenate([drafts, bonus[:, None]], axis=1)  # d_1 .. d_a, then the bonus at index a
+    emitted = jnp.where(jnp.arange(num_steps + 1)[None] == accepted[:, None], bonus[:, None], emitted)
+    # last_token and the accepted drafts enter the state, up to the last token emitted
+    _, kept = _emitted(slots, emitted, accepted + 1, live)
     state = commit(pending, kept)
     if model.nextn is not None:
         pairs_h = jnp.concatenate([slots.last_hidden[:, None], hidden[:, :-1]], axis=1)  # h_{n-1} .. h_{n+S-1}
         _, _, cache = model.draft(pairs_h, verify_tokens, cache, slots.model.lengths - 1, form="decode", logits=False)
         state = state.replace(nextn=cache)
-    emitted = jnp.concatenate([drafts, bonus[:, None]], axis=1)  # d_1 .. d_a, then the bonus at index a
-    emitted = jnp.where(jnp.arange(num_steps + 1)[None] == accepted[:, None], bonus[:, None], emitted)
     if logprobs:  # emitted[:, j] is the target's token at verify position j
         slots = _record_logprobs(slots, logits, emitted)
-    slots = slots.replace(model=state, last_token=jnp.where(live, bonus, slots.last_token),
-                          last_hidden=jnp.where(live[:, None], last_at(hidden, accepted + 1), slots.last_hidden))
+    last = jnp.take_along_axis(emitted, jnp.maximum(kept - 1, 0)[:, None], axis=1)[:, 0]  # the bonus unless cut
+    slots = slots.replace(model=state, last_token=jnp.where(live, last, slots.last_token),
+                          last_hidden=jnp.where(live[:, None], last_at(hidden, kept), slots.last_hidden))
     before = slots.n_out
     slots = _emit(slots, emitted, accepted + 1, live)
     return slots.replace(steps=slots.steps + live, produced=slots.produced + slots.n_out - before)

@@ -277,8 +277,9 @@ def prefill_step(model: LingModel, slots: Slots, start, params: SamplingParams, 
                  valid, ends, *, sampling: bool, logprobs: bool = False):
     """One prefill chunk that decode steps may be interleaved with (the server's scheduler).
 
-    start [B] bool: slots reset for a new request first (params, max_new, eos are taken for them
-    only); tokens / next_tokens [B, C]: each slot's next chunk of its own prompt and the successors;
+    start [B] bool, or int32 0 / 1 / 2: slots reset for a new request first (params, max_new, eos
+    are taken for them only); 2: a request whose prompt prefix a prefix-cache restore has just
+    written into the slot (`spec.prefix.restore`): its model state and `seen` are kept; tokens / next_tokens [B, C]: each slot's next chunk of its own prompt and the successors;
     valid [B]: real tokens in it (0: the slot is untouched); ends [B]: the prompt ends in this chunk.
     A slot whose prompt has not ended stays done, so interleaved decode/speculative steps skip it;
     its last_hidden / last_token hold the pair (h_{p-1}, token_p) of its last prefilled position,
@@ -286,7 +287,9 @@ def prefill_step(model: LingModel, slots: Slots, start, params: SamplingParams, 
     sampling (static): whether any slot in `ends` samples its first token; logprobs (static): keep
     the first tokens' log-probabilities in `slots.logprobs[:, 0]`.
     Returns the slots; the sampled first token of a slot in `ends` is its `out[:, 0]`."""
-    slots = reset(slots, start, params, max_new, eos)
+    start = jnp.asarray(start)
+    slots = reset(slots, start > 0, params, max_new, eos, restored=start == 2)
+    start = start > 0
     slots = slots.replace(done=(slots.done | start) & ~ends)
     slots = prefill_chunk(model, slots, tokens, next_tokens, valid, valid > 0, sampling=sampling, logprobs=logprobs)
     mid = (valid > 0) & ~ends
@@ -310,7 +313,7 @@ def _unpack_chunk(packed, c: int):
     params = SamplingParams(floats["temperature"], ints["top_k"], floats["top_p"],
                             jax.lax.bitcast_convert_type(ints["seed"], jnp.uint32), floats["presence"],
                             floats["frequency"], floats["repetition"])
-    return (ints["start"] > 0, params, ints["max_new"], ints["eos"], tokens, next_tokens, ints["valid"],
+    return (ints["start"], params, ints["max_new"], ints["eos"], tokens, next_tokens, ints["valid"],
             ints["ends"] > 0)
 
 

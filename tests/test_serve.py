@@ -548,6 +548,26 @@ def test_metrics_parse(client):
     assert metric(client, "ling:num_requests_running") == 0
 
 
+def test_prefix_cache_hits_a_repeated_prefix(client):
+    """The prefix cache (on by default, a checkpoint every 64 tokens): a prompt sent again after
+    it was prefilled restores its last checkpoint (hit tokens in /metrics), and its greedy output
+    is the same."""
+    assert metric(client, "ling:prefix_cache_entries_total") > 0
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(2, 4096, 150).tolist()
+    body = dict(prompt=prompt, max_tokens=12, ignore_eos=True, logprobs=1)
+    hits = metric(client, "ling:prefix_cache_hits_total")
+    cold = complete(client, **body)["choices"][0]
+    assert metric(client, "ling:prefix_cache_hits_total") == hits
+    warm = complete(client, **body)["choices"][0]
+    assert warm["text"] == cold["text"] and warm["logprobs"]["tokens"] == cold["logprobs"]["tokens"]
+    assert metric(client, "ling:prefix_cache_hits_total") == hits + 128  # the checkpoint at 128 of 150
+    queried = metric(client, "ling:prefix_cache_queries_total")
+    assert metric(client, "ling:prefix_cache_hit_rate") == pytest.approx(
+        metric(client, "ling:prefix_cache_hits_total") / queried)
+    assert metric(client, "ling:prefix_cache_entries_used") >= 2
+
+
 def test_profile_writes_a_trace(client, tmp_path):
     assert client.post("/stop_profile").status_code == 409  # nothing to stop
     r = client.post("/start_profile", json={"output_dir": str(tmp_path)})
@@ -575,3 +595,24 @@ def test_serve_bench_against_the_server(server, tmp_path):
     assert summary["total_input_tokens"] == 4 * 12 and summary["total_output_tokens"] == 4 * 5
     assert summary["mean_ttft_ms"] > 0 and summary["mean_tpot_ms"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_bench_multi_turn(server, client, tmp_path):
+    """`python -m serve.bench --multi-turn`: the same conversations without and with the prefix
+    cache (/flush_cache), every request completed; follow-up turns hit with the cache only."""
+    from serve import bench
+
+    out = tmp_path / "turns.json"
+    hits = metric(client, "ling:prefix_cache_hits_total")
+    rc = bench.main(["--base-url", server, "--api-key", KEY, "--multi-turn", "--num-prompts", "2", "--turns", "2",
+                     "--random-input-len", "70", "--turn-input-len", "6", "--random-output-len", "4",
+                     "--disable-tqdm", "--output-json", str(out)])
+    runs = json.loads(out.read_text())
+    assert rc == 0 and set(runs) == {"no-cache", "cache"}
+    for s in runs.values():
+        assert s["completed"] == 4 and s["failed"] == 0 and s["total_output_tokens"] == 4 * 4
+        assert s["mean_ttft_first_turn_ms"] > 0 and s["mean_ttft_follow_up_ms"] > 0
+    assert runs["no-cache"]["total_input_tokens"] == runs["cache"]["total_input_tokens"]
+    # The cache run's follow-ups: at the prompt's checkpoint at 64, or at 73 (70 + 4 - 1) where the
+    # re-tokenised output is the generated one (the finished request's checkpoint).
+    assert hits + 2 * 64 <= metric(client, "ling:prefix_cache_hits_total") <= hits + 2 * 73

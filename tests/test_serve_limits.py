@@ -23,7 +23,8 @@ LONG = {"prompt": "x", "max_tokens": CONTEXT - 8, "ignore_eos": True, "temperatu
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     s = Server(["--max-batch", "1", "--max-seq-len", str(CONTEXT), "--speculative-num-steps", "0", "--max-queue", "1",
-                "--request-timeout", "300", "--shutdown-grace", str(GRACE_S), "--log-requests"],
+                "--request-timeout", "300", "--shutdown-grace", str(GRACE_S), "--log-requests",
+                "--disable-prefix-cache"],
                tmp_path_factory.mktemp("serve-limits"))
     try:
         yield s
@@ -42,6 +43,16 @@ def test_startup_log_is_plain_lines(server):
     log = server.log()
     assert "\r" not in log  # stderr is a file here: no progress bars
     assert "[5/5] compiling decode step" in log
+
+
+def test_disable_prefix_cache(server):
+    """--disable-prefix-cache: no pool, and a prompt sent twice is prefilled twice."""
+    assert "prefix cache off" in server.log()
+    body = {"prompt": list(range(2, 202)), "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    for _ in range(2):
+        assert httpx.post(server.url + "/v1/completions", timeout=300, json=body).status_code == 200
+    text = httpx.get(server.url + "/metrics").text
+    assert "ling:prefix_cache_entries_total 0.0" in text and "ling:prefix_cache_hits_total 0.0" in text
 
 
 def test_logprobs_in_plain_decoding(server):

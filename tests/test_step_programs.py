@@ -69,6 +69,12 @@ def programs(runner: Runner):
             s = stepper.slots
             yield f"prefill report batch {k} {variant}", jax.make_jaxpr(prefiller._report, static_argnums=5)(
                 s.out, s.logprobs, s.top_ids, on_device, packed, logprobs)
+    pool, i = runner.pool, np.int32(0)
+    if pool is not None:  # the prefix cache's save, restore and NEXTN completion
+        yield "prefix save", jax.make_jaxpr(pool._save)(pool.pool, stepper.slots, i, i, i)
+        yield "prefix restore", jax.make_jaxpr(pool._restore)(pool.pool, stepper.slots, i, np.zeros(pool.pages, np.int32),
+                                                              i, np.zeros(pool.pages * pool.interval, np.int32))
+        yield "prefix complete", jax.make_jaxpr(pool._complete)(pool._params, stepper.slots, i)
 
 
 def quantized_tiny():
@@ -83,16 +89,17 @@ def quantized_tiny():
 def test_step_programs_hold_no_host_round_trip(backend, spec_steps, weights):
     model = ling.load("ling-tiny", dtype="float32") if weights == "float32" else quantized_tiny()
     ling.use_kernels(model, backend)
-    runner = Runner(model, max_batch=2, max_seq_len=64, speculative_steps=spec_steps, contexts=(16,))
+    runner = Runner(model, max_batch=2, max_seq_len=64, speculative_steps=spec_steps, contexts=(16,),
+                    prefix_entries=2, prefix_interval=16)
     seen = 0
     for name, jaxpr in programs(runner):
         bad = round_trips(jaxpr.jaxpr)
         assert not bad, f"{name} ({backend}, {weights}, S={spec_steps}) makes the host wait:\n  " + "\n  ".join(bad)
         seen += 1
     # 2 buckets x (step at each context, prefill at 2, and their reports) x 3 variants; the step has
-    # context buckets only where its attention reads the whole cache.
+    # context buckets only where its attention reads the whole cache; and the prefix cache's 3 programs.
     step_contexts = 2 if backend == "reference" else 1
-    assert runner.stepper.buckets == (1, 2) and seen == 3 * 2 * (step_contexts + 1 + 2 + 1)
+    assert runner.stepper.buckets == (1, 2) and seen == 3 * 2 * (step_contexts + 1 + 2 + 1) + 3
 
 
 def test_the_check_finds_a_cond_and_names_its_line():
