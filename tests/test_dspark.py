@@ -1,0 +1,184 @@
+"""The DSpark block drafter: greedy speculative output equals plain greedy at every block length,
+forced drafts accept exactly up to a mistake at every position, confidence scheduling never
+verifies more than the block and never changes the output, and the drafter's files round-trip."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import ling
+from ling import dspark
+from spec.generate import generate_batch, mean_accepted_length
+from spec.step import BlockDrafter, schedule
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = ling.load("ling-tiny", dtype="float32", seed=1)
+    cfg = dspark.default_config(m.cfg, block_size=16, num_layers=1, num_heads=2, head_dim=16, intermediate_size=64,
+                                markov_rank=8)
+    d = dspark.DSparkDrafter(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
+    # Random, non-zero heads: the Markov bias and the confidence both change from draft to draft.
+    d.markov_out.set_value(0.5 * jax.random.normal(jax.random.PRNGKey(4), d.markov_out[...].shape))
+    d.conf_w.set_value(0.5 * jax.random.normal(jax.random.PRNGKey(5), d.conf_w[...].shape))
+    d.conf_b.set_value(jnp.full((1,), 2.0))
+    return m.attach_dspark(d)
+
+
+def prompts(seed, lengths, vocab):
+    r = np.random.default_rng(seed)
+    return [r.integers(2, vocab, n).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("block", [1, 3, 8, 16])
+def test_greedy_block_drafting_equals_plain_greedy(model, block):
+    ps = prompts(0, (70, 5, 131), model.cfg.vocab_size)
+    plain = generate_batch(model, ps, 96, speculative=False, prefill_chunk=128)
+    for drafter in (BlockDrafter(), BlockDrafter(sequential=False)):
+        out = generate_batch(model, ps, 96, speculative=True, num_steps=block, prefill_chunk=128, drafter=drafter)
+        assert out == plain
+
+
+def test_the_block_drafter_depends_on_its_context(model):
+    """The drafts of a slot come from its own cached context: two prompts with the same last token
+    draft differently, and a slot's first block equals the drafter run over a fresh cache."""
+    from spec.generate import prefill
+    from spec.sampling import SamplingParams
+    from spec.step import new_slots
+
+    ps = prompts(5, (40, 40), model.cfg.vocab_size)
+    ps[1][-1] = ps[0][-1]
+    slots = new_slots(model, 2, 64, 8)
+    slots = prefill(model, slots, ps, [True, True], SamplingParams.make(2), [8, 8], [-1, -1], chunk=64)
+    drafts, _, _ = BlockDrafter()(model, slots, 6, sampling=False)
+    assert (np.asarray(slots.model.lengths) == 40).all()
+    assert not np.array_equal(drafts[0], drafts[1])
+
+
+def forced(reference, mistake_at, limit=None):
+    """Drafts the target's own greedy continuation, wrong at index mistake_at, through the
+    BlockDrafter's contract (optionally with a verify limit)."""
+    ref = jnp.asarray(reference)
+
+    def drafter(model, slots, num_steps, *, sampling):
+        idx = slots.n_out[:, None] + jnp.arange(num_steps)[None]
+        drafts = jnp.take_along_axis(ref, jnp.minimum(idx, ref.shape[1] - 1), axis=1)
+        if mistake_at is not None:
+            drafts = drafts.at[:, mistake_at].set((drafts[:, mistake_at] + 1) % model.cfg.vocab_size)
+        q = jax.nn.one_hot(drafts, model.cfg.vocab_size)
+        lim = () if limit is None else (jnp.full(drafts.shape[:1], limit, jnp.int32),)
+        return (drafts, q, slots.model.nextn, *lim)
+
+    return drafter
+
+
+B = 8
+
+
+@pytest.mark.parametrize("mistake_at", [None, *range(B)])
+def test_forced_block_accepts_exactly_up_to_the_mistake(model, mistake_at):
+    """The DSpark cache stays right through partial acceptance at every position: after the forced
+    steps, the model's own block drafter still gives plain greedy output."""
+    ps = prompts(1, (66, 9), model.cfg.vocab_size)
+    n_new = 41
+    plain = generate_batch(model, ps, n_new + B + 1, speculative=False)
+    out, slots = generate_batch(model, ps, n_new, speculative=True, num_steps=B, return_slots=True,
+                                drafter=forced(np.asarray(plain), mistake_at))
+    assert out == [p[:n_new] for p in plain]
+    per_step = B + 1 if mistake_at is None else mistake_at + 1
+    assert (np.asarray(slots.steps) == -(-(n_new - 1) // per_step)).all()
+    # A verify limit below the mistake caps the accepted drafts at the limit.
+    limit = 3
+    out, slots = generate_batch(model, ps, n_new, speculative=True, num_steps=B, return_slots=True,
+                                drafter=forced(np.asarray(plain), mistake_at, limit))
+    assert out == [p[:n_new] for p in plain]
+    per_step = min(limit, B if mistake_at is None else mistake_at) + 1
+    assert (np.asarray(slots.steps) == -(-(n_new - 1) // per_step)).all()
+
+
+def test_forced_steps_keep_the_dspark_cache_right(model):
+    """Steps of forced drafts with mistakes (partial acceptance), then the drafter's own block: its
+    drafts equal those over a cache built by one prefill of the same tokens."""
+    from spec.generate import decode, prefill
+    from spec.sampling import SamplingParams
+    from spec.step import new_slots
+
+    p = prompts(2, (30,), model.cfg.vocab_size)
+    plain = generate_batch(model, p, 40, speculative=False)[0]
+    slots = new_slots(model, 1, 128, 64)
+    slots = prefill(model, slots, p, [True], SamplingParams.make(1), [60], [-1], chunk=64)
+    slots = decode(model, slots, speculative=True, num_steps=B, max_iters=6,
+                   drafter=forced(np.asarray([plain]), 2))
+    n = int(slots.n_out[0])  # the last emitted token is last_token, not yet in the state
+    assert np.asarray(slots.out[0, :n]).tolist() == plain[:n] and n == 1 + 6 * 3
+    drafts, _, _ = BlockDrafter()(model, slots, B, sampling=False)
+    fresh = new_slots(model, 1, 128, 64)
+    fresh = prefill(model, fresh, [p[0] + plain[:n - 1]], [True], SamplingParams.make(1), [20], [-1], chunk=64)
+    assert int(fresh.last_token[0]) == int(slots.last_token[0])
+    assert int(fresh.model.lengths[0]) == int(slots.model.lengths[0])
+    fresh_drafts, _, _ = BlockDrafter()(model, fresh, B, sampling=False)
+    np.testing.assert_array_equal(drafts, fresh_drafts)
+
+
+def test_schedule_never_exceeds_the_block_and_respects_the_budget():
+    r = np.random.default_rng(0)
+    for _ in range(50):
+        b, s = r.integers(1, 6), r.integers(1, 17)
+        surv = np.cumprod(r.uniform(0.3, 1.0, (b, s)), axis=1)
+        live = r.uniform(size=b) < 0.8
+        th, budget = float(r.uniform(0, 0.9)), int(r.integers(0, 3 * s))
+        lim = np.asarray(schedule(jnp.asarray(surv), jnp.asarray(live), threshold=th, budget=budget))
+        assert ((0 <= lim) & (lim <= s)).all()
+        assert (lim <= (surv >= th).sum(1)).all()
+        if budget:
+            assert lim[live].sum() <= budget and (lim[~live] == 0).all()
+            # The admitted drafts are the most likely to survive over all slots.
+            admitted = [surv[i, j] for i in range(b) for j in range(lim[i])]
+            rest = [surv[i, j] for i in range(b) if live[i] for j in range(lim[i], s) if surv[i, j] >= th]
+            if admitted and rest and lim[live].sum() == budget:
+                assert min(admitted) >= max(rest)
+
+
+@pytest.mark.parametrize("block", [4, 16])
+def test_confidence_scheduling_never_changes_the_output(model, block):
+    ps = prompts(3, (50, 12, 90), model.cfg.vocab_size)
+    plain = generate_batch(model, ps, 64, speculative=False, prefill_chunk=128)
+    full, s_full = generate_batch(model, ps, 64, speculative=True, num_steps=block, prefill_chunk=128,
+                                  drafter=BlockDrafter(), return_slots=True)
+    for drafter in (BlockDrafter(scheduled=True, threshold=0.5), BlockDrafter(scheduled=True, budget=block),
+                    BlockDrafter(scheduled=True, threshold=0.95, budget=2)):
+        out, slots = generate_batch(model, ps, 64, speculative=True, num_steps=block, prefill_chunk=128,
+                                    drafter=drafter, return_slots=True)
+        assert out == plain
+        assert mean_accepted_length(slots) <= block + 1
+    assert full == plain
+
+
+def test_sampled_block_drafting_is_reproducible(model):
+    ps = prompts(4, (30,), model.cfg.vocab_size)
+    kw = dict(speculative=True, num_steps=8, drafter=BlockDrafter(), temperature=0.8, top_k=50, seed=5)
+    a, b = generate_batch(model, ps, 40, **kw), generate_batch(model, ps, 40, **kw)
+    assert a == b and len(a[0]) == 40
+
+
+def test_drafter_files_round_trip(model, tmp_path):
+    dspark.save(model.dspark, str(tmp_path), dtype=jnp.float32, meta={"note": "test"})
+    back = dspark.load(str(tmp_path), model.cfg, dtype=jnp.float32)
+    assert back.cfg == model.dspark.cfg
+    for (pa, a), (pb, b) in zip(nnx.to_flat_state(nnx.split(model.dspark, nnx.Param)[1]),
+                                nnx.to_flat_state(nnx.split(back, nnx.Param)[1])):
+        assert pa == pb
+        np.testing.assert_array_equal(a.get_value(), b.get_value())
+    other = dataclasses.replace(model.cfg, hidden_size=model.cfg.hidden_size * 2)
+    with pytest.raises(ValueError, match="hidden"):
+        dspark.load(str(tmp_path), other)
+
+
+def test_block_drafter_needs_an_attached_drafter():
+    m = ling.load("ling-tiny", dtype="float32")
+    with pytest.raises(ValueError, match="block drafter"):
+        generate_batch(m, [[1, 2, 3]], 4, drafter=BlockDrafter())
