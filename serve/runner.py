@@ -25,16 +25,18 @@ class StepResult:
 
 
 class Runner:
-    def __init__(self, model, *, max_batch: int, max_seq_len: int, speculative_steps: int, buckets=None):
+    def __init__(self, model, *, max_batch: int, max_seq_len: int, speculative_steps: int, buckets=None,
+                 drafter=None):
         """buckets: the batch sizes the step is compiled for (`spec.stepper.Stepper`; None: the
-        powers of two up to max_batch); a step runs the smallest that holds the decoding slots."""
+        powers of two up to max_batch); a step runs the smallest that holds the decoding slots.
+        drafter: the speculative step's drafter (None: NEXTN; `spec.step.BlockDrafter`: DSpark)."""
         from spec.stepper import ChunkPrefiller, SlotCopier, Stepper, batch_buckets
 
         self.model = model
         self.max_batch, self.max_seq_len, self.speculative_steps = max_batch, max_seq_len, speculative_steps
         self.stepper = Stepper(model, self._new_slots(), speculative=speculative_steps > 0,
                                num_steps=max(speculative_steps, 1),
-                               buckets=batch_buckets(max_batch) if buckets is None else buckets)
+                               buckets=batch_buckets(max_batch) if buckets is None else buckets, drafter=drafter)
         self.prefiller = ChunkPrefiller(model)
         self.copier = SlotCopier(model)
         self._owners = collections.deque()  # owners of the dispatched, not yet read steps

@@ -182,3 +182,71 @@ def test_block_drafter_needs_an_attached_drafter():
     m = ling.load("ling-tiny", dtype="float32")
     with pytest.raises(ValueError, match="block drafter"):
         generate_batch(m, [[1, 2, 3]], 4, drafter=BlockDrafter())
+
+
+# ----------------------------------------------------------------------------------------------
+# The server: --speculative-algorithm dspark
+
+
+def test_serve_flags_are_checked():
+    from serve.run import parse_args
+
+    for bad in (["--speculative-confidence-threshold", "0.5"],  # dspark only
+                ["--speculative-algorithm", "dspark", "--speculative-confidence-threshold", "1.5"],
+                ["--speculative-num-steps", "3", "--speculative-num-draft-tokens", "4"],
+                ["--speculative-algorithm", "dspark", "--speculative-verify-budget", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    a = parse_args(["--speculative-algorithm", "dspark", "--speculative-num-draft-tokens", "8"])
+    assert a.speculative_algorithm == "dspark" and a.speculative_num_draft_tokens == 8
+
+
+def test_serve_refuses_a_missing_or_unfitting_drafter(tmp_path):
+    from serve.run import StartupError, _attach_dspark, parse_args
+
+    m = ling.load("ling-tiny", dtype="float32")
+    args = parse_args(["--model", str(tmp_path), "--speculative-algorithm", "dspark", "--dtype", "float32"])
+    with pytest.raises(StartupError, match="dspark.json"):
+        _attach_dspark(args, m, None)
+    cfg = dspark.default_config(m.cfg, block_size=4, num_layers=1, num_heads=2, head_dim=16, intermediate_size=32,
+                                markov_rank=4)
+    dspark.save(dspark.DSparkDrafter(cfg, dtype=jnp.float32), str(tmp_path), dtype=jnp.float32)
+    with pytest.raises(StartupError, match="blocks of 1 to 4"):
+        _attach_dspark(args, m, 5)
+    drafter, block = _attach_dspark(args, m, None)
+    assert block == 4 and m.dspark is not None and m.nextn is None and drafter == BlockDrafter()
+
+
+def test_served_dspark_greedy_equals_plain_greedy(tmp_path):
+    """The shipped model served in float32 with a (random) DSpark drafter and confidence scheduling:
+    greedy completions equal plain greedy decoding, and /metrics reports the accepted length."""
+    import httpx
+
+    from serve.run import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+    from serve.tokenizer import Tokenizer
+    from serving import Server
+
+    target = ling.load(DEFAULT_MODEL, dtype="float32", progress=False)
+    cfg = dspark.default_config(target.cfg, block_size=8, num_layers=1, num_heads=2, head_dim=32,
+                                intermediate_size=64, markov_rank=8)
+    dspark.save(dspark.DSparkDrafter(cfg, dtype=jnp.float32, rngs=nnx.Rngs(1)), str(tmp_path / "drafter"),
+                dtype=jnp.float32)
+    tok = Tokenizer(DEFAULT_MODEL)
+    prompts = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n"]
+    refs = [tok.decode(generate_batch(target, [tok.encode(p)], 24, speculative=False)[0]) for p in prompts]
+    s = Server(["--max-batch", "2", "--max-seq-len", "256", "--prefill-chunk", "32", "--dtype", "float32",
+                "--speculative-algorithm", "dspark", "--speculative-num-draft-tokens", "6",
+                "--speculative-draft-model-path", str(tmp_path / "drafter"),
+                "--speculative-confidence-threshold", "0.3", "--batch-buckets", "off"], tmp_path)
+    try:
+        with httpx.Client(base_url=s.url, timeout=300) as c:
+            for p, ref in zip(prompts, refs):
+                r = c.post("/v1/completions", json={"model": DEFAULT_MODEL_NAME, "prompt": p, "max_tokens": 24,
+                                                    "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == ref
+            metrics = c.get("/metrics").text
+        line = next(x for x in metrics.splitlines() if x.startswith("ling:spec_accept_length"))
+        assert float(line.split()[-1]) >= 1.0
+    finally:
+        s.stop()
