@@ -37,9 +37,9 @@ def prompts(seed, lengths, vocab):
 @pytest.mark.parametrize("block", [1, 3, 8, 16])
 def test_greedy_block_drafting_equals_plain_greedy(model, block):
     ps = prompts(0, (70, 5, 131), model.cfg.vocab_size)
-    plain = generate_batch(model, ps, 96, speculative=False, prefill_chunk=128)
+    plain = generate_batch(model, ps, 64, speculative=False, prefill_chunk=128)
     for drafter in (BlockDrafter(), BlockDrafter(sequential=False)):
-        out = generate_batch(model, ps, 96, speculative=True, num_steps=block, prefill_chunk=128, drafter=drafter)
+        out = generate_batch(model, ps, 64, speculative=True, num_steps=block, prefill_chunk=128, drafter=drafter)
         assert out == plain
 
 
@@ -122,6 +122,36 @@ def test_forced_steps_keep_the_dspark_cache_right(model):
     assert int(fresh.model.lengths[0]) == int(slots.model.lengths[0])
     fresh_drafts, _, _ = BlockDrafter()(model, fresh, B, sampling=False)
     np.testing.assert_array_equal(drafts, fresh_drafts)
+
+
+def test_rejection_sampling_with_a_verify_limit_keeps_the_target_distribution():
+    """With drafts past a limit counted as never proposed, the first two emitted tokens still follow
+    the target: the first p_0 and, given it, the second p_1 (drafts fixed, the target at every
+    position the same p here, so the second token is p-distributed too)."""
+    from spec.sampling import SamplingParams, probs
+    from spec.step import accept
+
+    n, s, v = 40000, 3, 6
+    r = np.random.default_rng(1)
+    row = r.normal(size=(v,)) * 1.5
+    target = jnp.asarray(np.broadcast_to(row, (n, s + 1, v)), jnp.float32)
+    q_rows = jax.nn.softmax(jnp.asarray(r.normal(size=(s, v)) * 1.5, jnp.float32))
+    keys = jax.random.split(jax.random.PRNGKey(2), (3, n))
+    drafts = jax.vmap(lambda k: jax.vmap(lambda kk, qq: jax.random.categorical(kk, jnp.log(qq)))(
+        jax.random.split(k, s), q_rows))(keys[0])
+    params = SamplingParams.make(n, temperature=1.0)
+    p = np.asarray(probs(target[:1, 0], SamplingParams.make(1, temperature=1.0)))[0]
+    for lim in (0, 1, 2):
+        limit = jnp.full((n,), lim, jnp.int32)
+        accepted, bonus = accept(target, drafts, jnp.broadcast_to(q_rows, (n, s, v)), params, keys[1], keys[2],
+                                 limit=limit)
+        a = np.asarray(accepted)
+        assert (a <= lim).all()
+        first = np.where(a > 0, np.asarray(drafts[:, 0]), np.asarray(bonus))
+        assert np.abs(np.bincount(first, minlength=v) / n - p).max() < 0.01, lim
+        if lim >= 1:  # the second emitted token: draft 2 if accepted, else the bonus after draft 1
+            second = np.where(a > 1, np.asarray(drafts[:, 1]), np.asarray(bonus))[a >= 1]
+            assert np.abs(np.bincount(second, minlength=v) / len(second) - p).max() < 0.015, lim
 
 
 def test_schedule_never_exceeds_the_block_and_respects_the_budget():
