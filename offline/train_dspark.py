@@ -14,7 +14,8 @@ accepted length) of base + Markov logits, the Markov head teacher-forced with th
 token; plus --base-weight x the same of the base logits alone (so the backbone drafts on its own,
 the ablation without the sequential head); plus --conf-weight x the confidence head's binary
 cross-entropy against whether the drafted argmax equals the label (its inputs stop-gradient: the
-head only reads). AdamW, warmup then cosine, fp32.
+head only reads). AdamW, warmup then cosine, fp32. Kept: the parameters with the most accepted
+drafts a block (teacher forced) on 32 held-back continuations (train-split prompts not trained on).
 
 --time-budget bounds generation + training (seconds, compilation included): generation stops
 adding batches past --gen-fraction of it, training is shortened to the steps that fit after a
@@ -90,13 +91,14 @@ def target_taps(model, seqs: np.ndarray, layers: tuple[int, ...], batch: int) ->
 
 class DrafterTrainer:
     def __init__(self, target, cfg: dspark.DSparkConfig, *, lr: float, warmup: int, block: int, anchors: int,
-                 prompt_len: int, decay: float, base_weight: float, conf_weight: float, seed: int):
+                 prompt_len: int, decay: float, base_weight: float, conf_weight: float, seed: int,
+                 weight_decay: float = 0.01):
         self.cfg, self.block, self.anchors, self.prompt_len = cfg, block, anchors, prompt_len
         drafter = dspark.DSparkDrafter(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
         self.graphdef, self.params = nnx.split(drafter)
         t_graph, t_params = nnx.split(target)
         self.tx = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam(b1=0.9, b2=0.95),
-                              optax.add_decayed_weights(0.01))
+                              optax.add_decayed_weights(weight_decay))
         self.opt_state = self.tx.init(self.params)
         weights = jnp.exp(-jnp.arange(block, dtype=jnp.float32) / decay)
         d = cfg.hidden_size
@@ -128,10 +130,11 @@ class DrafterTrainer:
             conf_err = jnp.mean(jnp.abs(jnp.mean(jax.nn.sigmoid(z), (0, 1)) - jnp.mean(hit, (0, 1))))
             loss = main + base_weight * base_ce + conf_weight * bce
             return loss, {"loss": main, "base_loss": base_ce, "conf_bce": bce, "accepted": accepted,
-                          "conf_calibration_err": conf_err}
+                          "conf_calibration_err": conf_err, "conf_logit": z, "hit": hit}
 
         def train_step(params, opt_state, taps, tokens, anchors_, step, total):
             (_, metrics), grads = jax.value_and_grad(losses, has_aux=True)(params, taps, tokens, anchors_)
+            metrics = {k: v for k, v in metrics.items() if v.ndim == 0}
             updates, opt_state = self.tx.update(grads, opt_state, params)
             rate = lr_at(step, total, peak=lr, warmup=warmup)
             params = jax.tree.map(lambda p, u: p - rate * u, params, updates)
@@ -151,8 +154,28 @@ class DrafterTrainer:
         return m
 
     def evaluate(self, taps, tokens, anchors_) -> dict:
-        return {k: float(v) for k, v in jax.device_get(self._eval(self.params, jnp.asarray(taps), jnp.asarray(tokens),
-                                                                   jnp.asarray(anchors_))).items()}
+        out = jax.device_get(self._eval(self.params, jnp.asarray(taps), jnp.asarray(tokens), jnp.asarray(anchors_)))
+        return {k: float(v) for k, v in out.items() if np.ndim(v) == 0}
+
+    def calibrate(self, taps, tokens, anchors_) -> dict:
+        """Temperature scaling of the confidence head on held-back blocks: the scale a and shift b
+        of its logit minimising the binary cross-entropy there, folded into its weights (the
+        drafter overfits its few training sequences, so its raw confidence runs high elsewhere)."""
+        out = jax.device_get(self._eval(self.params, jnp.asarray(taps), jnp.asarray(tokens), jnp.asarray(anchors_)))
+        z, hit = np.asarray(out["conf_logit"], np.float64).ravel(), np.asarray(out["hit"], np.float64).ravel()
+
+        def bce(a, b):
+            x = a * z + b
+            return float(np.mean(np.logaddexp(0, x) - hit * x))
+
+        grid = [(a, b) for a in np.linspace(0.05, 2.0, 40) for b in np.linspace(-4, 2, 61)]
+        a, b = min(grid, key=lambda ab: bce(*ab))
+        before = bce(1.0, 0.0)
+        drafter = self.drafter()
+        drafter.conf_w.set_value(drafter.conf_w[...] * a)
+        drafter.conf_b.set_value(drafter.conf_b[...] * a + b)
+        self.params = nnx.split(drafter)[1]
+        return {"scale": float(a), "shift": float(b), "bce_before": before, "bce_after": bce(a, b)}
 
     def drafter(self) -> dspark.DSparkDrafter:
         return nnx.merge(self.graphdef, self.params)
@@ -180,11 +203,14 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--decay", type=float, default=8.0, help="position weight exp(-j / decay)")
     ap.add_argument("--base-weight", type=float, default=0.3)
+    ap.add_argument("--weight-decay", type=float, default=0.05)
     ap.add_argument("--conf-weight", type=float, default=0.2)
     ap.add_argument("--time-budget", type=float, default=900.0, help="seconds for generation and training "
                     "(0: none)")
     ap.add_argument("--gen-fraction", type=float, default=0.35, help="share of the budget generation may take")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data-cache", default=None, help="an .npz keeping the generated sequences and the target's "
+                    "features (fp16): written on the first run, read by later runs with the same data settings")
     args = ap.parse_args(argv)
     cpu_deadlock_workaround()
     t0 = time.perf_counter()
@@ -200,19 +226,33 @@ def main(argv=None) -> int:
     cfg = dataclasses.replace(cfg, feature_layers=layers)
     prompts = corpus_prompts(args.model, args.prompts + 32, args.prompt_len, args.seed, args.max_train_bytes)
     print(f"target {args.model}: {target.cfg.num_hidden_layers} layers; features from layers {layers}; "
-          f"{len(prompts)} train-split prompts of {args.prompt_len} tokens ({time.perf_counter() - t0:.0f} s)", flush=True)
-    val_seqs = greedy_sequences(target, prompts[:32], args.new_tokens, 32, math.inf)
-    seqs = greedy_sequences(target, prompts[32:], args.new_tokens, args.gen_batch, t0 + args.gen_fraction * budget)
+          f"{len(prompts)} train-split prompts of {args.prompt_len} tokens ({time.perf_counter() - t0:.0f} s)",
+          flush=True)
+    key = (args.model, args.prompts, args.prompt_len, args.new_tokens, args.seed, args.max_train_bytes, layers)
+    if args.data_cache and os.path.exists(args.data_cache):
+        z = np.load(args.data_cache, allow_pickle=False)
+        if str(z["key"]) != repr(key):
+            raise SystemExit(f"--data-cache {args.data_cache} was made with other settings ({z['key']})")
+        seqs, taps, val_seqs, val_taps = z["seqs"], z["taps"], z["val_seqs"], z["val_taps"]
+        print(f"data from {args.data_cache}", flush=True)
+    else:
+        val_seqs = greedy_sequences(target, prompts[:32], args.new_tokens, 32, math.inf)
+        seqs = greedy_sequences(target, prompts[32:], args.new_tokens, args.gen_batch,
+                                t0 + args.gen_fraction * budget)
+        taps = target_taps(target, seqs, layers, 32)
+        val_taps = target_taps(target, val_seqs, layers, 32)
+        if args.data_cache:
+            np.savez(args.data_cache, key=repr(key), seqs=seqs, taps=taps.astype(np.float16), val_seqs=val_seqs,
+                     val_taps=val_taps.astype(np.float16))
+    taps, val_taps = taps.astype(np.float32), val_taps.astype(np.float32)
     t_gen = time.perf_counter() - t0
-    taps = target_taps(target, seqs, layers, 32)
-    val_taps = target_taps(target, val_seqs, layers, 32)
     n_tok = seqs.shape[0] * args.new_tokens
-    print(f"{len(seqs)} sequences of {seqs.shape[1]} tokens ({n_tok} generated) in {t_gen:.0f} s; taps "
+    print(f"{len(seqs)} sequences of {seqs.shape[1]} tokens ({n_tok} generated); data ready in {t_gen:.0f} s; taps "
           f"{taps.nbytes / 1e6:.0f} MB ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     tr = DrafterTrainer(target, cfg, lr=args.lr, warmup=args.warmup, block=args.block, anchors=args.anchors,
                         prompt_len=args.prompt_len, decay=args.decay, base_weight=args.base_weight,
-                        conf_weight=args.conf_weight, seed=args.seed)
+                        conf_weight=args.conf_weight, seed=args.seed, weight_decay=args.weight_decay)
     n_params = sum(int(x.size) for x in jax.tree_util.tree_leaves(nnx.split(tr.drafter(), nnx.Param)[1]))
     print(f"drafter: {n_params / 1e6:.2f} M parameters ({cfg})", flush=True)
     r = np.random.default_rng(args.seed + 1)
@@ -220,6 +260,7 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
     log = open(os.path.join(out, "dspark_train_log.jsonl"), "w")
     total, step, t_loop, t_calib, last = args.steps, 0, time.perf_counter(), None, {}
+    best = {"accepted": -1.0, "step": 0, "params": None}
     while step < total:
         pick = r.integers(0, len(seqs), args.batch)
         m = tr.step(taps[pick], seqs[pick], tr.anchors_for(r, args.batch, seqs.shape[1]), step, total)
@@ -227,11 +268,12 @@ def main(argv=None) -> int:
         if step == 5:
             jax.block_until_ready(m)
             t_calib = time.perf_counter()
-        if step == 25 and t_calib is not None:
+        if budget < math.inf and t_calib is not None and (step == 25 or step % 100 == 0):
+            # Refitted as it goes (a shared machine's step time drifts), so the schedule ends in time.
             jax.block_until_ready(m)
-            per_step = (time.perf_counter() - t_calib) / 20
-            fit = step + int(0.95 * (t0 + budget - time.perf_counter() - 30) / per_step)
-            if fit < total:
+            per_step = (time.perf_counter() - t_calib) / (step - 5)
+            fit = min(args.steps, step + int(0.95 * (t0 + budget - time.perf_counter() - 30) / per_step))
+            if fit != total:
                 total = max(fit, step + 1)
                 print(f"time budget: {per_step * 1e3:.0f} ms/step -> {total} steps", flush=True)
         if step % 50 == 0 or step == total:
@@ -239,20 +281,28 @@ def main(argv=None) -> int:
             val = tr.evaluate(val_taps, val_seqs, val_anchors)
             rec = {"step": step, **last, **{f"val_{k}": v for k, v in val.items()},
                    "elapsed_s": round(time.perf_counter() - t_loop, 1)}
+            if val["accepted"] > best["accepted"]:  # kept: the held-back sequences' best, as offline.train keeps
+                best.update(accepted=val["accepted"], step=step, params=jax.tree.map(jnp.copy, tr.params))
             log.write(json.dumps(rec) + "\n")
             log.flush()
-            print(f"step {step}/{total}: loss {last['loss']:.3f} base {last['base_loss']:.3f} conf {last['conf_bce']:.3f}"
-                  f" | val loss {val['loss']:.3f} accepted/block {val['accepted']:.2f} calib err "
+            print(f"step {step}/{total}: loss {last['loss']:.3f} base {last['base_loss']:.3f} "
+                  f"conf {last['conf_bce']:.3f} | val loss {val['loss']:.3f} accepted/block {val['accepted']:.2f} calib err "
                   f"{val['conf_calibration_err']:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
         if time.perf_counter() - t0 > budget * 1.1:
             print("hard stop at the time budget", flush=True)
             break
     log.close()
+    final = tr.evaluate(val_taps, val_seqs, val_anchors)["accepted"]
+    if best["params"] is not None and best["accepted"] > final:
+        tr.params = best["params"]
+    calib = tr.calibrate(val_taps, val_seqs, val_anchors)
+    print(f"confidence head calibrated on the held-back blocks: {calib}", flush=True)
     val = tr.evaluate(val_taps, val_seqs, val_anchors)
-    meta = {"target": os.path.normpath(args.model), "steps": step, "sequences": int(len(seqs)),
+    meta = {"target": os.path.normpath(args.model), "steps": step,
+            "kept_step": best["step"] if best["accepted"] > final else step, "sequences": int(len(seqs)),
             "generated_tokens": int(n_tok), "seconds": round(time.perf_counter() - t0, 1),
-            "device": jax.devices()[0].device_kind, "n_params": n_params,
-            "val": val, "command": "python -m offline.train_dspark " + " ".join(sys.argv[1:] if argv is None else argv)}
+            "device": jax.devices()[0].device_kind, "n_params": n_params, "val": val, "calibration": calib,
+            "command": "python -m offline.train_dspark " + " ".join(sys.argv[1:] if argv is None else argv)}
     dspark.save(tr.drafter(), out, meta=meta)
     size = os.path.getsize(os.path.join(out, dspark.WEIGHTS_FILE))
     print(f"wrote {out}/{dspark.WEIGHTS_FILE} ({size / 1e6:.1f} MB): {step} steps, val accepted/block "

@@ -12,6 +12,11 @@ A speculative step (num_steps = S):
            distribution is the target's; then one bonus token from the target;
   commit   KDA state taken at the accepted position, MLA entries past it left behind the length;
   extend   the NEXTN layer over the true pairs (h_{n-1+j}, token_{n+j}) of the verified positions.
+
+With the DSpark block drafter (`BlockDrafter`, `ling.dspark`) the draft is one backbone forward
+over the block [token_n, mask ...] plus its sequential head, and the extend writes the drafter's
+context entries of the verified positions from the target layers it reads (`taps`); its cache
+holds positions < n. Its confidence head may limit the drafts verified (`schedule`, `accept`).
 """
 
 from __future__ import annotations
@@ -144,7 +149,8 @@ def prefill_chunk(model: LingModel, slots: Slots, tokens, next_tokens, valid, en
     _, hidden, state, *tapped = model(tokens, slots.model, valid=valid, form="prefill", logits=False, taps=taps)
     if taps:  # the block drafter's context: positions lengths .. lengths + valid - 1
         state = state.replace(dspark=model.dspark.extend(state.dspark, tapped[0], lengths))
-    if model.nextn is not None and state.nextn is not None:  # NEXTN pairs (h_i, token_{i+1}); the final pair waits for the sampled token
+    if model.nextn is not None and state.nextn is not None:
+        # NEXTN pairs (h_i, token_{i+1}); the final pair waits for the sampled token
         _, _, cache = model.draft(hidden, next_tokens, state.nextn, lengths, form="prefill", logits=False)
         state = state.replace(nextn=cache)
     rows = jnp.arange(tokens.shape[0])[:, None]
@@ -241,7 +247,9 @@ def schedule(survival, live, *, threshold: float = 0.0, budget: int = 0):
     drafter's estimate that drafts 1..j are all accepted, non-increasing in j). A slot keeps the
     drafts whose survival is at least threshold; with budget > 0 the live slots share `budget`
     drafts a step, given to the most likely to survive over all slots (a prefix of each slot's
-    drafts, survival being non-increasing). Returns limit [B] int32 in 0..S, on the device."""
+    drafts, survival being non-increasing; under `spec.stepper` batch buckets a padding row, a
+    copy of a live slot, takes its share too). Returns limit [B] int32 in 0..S, on the device.
+    The verify pass still runs all S drafts: limit masks acceptance, it does not shorten the pass."""
     b, s = survival.shape
     keep = survival >= threshold
     if budget > 0:
