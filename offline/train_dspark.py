@@ -286,7 +286,8 @@ def main(argv=None) -> int:
             log.write(json.dumps(rec) + "\n")
             log.flush()
             print(f"step {step}/{total}: loss {last['loss']:.3f} base {last['base_loss']:.3f} "
-                  f"conf {last['conf_bce']:.3f} | val loss {val['loss']:.3f} accepted/block {val['accepted']:.2f} calib err "
+                  f"conf {last['conf_bce']:.3f} | val loss {val['loss']:.3f} accepted/block {val['accepted']:.2f} "
+                  f"calib err "
                   f"{val['conf_calibration_err']:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
         if time.perf_counter() - t0 > budget * 1.1:
             print("hard stop at the time budget", flush=True)
