@@ -2,9 +2,11 @@
 
     python -m offline.train_dspark --model serve/default_model --time-budget 900
 
-Data: prompts cut from the train split of the target's corpus (`offline.data`: the held-out files
-are never seen), each continued by the target's own greedy decoding (`spec.generate`), so every
-label is the token the target itself emits: the drafter learns the target, not the corpus. The
+Data: prompts cut from Python sources the target never trained on (the installed packages'; the
+target's held-out files are never used), each continued by the target's own greedy decoding
+(`spec.generate`), so every label is the token the target itself emits: the drafter learns the
+target, not the corpus. (The target's own train split, `--prompt-source stdlib-train`, is text it
+has learnt by heart: a drafter trained on its continuations there drafts worse on unseen code.) The
 target's residual streams after the drafter's `feature_layers` are computed once over every
 sequence (the target is frozen) and kept.
 
@@ -45,14 +47,45 @@ from offline import data
 from offline.train import cpu_deadlock_workaround, lr_at
 
 
-def corpus_prompts(model_dir: str, count: int, length: int, seed: int, max_bytes: int) -> np.ndarray:
-    """count windows of length tokens from the train split (the target's tokenizer), [count, length]."""
+def site_packages_texts(max_bytes: int, seed: int) -> list[str]:
+    """Python sources the target never saw: the installed packages' .py files (shuffled by seed),
+    up to max_bytes."""
+    import sysconfig
+
+    root = sysconfig.get_paths()["purelib"]
+    files = sorted(os.path.join(d, n) for d, _, names in os.walk(root) for n in names if n.endswith(".py"))
+    np.random.default_rng(seed).shuffle(files)
+    texts, total = [], 0
+    for f in files:
+        try:
+            t = open(f, encoding="utf-8").read()
+        except (UnicodeDecodeError, OSError):
+            continue
+        if len(t) < 2000:
+            continue
+        texts.append(t)
+        total += len(t)
+        if total >= max_bytes:
+            break
+    return texts
+
+
+def corpus_prompts(model_dir: str, count: int, length: int, seed: int, max_bytes: int,
+                   source: str = "site-packages") -> np.ndarray:
+    """count windows of length tokens (the target's tokenizer), [count, length], from `source`:
+    "stdlib-train" (the target's own train split, which it has largely learnt by heart: its
+    continuations there are recall, unlike its continuations of unseen code) or "site-packages"
+    (`site_packages_texts`: Python the target never trained on, as its held-out files)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-    train_files, _ = data.split(data.stdlib_files())
-    train_files, _ = data.validation_split(train_files)
-    stream = data.encode(tok, data.read_texts(train_files, max_bytes=max_bytes))
+    if source == "stdlib-train":
+        train_files, _ = data.split(data.stdlib_files())
+        train_files, _ = data.validation_split(train_files)
+        texts = data.read_texts(train_files, max_bytes=max_bytes)
+    else:
+        texts = site_packages_texts(max_bytes, seed)
+    stream = data.encode(tok, texts)
     r = np.random.default_rng(seed)
     starts = r.integers(0, len(stream) - length, count)
     return np.stack([stream[s:s + length] for s in starts]).astype(np.int32)
@@ -195,7 +228,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=192, help="greedy tokens generated per prompt")
     ap.add_argument("--gen-batch", type=int, default=64)
-    ap.add_argument("--max-train-bytes", type=int, default=3_000_000, help="train text the prompts are cut from")
+    ap.add_argument("--prompt-source", default="site-packages", choices=["site-packages", "stdlib-train"],
+                    help="where the prompts come from (corpus_prompts; default site-packages: code the target "
+                    "never trained on, like its held-out files)")
+    ap.add_argument("--max-train-bytes", type=int, default=3_000_000, help="text the prompts are cut from")
     ap.add_argument("--batch", type=int, default=16, help="sequences per step")
     ap.add_argument("--anchors", type=int, default=8, help="blocks per sequence per step")
     ap.add_argument("--steps", type=int, default=2000)
@@ -224,11 +260,13 @@ def main(argv=None) -> int:
     cfg = dspark.default_config(target.cfg, block_size=args.block, num_layers=args.num_layers,
                                 intermediate_size=args.intermediate_size, markov_rank=args.markov_rank)
     cfg = dataclasses.replace(cfg, feature_layers=layers)
-    prompts = corpus_prompts(args.model, args.prompts + 32, args.prompt_len, args.seed, args.max_train_bytes)
+    prompts = corpus_prompts(args.model, args.prompts + 32, args.prompt_len, args.seed, args.max_train_bytes,
+                             args.prompt_source)
     print(f"target {args.model}: {target.cfg.num_hidden_layers} layers; features from layers {layers}; "
           f"{len(prompts)} train-split prompts of {args.prompt_len} tokens ({time.perf_counter() - t0:.0f} s)",
           flush=True)
-    key = (args.model, args.prompts, args.prompt_len, args.new_tokens, args.seed, args.max_train_bytes, layers)
+    key = (args.model, args.prompt_source, args.prompts, args.prompt_len, args.new_tokens, args.seed,
+           args.max_train_bytes, layers)
     if args.data_cache and os.path.exists(args.data_cache):
         z = np.load(args.data_cache, allow_pickle=False)
         if str(z["key"]) != repr(key):

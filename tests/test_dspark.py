@@ -304,3 +304,23 @@ def test_drafter_training_learns_a_fixed_batch():
     assert tr.evaluate(taps, seqs, anchors)["loss"] < first - 0.5
     c = tr.calibrate(taps, seqs, anchors)
     assert c["bce_after"] <= c["bce_before"] + 1e-9
+
+
+def test_training_blocks_equal_the_decoding_block(model):
+    """`train_blocks` (many anchors of a sequence at once, the context from one prefill) gives the
+    hidden states `block` gives at decode time over the cache the prefill wrote."""
+    from spec.generate import prefill
+    from spec.sampling import SamplingParams
+    from spec.step import new_slots
+
+    d, block = model.dspark, 6
+    seq = prompts(6, (50,), model.cfg.vocab_size)[0]
+    state = ling.init_state(model.cfg, 1, 50, jnp.float32)
+    _, _, _, taps = model(jnp.asarray([seq]), state, form="prefill", logits=False, taps=d.cfg.feature_layers)
+    anchors = jnp.asarray([[20, 33, 41]], jnp.int32)
+    h_train = d.train_blocks(model.embed, taps, anchors, jnp.asarray(seq)[anchors], block)  # [1, 3, block, D]
+    for a, n in enumerate(np.asarray(anchors[0])):
+        slots = new_slots(model, 1, 64, 8)
+        slots = prefill(model, slots, [seq[:n]], [True], SamplingParams.make(1), [8], [-1], chunk=64)
+        h = d.block(model.embed, slots.model.dspark, slots.model.lengths, jnp.asarray([seq[n]]), block)
+        np.testing.assert_allclose(h[0], h_train[0, a], rtol=2e-4, atol=2e-4)
