@@ -263,7 +263,8 @@ def main(argv=None) -> int:
     prompts = corpus_prompts(args.model, args.prompts + 32, args.prompt_len, args.seed, args.max_train_bytes,
                              args.prompt_source)
     print(f"target {args.model}: {target.cfg.num_hidden_layers} layers; features from layers {layers}; "
-          f"{len(prompts)} prompts of {args.prompt_len} tokens from {args.prompt_source} ({time.perf_counter() - t0:.0f} s)",
+          f"{len(prompts)} prompts of {args.prompt_len} tokens from {args.prompt_source} "
+          f"({time.perf_counter() - t0:.0f} s)",
           flush=True)
     key = (args.model, args.prompt_source, args.prompts, args.prompt_len, args.new_tokens, args.seed,
            args.max_train_bytes, layers)
