@@ -135,6 +135,18 @@ class LingModel(nnx.Module):
                         else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype))
         with_nextn = cfg.num_nextn_layers > 0 if nextn is None else nextn
         self.nextn = finish(NextN(cfg, dtype=dtype, rngs=rngs, mesh=mesh, kernels=kernels)) if with_nextn else None
+        self.dspark = nnx.data(None)  # the DSpark block drafter (`ling.dspark`), attached by `attach_dspark`
+
+    def attach_dspark(self, drafter) -> LingModel:
+        """Attaches a block drafter (`ling.dspark.DSparkDrafter`) for this target; returns the model."""
+        cfg = drafter.cfg
+        if (cfg.hidden_size, cfg.vocab_size) != (self.cfg.hidden_size, self.cfg.vocab_size) or \
+                not all(0 <= i < self.cfg.num_hidden_layers for i in cfg.feature_layers):
+            raise ValueError(f"the drafter (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, feature layers "
+                             f"{cfg.feature_layers}) does not fit this target ({self.cfg.hidden_size}, "
+                             f"{self.cfg.vocab_size}, {self.cfg.num_hidden_layers} layers)")
+        self.dspark = drafter
+        return self
 
     def embed(self, tokens):
         return jnp.take(self.embed_tokens[...], tokens, axis=0)
@@ -147,24 +159,30 @@ class LingModel(nnx.Module):
         w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         return jnp.dot(hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens, state: State, *, valid=None, form: str = "auto", logits: bool = True):
+    def __call__(self, tokens, state: State, *, valid=None, form: str = "auto", logits: bool = True,
+                 taps: tuple[int, ...] = ()):
         """tokens [B, T] appended to every slot; valid [B] (default T): how many are real, the rest
         being padding that leaves the slot's state untouched. Returns (logits [B, T, V] fp32,
         hidden [B, T, D], new state) — for form "verify", the uncommitted state for `commit`.
-        logits=False skips the lm_head (None in its place): prefill needs logits at one position."""
+        logits=False skips the lm_head (None in its place): prefill needs logits at one position.
+        taps (static): decoder layers whose output residual streams [B, T, D] are returned too, as
+        a fourth element (a tuple in the order of taps; the DSpark drafter's features)."""
         b, t = tokens.shape
         form = pick_form(form, t)
         valid = jnp.full((b,), t, jnp.int32) if valid is None else valid.astype(jnp.int32)
         positions = state.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
         x = self.embed(tokens)
-        caches = []
-        for layer, cache in zip(self.layers, state.layers):
+        caches, tapped = [], {}
+        for i, (layer, cache) in enumerate(zip(self.layers, state.layers)):
             x, cache = layer(x, positions, state.lengths, valid, cache, form=form)
             caches.append(cache)
+            if i in taps:
+                tapped[i] = x
         hidden = self.norm(x)
         pending = state.replace(layers=tuple(caches))
         out = self.logits(hidden) if logits else None
-        return out, hidden, pending if form == "verify" else commit(pending, valid)
+        result = (out, hidden, pending if form == "verify" else commit(pending, valid))
+        return result + (tuple(tapped[i] for i in taps),) if taps else result
 
     def draft(self, hidden, next_tokens, cache: MLACache, lengths, *, form: str = "auto", logits: bool = True):
         """One NEXTN step: logits [B, T, V] for the tokens two positions after `hidden`'s (None with

@@ -4,6 +4,8 @@
   recurrent state [B, H, K, V] in fp32.
 - MLA layer (and the NEXTN layer, which has its own MLA): the latent cache [B, L, R] and the rotated
   rope-key cache [B, L, P], L = max_seq_len.
+- the DSpark block drafter (`ling.dspark`): per backbone layer the keys and values of the context
+  features [B, L, H, K], masked past the length as the MLA cache.
 - lengths [B]: tokens already in the state of each slot (the position of the next token).
 """
 
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ling.config import ModelConfig
+from ling.dspark import dspark_cache
 
 
 @struct.dataclass
@@ -33,6 +36,7 @@ class State:
     layers: tuple  # KDAState or MLACache, one per decoder layer
     lengths: jnp.ndarray  # [B] int32
     nextn: MLACache | None = None
+    dspark: object = None  # ling.dspark.DSparkCache of the block drafter, if the model has one
 
 
 def kda_state(cfg: ModelConfig, batch: int, dtype) -> KDAState:
@@ -47,11 +51,14 @@ def mla_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> MLACache:
                     k_rope=jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dtype))
 
 
-def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *, nextn: bool = False) -> State:
+def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *, nextn: bool = False,
+               dspark=None) -> State:
+    """dspark: the block drafter's config (`ling.dspark.DSparkConfig`) to hold its cache, or None."""
     layers = tuple(kda_state(cfg, batch, dtype) if t == "kda" else mla_cache(cfg, batch, max_len, dtype)
                    for t in cfg.layer_types)
     return State(layers=layers, lengths=jnp.zeros((batch,), jnp.int32),
-                 nextn=mla_cache(cfg, batch, max_len, dtype) if nextn else None)
+                 nextn=mla_cache(cfg, batch, max_len, dtype) if nextn else None,
+                 dspark=None if dspark is None else dspark_cache(dspark, batch, max_len, dtype))
 
 
 @struct.dataclass

@@ -65,6 +65,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--speculative-num-steps", type=int, default=None,
                     help=f"NEXTN draft steps per verify (0 = plain decoding; default {DEFAULT_SPEC_STEPS} when the "
                     "model has a NEXTN layer, else 0)")
+    ap.add_argument("--speculative-algorithm", default="nextn", choices=["nextn", "dspark"],
+                    help="drafter: nextn (the model's NEXTN layer, chained) or dspark (the block drafter stored "
+                    "next to the model, `python -m offline.train_dspark`; default nextn)")
+    ap.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                    help="tokens drafted per verify: the NEXTN steps, or the DSpark block (default: "
+                    "--speculative-num-steps for nextn, the drafter's trained block for dspark)")
+    ap.add_argument("--speculative-draft-model-path", default=None,
+                    help="directory of the DSpark drafter (dspark.json; default: the model directory)")
+    ap.add_argument("--speculative-confidence-threshold", type=float, default=None,
+                    help="dspark: verify only the drafts whose estimated survival (confidence head) is at least "
+                    "this, chosen on the device each step (default: verify the whole block)")
+    ap.add_argument("--speculative-verify-budget", type=int, default=None,
+                    help="dspark: drafts verified per step shared by all decoding slots, the likeliest to "
+                    "survive first (default: no budget)")
     ap.add_argument("--max-batch", type=int, default=None, help="state slots: requests decoded at once (default 16 "
                     "on an accelerator, 4 on CPU)")
     ap.add_argument("--max-seq-len", type=int, default=None, help="context length per request, prompt + output "
@@ -157,7 +171,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
     if not 0 <= args.shutdown_grace < float("inf"):
         ap.error(f"--shutdown-grace must be a number of seconds >= 0, got {args.shutdown_grace}")
+    if (args.speculative_num_steps is not None and args.speculative_num_draft_tokens is not None
+            and args.speculative_num_steps != args.speculative_num_draft_tokens):
+        ap.error(f"--speculative-num-steps {args.speculative_num_steps} and --speculative-num-draft-tokens "
+                 f"{args.speculative_num_draft_tokens} disagree (both are the tokens drafted per verify)")
+    if args.speculative_algorithm != "dspark":
+        for name in ("speculative_draft_model_path", "speculative_confidence_threshold", "speculative_verify_budget"):
+            if getattr(args, name) is not None:
+                ap.error(f"--{name.replace('_', '-')} applies to --speculative-algorithm dspark only")
+    if args.speculative_confidence_threshold is not None and not 0 <= args.speculative_confidence_threshold <= 1:
+        ap.error(f"--speculative-confidence-threshold must lie in [0, 1], got {args.speculative_confidence_threshold}")
     for name, low in (("max_batch", 1), ("prefill_chunk", 1), ("max_seq_len", 2), ("speculative_num_steps", 0),
+                      ("speculative_num_draft_tokens", 0), ("speculative_verify_budget", 1),
                       ("num_layers", 1), ("max_request_bytes", 1), ("max_queue", 0),
                       ("prefix_cache_interval", 1)):
         v = getattr(args, name)
@@ -200,6 +225,31 @@ def _enable_compile_cache(path: str) -> None:
     if path:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def _attach_dspark(args, model, steps):
+    """Loads the DSpark drafter (`ling.dspark`), attaches it, drops the NEXTN layer (its cache would
+    be kept for nothing); returns (the step's drafter, the block). StartupError if it is missing or
+    does not fit the model or the block."""
+    import jax.numpy as jnp
+
+    from ling import dspark
+    from spec.step import BlockDrafter
+
+    where = args.speculative_draft_model_path or args.model
+    try:
+        d = dspark.load(where, model.cfg, dtype=jnp.dtype(args.dtype))
+    except (OSError, ValueError) as e:
+        raise StartupError(f"--speculative-algorithm dspark: {e}") from None
+    block = d.cfg.block_size if steps is None else steps
+    if not 1 <= block <= d.cfg.block_size:
+        raise StartupError(f"--speculative-num-draft-tokens {block}: the DSpark drafter in {where} drafts blocks "
+                           f"of 1 to {d.cfg.block_size}")
+    model.attach_dspark(d)
+    model.nextn = None
+    threshold, budget = args.speculative_confidence_threshold, args.speculative_verify_budget
+    scheduled = threshold is not None or budget is not None
+    return BlockDrafter(scheduled=scheduled, threshold=threshold or 0.0, budget=budget or 0), block
 
 
 def _load_model(args):
@@ -392,8 +442,16 @@ def start(args, bar) -> Loaded:
     if max_seq_len > cfg.max_position_embeddings:
         raise StartupError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings "
                            f"{cfg.max_position_embeddings}")
-    steps = args.speculative_num_steps
-    if steps is None:
+    steps = args.speculative_num_steps if args.speculative_num_draft_tokens is None else \
+        args.speculative_num_draft_tokens
+    drafter = None
+    if args.speculative_algorithm == "dspark":
+        drafter, steps = _attach_dspark(args, model, steps)
+        if not args.disable_prefix_cache:  # a restored slot would keep a stale drafter cache
+            bar.write("warning: the prefix cache does not hold the DSpark drafter's cache: prefix cache off",
+                      file=sys.stderr)
+            args.disable_prefix_cache = True
+    elif steps is None:
         steps = DEFAULT_SPEC_STEPS if model.nextn is not None else 0
     elif steps > 0 and model.nextn is None:
         bar.write("warning: the model has no NEXTN layer: speculative decoding is off", file=sys.stderr)
@@ -411,7 +469,8 @@ def start(args, bar) -> Loaded:
         tuple(int(x) for x in args.batch_buckets.split(","))
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, speculative_steps=steps,
                     buckets=buckets, contexts=context_ladder(args, platform, max_seq_len),
-                    prefix_entries=memory.prefix_entries, prefix_interval=args.prefix_cache_interval)
+                    prefix_entries=memory.prefix_entries, prefix_interval=args.prefix_cache_interval,
+                    drafter=drafter)
     bar.update()
     try:
         bar.set_description("compiling prefill")
@@ -469,7 +528,8 @@ def main(argv=None) -> int:
                                 api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                                 max_queue=args.max_queue, request_timeout=args.request_timeout,
                                 shutdown_grace=args.shutdown_grace))
-    decoding = f"speculative {s.speculative_steps} steps" if s.speculative_steps else "plain decoding"
+    decoding = (f"speculative {args.speculative_algorithm} {s.speculative_steps} draft tokens" if s.speculative_steps
+                else "plain decoding")
     prefix = (f"prefix cache every {args.prefix_cache_interval} tokens" if s.runner.pool is not None
               else "no prefix cache")
     about = (f"{args.max_batch} slots x {s.max_seq_len} tokens, {decoding}, {prefix}, {args.dtype}"

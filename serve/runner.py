@@ -27,14 +27,15 @@ class StepResult:
 
 class Runner:
     def __init__(self, model, *, max_batch: int, max_seq_len: int, speculative_steps: int, buckets=None,
-                 contexts=(), prefix_entries: int = 0, prefix_interval: int = 0):
+                 contexts=(), prefix_entries: int = 0, prefix_interval: int = 0, drafter=None):
         """buckets: the batch sizes the step is compiled for (`spec.stepper.Stepper`; None: the
         powers of two up to max_batch); a step runs the smallest that holds the decoding slots.
         contexts: the cache lengths the prefill chunk and the step are compiled for (`Stepper`,
         `ChunkPrefiller`; empty: the whole cache always); a call runs the shortest that holds its
         slots' positions, which the runner bounds from the host's side (`_length`).
         prefix_entries, prefix_interval: the prefix cache's pool (`spec.prefix.PrefixPool`; 0
-        entries: no cache); the slots' caches are then a whole number of intervals long."""
+        entries: no cache); the slots' caches are then a whole number of intervals long.
+        drafter: the speculative step's drafter (None: NEXTN; `spec.step.BlockDrafter`: DSpark)."""
         from spec.prefix import PrefixPool
         from spec.stepper import ChunkPrefiller, SlotCopier, Stepper, batch_buckets
 
@@ -43,7 +44,8 @@ class Runner:
         self.prefix_interval = prefix_interval if prefix_entries > 0 else 0
         self.stepper = Stepper(model, self._new_slots(), speculative=speculative_steps > 0,
                                num_steps=max(speculative_steps, 1),
-                               buckets=batch_buckets(max_batch) if buckets is None else buckets, contexts=contexts)
+                               buckets=batch_buckets(max_batch) if buckets is None else buckets, contexts=contexts,
+                               drafter=drafter)
         self.prefiller = ChunkPrefiller(model, contexts=contexts)
         self.pool = (PrefixPool(model, self.stepper.slots, prefix_entries, prefix_interval)
                      if self.prefix_interval else None)

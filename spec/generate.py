@@ -101,10 +101,11 @@ def generate_batch(model: LingModel, prompts: Sequence[Sequence[int]], max_new_t
                    prefill_chunk: int | None = None, return_slots: bool = False, drafter: Drafter | None = None):
     """Generates for several prompts at once (one slot each); the sampling arguments (and the
     penalties, `spec.sampling.penalize`) are scalars or one value per prompt. `drafter` replaces the
-    NEXTN chain (tests force drafts with it).
+    NEXTN chain: `spec.step.BlockDrafter` (the model's DSpark drafter, num_steps its block) or a
+    function (tests force drafts with it).
     prefill_chunk None: `chunk_for(prompts)`.
     Returns one token list per prompt (and the final slots if asked)."""
-    check_model(model, speculative and drafter is None)
+    check_model(model, speculative, drafter)
     b = len(prompts)
     extra = num_steps + 1 if speculative else 1
     max_len = max(len(p) for p in prompts) + max_new_tokens + extra

@@ -14,10 +14,16 @@ A speculative step (num_steps = S):
            (a slot that stops at EOS or max_new within the step keeps only its emitted tokens: its
            state then holds exactly prompt + output[:-1], which a prefix-cache checkpoint needs);
   extend   the NEXTN layer over the true pairs (h_{n-1+j}, token_{n+j}) of the verified positions.
+
+With the DSpark block drafter (`BlockDrafter`, `ling.dspark`) the draft is one backbone forward
+over the block [token_n, mask ...] plus its sequential head, and the extend writes the drafter's
+context entries of the verified positions from the target layers it reads (`taps`); its cache
+holds positions < n. Its confidence head may limit the drafts verified (`schedule`, `accept`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -63,7 +69,8 @@ def new_slots(model: LingModel, batch: int, max_len: int, max_out: int, logprob_
     z = lambda: jnp.zeros((batch,), jnp.int32)  # distinct buffers: the slots are donated
     k = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
     return Slots(
-        model=init_state(cfg, batch, max_len, dtype, nextn=model.nextn is not None),
+        model=init_state(cfg, batch, max_len, dtype, nextn=model.nextn is not None,
+                         dspark=None if model.dspark is None else model.dspark.cfg),
         last_token=z(), last_hidden=jnp.zeros((batch, cfg.hidden_size), dtype),
         params=SamplingParams.make(batch), out=jnp.zeros((batch, max_out), jnp.int32), n_out=z(),
         max_new=z(), eos=z() - 1, done=jnp.ones((batch,), bool), steps=z(), produced=z(),
@@ -133,6 +140,11 @@ def _penalized(logits, slots: Slots, sampling: bool):
     return penalize(logits, slots.counts, slots.seen, slots.params) if sampling else logits
 
 
+def _dspark_taps(model: LingModel, slots: Slots) -> tuple[int, ...]:
+    """The target layers whose outputs the block drafter's cache needs (none without the drafter)."""
+    return () if model.dspark is None or slots.model.dspark is None else model.dspark.cfg.feature_layers
+
+
 def last_at(x, n):
     """x [B, T, ...] at index n[b] - 1 (n >= 1) -> [B, ...]."""
     idx = jnp.maximum(n - 1, 0).reshape((-1,) + (1,) * (x.ndim - 1))
@@ -147,8 +159,12 @@ def prefill_chunk(model: LingModel, slots: Slots, tokens, next_tokens, valid, en
     any of them samples (False: all greedy, the cheaper program). logprobs (static): keep the
     first token's log-probabilities in `slots.logprobs[:, 0]`."""
     lengths = slots.model.lengths
-    _, hidden, state = model(tokens, slots.model, valid=valid, form="prefill", logits=False)
-    if model.nextn is not None:  # NEXTN pairs (h_i, token_{i+1}); the final pair waits for the sampled token
+    taps = _dspark_taps(model, slots)
+    _, hidden, state, *tapped = model(tokens, slots.model, valid=valid, form="prefill", logits=False, taps=taps)
+    if taps:  # the block drafter's context: positions lengths .. lengths + valid - 1
+        state = state.replace(dspark=model.dspark.extend(state.dspark, tapped[0], lengths))
+    if model.nextn is not None and state.nextn is not None:
+        # NEXTN pairs (h_i, token_{i+1}); the final pair waits for the sampled token
         _, _, cache = model.draft(hidden, next_tokens, state.nextn, lengths, form="prefill", logits=False)
         state = state.replace(nextn=cache)
     rows = jnp.arange(tokens.shape[0])[:, None]
@@ -219,7 +235,9 @@ def decode_step(model: LingModel, slots: Slots, *, sampling: bool, logprobs: boo
     return slots.replace(steps=slots.steps + live, produced=slots.produced + slots.n_out - before)
 
 
-Drafter = Callable[..., tuple]  # (model, slots, num_steps, *, sampling) -> (drafts, q, nextn cache)
+# (model, slots, num_steps, *, sampling) -> (drafts [B, S], q [B, S, V] or None, NEXTN cache) or
+# (drafts, q, NEXTN cache, limit [B]): verify only the first limit[b] drafts of slot b (`accept`).
+Drafter = Callable[..., tuple]
 
 
 def nextn_chain(model: LingModel, slots: Slots, num_steps: int, *, sampling: bool):
@@ -238,16 +256,77 @@ def nextn_chain(model: LingModel, slots: Slots, num_steps: int, *, sampling: boo
     return jnp.stack(drafts, 1), (jnp.stack(qs, 1) if sampling else None), cache
 
 
+def schedule(survival, live, *, threshold: float = 0.0, budget: int = 0):
+    """Confidence scheduling: how many drafts of each slot to verify, from survival [B, S] (the
+    drafter's estimate that drafts 1..j are all accepted, non-increasing in j). A slot keeps the
+    drafts whose survival is at least threshold; with budget > 0 the live slots share `budget`
+    drafts a step, given to the most likely to survive over all slots (a prefix of each slot's
+    drafts, survival being non-increasing; under `spec.stepper` batch buckets a padding row, a
+    copy of a live slot, takes its share too). Returns limit [B] int32 in 0..S, on the device.
+    The verify pass still runs all S drafts: limit masks acceptance, it does not shorten the pass."""
+    b, s = survival.shape
+    keep = survival >= threshold
+    if budget > 0:
+        score = jnp.where(keep & live[:, None], survival, -1.0).reshape(-1)
+        order = jnp.argsort(-score, stable=True)  # ties: the earlier draft (and slot) first
+        rank = jnp.zeros_like(order).at[order].set(jnp.arange(b * s))
+        keep = keep & (rank < budget).reshape(b, s) & live[:, None]
+    return jnp.sum(jnp.cumprod(keep, axis=1), axis=1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockDrafter:
+    """The DSpark drafter (`ling.dspark`) as a `Drafter`: one backbone forward over the block
+    [last_token, mask ...] of num_steps positions, then the sequential head position by position
+    (each draft sampled, or the argmax, from base logits + the Markov bias of the draft before;
+    sequential False: base logits alone), and the confidence head. scheduled: return the number of
+    drafts to verify (`schedule` with threshold and budget); else every draft is verified.
+    Frozen and hashable: a static argument of the compiled step."""
+
+    sequential: bool = True
+    scheduled: bool = False
+    threshold: float = 0.0
+    budget: int = 0
+
+    def __call__(self, model: LingModel, slots: Slots, num_steps: int, *, sampling: bool):
+        d = model.dspark
+        h = d.block(model.embed, slots.model.dspark, slots.model.lengths, slots.last_token, num_steps)  # [B, S, D]
+        base = model.logits(h)  # [B, S, V]
+        prev, drafts, qs, conf = slots.last_token, [], [], []
+        for j in range(num_steps):
+            logits = base[:, j] + d.markov_bias(h[:, j], prev) if self.sequential else base[:, j]
+            tok, q = sample(_penalized(logits, slots, sampling), slots.params,
+                            key_for(slots.params, slots.n_out, _DRAFT + j), sampling=sampling)
+            conf.append(jax.nn.sigmoid(d.confidence_logit(h[:, j], prev)))
+            drafts.append(tok)
+            qs.append(q)
+            prev = tok
+        drafts = jnp.stack(drafts, 1)
+        q = jnp.stack(qs, 1) if sampling else None
+        if not self.scheduled:
+            return drafts, q, slots.model.nextn
+        survival = jnp.cumprod(jnp.stack(conf, 1), axis=1)
+        limit = schedule(survival, ~slots.done, threshold=self.threshold, budget=self.budget)
+        return drafts, q, slots.model.nextn, limit
+
+
 @jax.named_scope("accept")
-def accept(logits, drafts, q, params: SamplingParams, keys_accept, keys_bonus, *, sampling: bool = True):
+def accept(logits, drafts, q, params: SamplingParams, keys_accept, keys_bonus, *, sampling: bool = True,
+           limit=None):
     """logits [B, S+1, V] of the verify pass, drafts [B, S], draft probabilities q [B, S, V].
     Returns (accepted [B] in 0..S, bonus [B]): greedy slots accept while the draft equals the
     target's argmax; sampled slots accept d_j with probability min(1, p_j(d_j) / q_j(d_j)) and draw
     the bonus from the residual max(p - q, 0), or from p after a full acceptance.
-    sampling False (static: every slot greedy): the greedy rule alone; q and the keys are unused."""
+    sampling False (static: every slot greedy): the greedy rule alone; q and the keys are unused.
+    limit [B] (None: S): slot b's drafts from index limit[b] on count as never proposed: accepted
+    stops there and the bonus after accepting all limit[b] is drawn from p. The output keeps the
+    target's distribution as long as limit depends on the draft side only."""
     b, s = drafts.shape
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, S+1]
+    proposed = None if limit is None else jnp.arange(s)[None] < limit[:, None]  # [B, S]
     greedy_ok = drafts == argmax[:, :s]
+    if proposed is not None:
+        greedy_ok = greedy_ok & proposed
     if not sampling:
         accepted = jnp.sum(jnp.cumprod(greedy_ok, axis=1), axis=1).astype(jnp.int32)
         return accepted, jnp.take_along_axis(argmax, accepted[:, None], axis=1)[:, 0]
@@ -256,6 +335,9 @@ def accept(logits, drafts, q, params: SamplingParams, keys_accept, keys_bonus, *
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     u = jax.vmap(lambda k: jax.random.uniform(k, (s,)))(keys_accept)
     sampled_ok = u * q_d <= p_d
+    if proposed is not None:
+        sampled_ok = sampled_ok & proposed
+        q = jnp.where(proposed[..., None], q, 0.0)  # a full acceptance of the proposed ones draws from p
     ok = jnp.where(params.greedy[:, None], greedy_ok, sampled_ok)
     accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
     p_a = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]  # [B, V]
@@ -274,18 +356,22 @@ def spec_step(model: LingModel, slots: Slots, num_steps: int, drafter: Drafter =
     logprobs: as in `prefill_chunk`, over the live slots; an emitted token's log-probabilities are
     the verify pass's, the target's own distribution at its position)."""
     live = ~slots.done
-    drafts, q, cache = drafter(model, slots, num_steps, sampling=sampling)
+    drafts, q, cache, *limit = drafter(model, slots, num_steps, sampling=sampling)
+    limit = limit[0] if limit else None
     verify_tokens = jnp.concatenate([slots.last_token[:, None], drafts], axis=1)  # [B, S+1]
-    logits, hidden, pending = model(verify_tokens, slots.model, form="verify")
+    taps = _dspark_taps(model, slots)
+    logits, hidden, pending, *tapped = model(verify_tokens, slots.model, form="verify", taps=taps)
     target = penalize_verify(logits, slots.counts, slots.seen, drafts, slots.params) if sampling else logits
     accepted, bonus = accept(target, drafts, q, slots.params, key_for(slots.params, slots.n_out, _ACCEPT),
-                             key_for(slots.params, slots.n_out, _BONUS), sampling=sampling)
+                             key_for(slots.params, slots.n_out, _BONUS), sampling=sampling, limit=limit)
     emitted = jnp.concatenate([drafts, bonus[:, None]], axis=1)  # d_1 .. d_a, then the bonus at index a
     emitted = jnp.where(jnp.arange(num_steps + 1)[None] == accepted[:, None], bonus[:, None], emitted)
     # last_token and the accepted drafts enter the state, up to the last token emitted
     _, kept = _emitted(slots, emitted, accepted + 1, live)
     state = commit(pending, kept)
-    if model.nextn is not None:
+    if taps:  # the block drafter's context entries of positions n .. n+S (those past n+kept masked)
+        state = state.replace(dspark=model.dspark.extend(slots.model.dspark, tapped[0], slots.model.lengths))
+    if model.nextn is not None and state.nextn is not None:
         pairs_h = jnp.concatenate([slots.last_hidden[:, None], hidden[:, :-1]], axis=1)  # h_{n-1} .. h_{n+S-1}
         _, _, cache = model.draft(pairs_h, verify_tokens, cache, slots.model.lengths - 1, form="decode", logits=False)
         state = state.replace(nextn=cache)
@@ -316,6 +402,11 @@ def live_sampling(slots: Slots) -> bool:
     return any_sampling(needs_sampling(p), ~done)
 
 
-def check_model(model: LingModel, speculative: bool):
-    if speculative and model.nextn is None:
+def check_model(model: LingModel, speculative: bool, drafter: Drafter | None = None):
+    """Refuses a speculative step whose drafter the model lacks (drafter None: the NEXTN chain;
+    other drafters than `BlockDrafter` bring their own drafts)."""
+    if speculative and isinstance(drafter, BlockDrafter) and model.dspark is None:
+        raise ValueError("the DSpark drafter needs a block drafter attached to the model "
+                         "(ling.dspark.load, LingModel.attach_dspark)")
+    if speculative and drafter is None and model.nextn is None:
         raise ValueError("speculative decoding needs a NEXTN layer; this model has none (pass speculative=False)")

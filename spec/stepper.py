@@ -153,11 +153,14 @@ class Stepper:
 
     The weights and the slots cross the jit boundary as flat lists of arrays, which jit flattens
     in C++: nnx's State and flax dataclasses flatten in Python, about a millisecond a step for a
-    16-layer model, which is host time the device waits for once a step is shorter than it."""
+    16-layer model, which is host time the device waits for once a step is shorter than it.
+
+    drafter: the speculative step's drafter (None: the NEXTN chain; `spec.step.BlockDrafter`: the
+    model's DSpark drafter, num_steps its block)."""
 
     def __init__(self, model: LingModel, slots: Slots, *, speculative: bool = True, num_steps: int = 5,
-                 buckets=None, contexts=None):
-        check_model(model, speculative)
+                 buckets=None, contexts=None, drafter=None):
+        check_model(model, speculative, drafter)
         self._params, merge = _flat_weights(model)
         paths, self._slot_def = jax.tree_util.tree_flatten_with_path(slots)
         self._slots = [leaf for _, leaf in paths]
@@ -178,7 +181,7 @@ class Stepper:
             full = jax.tree_util.tree_unflatten(slot_def, slot_leaves)
             s = gather_rows(full, rows, context)
             before = s.n_out
-            s = step_fn(speculative, num_steps, sampling, logprobs=logprobs)(merge(param_leaves), s)
+            s = step_fn(speculative, num_steps, sampling, drafter, logprobs=logprobs)(merge(param_leaves), s)
             emitted = s.n_out - before
             count = count.at[slice(None) if rows is None else rows].set(emitted)  # in place: a use of count
             return jax.tree_util.tree_leaves(scatter_rows(full, rows, s, context)), count
