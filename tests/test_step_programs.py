@@ -102,6 +102,30 @@ def test_step_programs_hold_no_host_round_trip(backend, spec_steps, weights):
     assert runner.stepper.buckets == (1, 2) and seen == 3 * 2 * (step_contexts + 1 + 2 + 1) + 3
 
 
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_block_drafting_programs_hold_no_host_round_trip(backend):
+    """The same with the DSpark block drafter, its confidence scheduling (threshold and the budget
+    shared across slots) chosen on the device."""
+    from flax import nnx
+
+    from ling import dspark
+    from spec.step import BlockDrafter
+
+    target = ling.load("ling-tiny", dtype="float32")
+    cfg = dspark.default_config(target.cfg, block_size=4, num_layers=1, num_heads=2, head_dim=16,
+                                intermediate_size=64, markov_rank=8)
+    model = target.attach_dspark(dspark.DSparkDrafter(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    ling.use_kernels(model, backend)
+    runner = Runner(model, max_batch=2, max_seq_len=64, speculative_steps=4,
+                    drafter=BlockDrafter(scheduled=True, threshold=0.5, budget=3))
+    seen = 0
+    for name, jaxpr in programs(runner):
+        bad = round_trips(jaxpr.jaxpr)
+        assert not bad, f"{name} ({backend}, dspark) makes the host wait:\n  " + "\n  ".join(bad)
+        seen += 1
+    assert seen == 3 * 2 * 4  # 2 buckets x (step, prefill and their reports) x 3 variants
+
+
 def test_the_check_finds_a_cond_and_names_its_line():
     """The walker is not vacuous: a cond on a traced predicate (what sampling once held) is found,
     inside a jit, with this file's line."""
