@@ -451,38 +451,34 @@ def main(argv=None) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
-    if args.multi_turn:
-        from serve.tokenizer import Tokenizer
+    from serve.tokenizer import Tokenizer
 
-        try:
-            runs = asyncio.run(multi_turn(args, Tokenizer(args.tokenizer)))
-        except httpx.ConnectError as e:
-            print(f"error: cannot reach {args.base_url}: {e}", file=sys.stderr)
-            return 2
-        print(multi_turn_report(runs))
-        if args.output_json:
-            with open(args.output_json, "w") as f:
-                json.dump(runs, f, indent=1)
-        return 0 if all(s["failed"] == 0 for s in runs.values()) else 1
+    if args.multi_turn:
+        return _finish(args, lambda: multi_turn(args, Tokenizer(args.tokenizer)), multi_turn_report,
+                       lambda runs: sum(r["failed"] for r in runs.values()))
     if args.dataset == "jsonl":
         items = jsonl_items(args)
     else:
-        from serve.tokenizer import Tokenizer
-
         items = random_items(args, Tokenizer(args.tokenizer))
     if not items:
         print("error: no prompts", file=sys.stderr)
         return 2
+    return _finish(args, lambda: run(args, items), report, lambda summary: summary["failed"])
+
+
+def _finish(args, bench, render, failed) -> int:
+    """Runs the coroutine bench() makes, prints render(result), writes it to --output-json; the
+    exit status: 2 when the server cannot be reached, 1 when failed(result) > 0, else 0."""
     try:
-        summary = asyncio.run(run(args, items))
+        result = asyncio.run(bench())
     except httpx.ConnectError as e:
         print(f"error: cannot reach {args.base_url}: {e}", file=sys.stderr)
         return 2
-    print(report(summary))
+    print(render(result))
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump(summary, f, indent=1)
-    return 0 if summary["failed"] == 0 else 1
+            json.dump(result, f, indent=1)
+    return 0 if failed(result) == 0 else 1
 
 
 if __name__ == "__main__":

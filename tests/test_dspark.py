@@ -15,6 +15,8 @@ from ling import dspark
 from spec.generate import generate_batch, mean_accepted_length
 from spec.step import BlockDrafter, schedule
 
+from drafts import forced
+
 
 @pytest.fixture(scope="module")
 def model():
@@ -57,23 +59,6 @@ def test_the_block_drafter_depends_on_its_context(model):
     drafts, _, _ = BlockDrafter()(model, slots, 6, sampling=False)
     assert (np.asarray(slots.model.lengths) == 40).all()
     assert not np.array_equal(drafts[0], drafts[1])
-
-
-def forced(reference, mistake_at, limit=None):
-    """Drafts the target's own greedy continuation, wrong at index mistake_at, through the
-    BlockDrafter's contract (optionally with a verify limit)."""
-    ref = jnp.asarray(reference)
-
-    def drafter(model, slots, num_steps, *, sampling):
-        idx = slots.n_out[:, None] + jnp.arange(num_steps)[None]
-        drafts = jnp.take_along_axis(ref, jnp.minimum(idx, ref.shape[1] - 1), axis=1)
-        if mistake_at is not None:
-            drafts = drafts.at[:, mistake_at].set((drafts[:, mistake_at] + 1) % model.cfg.vocab_size)
-        q = jax.nn.one_hot(drafts, model.cfg.vocab_size)
-        lim = () if limit is None else (jnp.full(drafts.shape[:1], limit, jnp.int32),)
-        return (drafts, q, slots.model.nextn, *lim)
-
-    return drafter
 
 
 B = 8

@@ -11,6 +11,8 @@ from spec.step import accept, new_slots
 from spec.generate import decode, generate, generate_batch, mean_accepted_length, prefill
 from spec.sampling import SamplingParams, probs
 
+from drafts import forced
+
 S = 5  # draft steps
 
 
@@ -33,21 +35,6 @@ def test_greedy_speculative_equals_plain_greedy(model):
     assert spec == plain
     single = generate(model, ps[0], 256, speculative=True)  # batch of one, default chunking
     assert single == plain[0]
-
-
-def forced(reference, mistake_at):
-    """A drafter proposing the target's own greedy continuation, wrong at draft index mistake_at."""
-    ref = jnp.asarray(reference)  # [B, N]
-
-    def drafter(model, slots, num_steps, *, sampling):
-        idx = slots.n_out[:, None] + jnp.arange(num_steps)[None]  # d_1 is the token after last_token
-        drafts = jnp.take_along_axis(ref, jnp.minimum(idx, ref.shape[1] - 1), axis=1)
-        if mistake_at is not None:
-            drafts = drafts.at[:, mistake_at].set((drafts[:, mistake_at] + 1) % model.cfg.vocab_size)
-        q = jax.nn.one_hot(drafts, model.cfg.vocab_size)
-        return drafts, q, slots.model.nextn
-
-    return drafter
 
 
 @pytest.mark.parametrize("mistake_at", [None, 0, 1, 2, 3, 4])
