@@ -11,6 +11,7 @@ plain MLA) or "decode" (recurrent KDA, absorbed MLA); "auto" takes decode up to 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -64,20 +65,45 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, positions, lengths, valid, cache, *, form: str):
         """Returns the new x and the layer's state: KDA after prefill committed at valid (KDAState),
         after decode / verify uncommitted (KDAPending); MLA the written MLACache."""
-        h = self.input_layernorm(x)
+        (x,), (cache,) = self.grouped([x], [positions], [lengths], [valid], [cache], forms=(form,))
+        return x, cache
+
+    def grouped(self, xs, positions, lengths, valids, caches, *, forms):
+        """Several batches of slots through the layer at once (lists, one entry per batch, each
+        as `__call__` takes it): the attention runs per batch, in its own form over its own
+        state; the MLP runs once over every batch's tokens. Decode and verify batches placed
+        before prefill ones give the MoE its decode rows first (`MoE`'s n_decode: the
+        tile-scheduled launch runs their tiles before the prefill chunk's)."""
+        outs, new = [], []
+        for x, pos, ln, v, cache, form in zip(xs, positions, lengths, valids, caches, forms):
+            h, cache = self._attention(self.input_layernorm(x), pos, ln, v, cache, form)
+            outs.append(x + h)
+            new.append(cache)
+        if len(outs) == 1:
+            x = outs[0]
+            return [x + self.mlp(self.post_attention_layernorm(x))], new
+        d = outs[0].shape[-1]
+        flat = jnp.concatenate([self.post_attention_layernorm(x).reshape(-1, d) for x in outs])[None]  # [1, N, D]
+        sizes = [x.shape[0] * x.shape[1] for x in outs]
+        n_decode = 0
+        for size, form in zip(sizes, forms):
+            if form == "prefill":
+                break
+            n_decode += size
+        y = self.mlp(flat, n_decode=n_decode if 0 < n_decode < sum(sizes) else None)[0]
+        ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+        return [x + part.reshape(x.shape) for x, part in zip(outs, jnp.split(y, ends[:-1]))], new
+
+    def _attention(self, h, positions, lengths, valid, cache, form: str):
         if self.kind == KDA:
             h, conv, rec = self.attention(h, cache.conv, cache.recurrent, valid,
                                           form="chunked" if form == "prefill" else "recurrent")
             if form == "prefill":  # the chunked form returns the state after the valid tokens: committed
-                cache = KDAState(conv=conv, recurrent=rec)
-            else:
-                cache = KDAPending(window=conv, recurrent=rec, initial=cache.recurrent, conv_len=cache.conv[0].shape[1])
-        else:
-            h, latent, k_rope = self.attention(h, positions, cache.latent, cache.k_rope, lengths, valid=valid,
-                                               form="plain" if form == "prefill" else "absorbed")
-            cache = MLACache(latent=latent, k_rope=k_rope)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+                return h, KDAState(conv=conv, recurrent=rec)
+            return h, KDAPending(window=conv, recurrent=rec, initial=cache.recurrent, conv_len=cache.conv[0].shape[1])
+        h, latent, k_rope = self.attention(h, positions, cache.latent, cache.k_rope, lengths, valid=valid,
+                                           form="plain" if form == "prefill" else "absorbed")
+        return h, MLACache(latent=latent, k_rope=k_rope)
 
 
 class NextN(nnx.Module):
@@ -94,17 +120,50 @@ class NextN(nnx.Module):
         self.layer = DecoderLayer(cfg, cfg.num_hidden_layers, dtype=dtype, rngs=rngs, mesh=mesh, kernels=kernels)
         self.final_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
 
-    @jax.named_scope("nextn")
     def __call__(self, hidden, next_embeds, cache: MLACache, lengths, *, form: str = "auto"):
         """hidden [B, T, D] (target final hidden states, after its norm) at positions lengths[b] + t;
         next_embeds [B, T, D] (embeddings of the tokens one position later). Returns the draft hidden
         states [B, T, D] (before lm_head) and the new cache."""
-        t = hidden.shape[1]
-        positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
-        x = self.eh_proj(jnp.concatenate([self.enorm(next_embeds), self.hnorm(hidden)], axis=-1))
-        valid = jnp.full(lengths.shape, t, jnp.int32)  # the MLA layer needs no commit: lengths are the caller's
-        x, cache = self.layer(x, positions, lengths, valid, cache, form=pick_form(form, t))
-        return self.final_layernorm(x), cache
+        ((h, cache),) = self.grouped([hidden], [next_embeds], [cache], [lengths], forms=(form,))
+        return h, cache
+
+    @jax.named_scope("nextn")
+    def grouped(self, hiddens, next_embeds, caches, lengths, *, forms):
+        """Several batches at once (lists, each as `__call__` takes it; `DecoderLayer.grouped`).
+        Returns [(draft hidden states, new cache)] per batch."""
+        xs, positions, valids, picked = [], [], [], []
+        for hidden, emb, ln, form in zip(hiddens, next_embeds, lengths, forms):
+            t = hidden.shape[1]
+            positions.append(ln[:, None] + jnp.arange(t, dtype=jnp.int32))
+            xs.append(self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(hidden)], axis=-1)))
+            valids.append(jnp.full(ln.shape, t, jnp.int32))  # the MLA layer needs no commit: lengths are the caller's
+            picked.append(pick_form(form, t))
+        xs, caches = self.layer.grouped(xs, positions, list(lengths), valids, list(caches), forms=picked)
+        return [(self.final_layernorm(x), c) for x, c in zip(xs, caches)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One batch of a grouped target forward (`LingModel.forward`): the arguments of `__call__`."""
+
+    tokens: jax.Array  # [B, T]
+    state: State
+    valid: jax.Array | None = None  # [B]
+    form: str = "auto"
+    logits: bool = True
+    taps: tuple[int, ...] = ()  # as `__call__`'s
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftBatch:
+    """One batch of a grouped NEXTN forward (`LingModel.draft_forward`): the arguments of `draft`."""
+
+    hidden: jax.Array  # [B, T, D]
+    next_tokens: jax.Array  # [B, T]
+    cache: MLACache
+    lengths: jax.Array  # [B]
+    form: str = "auto"
+    logits: bool = True
 
 
 def _same(module):
@@ -167,30 +226,54 @@ class LingModel(nnx.Module):
         logits=False skips the lm_head (None in its place): prefill needs logits at one position.
         taps (static): decoder layers whose output residual streams [B, T, D] are returned too, as
         a fourth element (a tuple in the order of taps; the DSpark drafter's features)."""
-        b, t = tokens.shape
-        form = pick_form(form, t)
-        valid = jnp.full((b,), t, jnp.int32) if valid is None else valid.astype(jnp.int32)
-        positions = state.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
-        x = self.embed(tokens)
-        caches, tapped = [], {}
-        for i, (layer, cache) in enumerate(zip(self.layers, state.layers)):
-            x, cache = layer(x, positions, state.lengths, valid, cache, form=form)
-            caches.append(cache)
-            if i in taps:
-                tapped[i] = x
-        hidden = self.norm(x)
-        pending = state.replace(layers=tuple(caches))
-        out = self.logits(hidden) if logits else None
-        result = (out, hidden, pending if form == "verify" else commit(pending, valid))
-        return result + (tuple(tapped[i] for i in taps),) if taps else result
+        (result,) = self.forward([Batch(tokens, state, valid, form, logits, tuple(taps))])
+        return result
+
+    def forward(self, batches) -> list:
+        """Several batches of slots in one pass (`Batch`: each with its own tokens, state, valid,
+        form and taps, as `__call__` takes them): every layer runs each batch's attention on its
+        own and one MLP over all their tokens (`DecoderLayer.grouped`; decode and verify batches
+        first, then prefill ones). Returns what `__call__` returns, per batch."""
+        forms, valids, positions, xs = [], [], [], []
+        for batch in batches:
+            b, t = batch.tokens.shape
+            forms.append(pick_form(batch.form, t))
+            valids.append(jnp.full((b,), t, jnp.int32) if batch.valid is None else batch.valid.astype(jnp.int32))
+            positions.append(batch.state.lengths[:, None] + jnp.arange(t, dtype=jnp.int32))  # [B, T]
+            xs.append(self.embed(batch.tokens))
+        lengths = [batch.state.lengths for batch in batches]
+        caches, tapped = [[] for _ in batches], [{} for _ in batches]
+        for i, layer in enumerate(self.layers):
+            xs, new = layer.grouped(xs, positions, lengths, valids, [batch.state.layers[i] for batch in batches],
+                                    forms=forms)
+            for g, cache in enumerate(new):
+                caches[g].append(cache)
+                if i in batches[g].taps:
+                    tapped[g][i] = xs[g]
+        results = []
+        for batch, x, form, valid, layer_caches, taken in zip(batches, xs, forms, valids, caches, tapped):
+            hidden = self.norm(x)
+            pending = batch.state.replace(layers=tuple(layer_caches))
+            out = self.logits(hidden) if batch.logits else None
+            result = (out, hidden, pending if form == "verify" else commit(pending, valid))
+            results.append(result + (tuple(taken[i] for i in batch.taps),) if batch.taps else result)
+        return results
 
     def draft(self, hidden, next_tokens, cache: MLACache, lengths, *, form: str = "auto", logits: bool = True):
         """One NEXTN step: logits [B, T, V] for the tokens two positions after `hidden`'s (None with
         logits=False), the draft hidden states and the new NEXTN cache."""
+        (result,) = self.draft_forward([DraftBatch(hidden, next_tokens, cache, lengths, form, logits)])
+        return result
+
+    def draft_forward(self, batches) -> list:
+        """Several NEXTN batches in one pass (`DraftBatch`; `NextN.grouped`): what `draft` returns,
+        per batch."""
         if self.nextn is None:
             raise ValueError("this model has no NEXTN layer (the checkpoint holds none)")
-        h, cache = self.nextn(hidden, self.embed(next_tokens), cache, lengths, form=form)
-        return (self.logits(h) if logits else None), h, cache
+        out = self.nextn.grouped([b.hidden for b in batches], [self.embed(b.next_tokens) for b in batches],
+                                 [b.cache for b in batches], [b.lengths for b in batches],
+                                 forms=[b.form for b in batches])
+        return [((self.logits(h) if b.logits else None), h, cache) for b, (h, cache) in zip(batches, out)]
 
 
 def use_kernels(model: nnx.Module, kernels: str) -> nnx.Module:

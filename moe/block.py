@@ -24,15 +24,21 @@ from moe.router import route
 from pallas_kernels.backend import resolve
 from pallas_kernels.experts import GATHER_MAX_PAIRS, num_experts
 from pallas_kernels.experts import reference as experts_reference
+from pallas_kernels.expert_tiles import supports as tiles_support
+from pallas_kernels.expert_tiles import tile_moe
 from pallas_kernels.fused_moe import fused_moe
 from pallas_kernels.grouped_gemm import grouped_moe
 from pallas_kernels.quant import QuantizedWeight, dequantize
 
 
 @jax.named_scope("experts")
-def routed_experts(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend="auto", skips=False):
+def routed_experts(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend="auto", skips=False,
+                   n_decode=None):
     """The routed experts: unless the backend resolves to the reference, the fused Pallas kernels
-    up to GATHER_MAX_PAIRS (token, slot) pairs and the grouped GEMM beyond; `experts_reference`
+    up to GATHER_MAX_PAIRS (token, slot) pairs and the grouped GEMM beyond, or, for a mixed
+    iteration's tokens (n_decode not None: rows [0, n_decode) decode tokens, the rest a prefill
+    chunk's), the tile-scheduled kernel that runs the decode rows' tiles first
+    (`pallas_kernels.expert_tiles`, where it takes the weights' format); `experts_reference`
     otherwise. skips: pairs whose id is E (= w13.shape[0]) are skipped and add nothing (expert
     parallelism marks the pairs of other ranks so). The grouped GEMM leaves such pairs out; up
     to GATHER_MAX_PAIRS a skipped pair borrows the expert of a live one with weight 0, adding a
@@ -46,6 +52,9 @@ def routed_experts(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, bac
             flat = live.reshape(-1)
             borrow = jnp.where(jnp.any(flat), topk_ids.reshape(-1)[jnp.argmax(flat)], 0)
             topk_ids = jnp.where(live, topk_ids, borrow)
+    if backend != "reference" and n_decode is not None and tiles_support(w13, w2):
+        return tile_moe(x, topk_ids, topk_weights, w13, w2, n_decode=n_decode, swiglu_limit=swiglu_limit,
+                        backend=backend)
     if backend != "reference":
         kernel = fused_moe if topk_ids.size <= GATHER_MAX_PAIRS else grouped_moe
         return kernel(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, backend=backend)
@@ -97,7 +106,7 @@ class SwiGLUMLP(nnx.Module):
         self.limit = limit
 
     @jax.named_scope("mlp")
-    def __call__(self, x):  # [..., D]
+    def __call__(self, x, n_decode=None):  # [..., D]; n_decode: as `MoE`'s (one expert: nothing to schedule)
         flat = x.reshape(-1, x.shape[-1])
         m = flat.shape[0]
         w13, w2 = expert_weights(self.w13, self.w2)
@@ -134,7 +143,10 @@ class MoE(nnx.Module):
         """(w13, w2): arrays, or stacked `QuantizedWeight`s where `ling.quantize` made them `QExperts`."""
         return expert_weights(self.w13, self.w2)
 
-    def __call__(self, x):  # x [B, T, D]
+    def __call__(self, x, n_decode=None):
+        """x [B, T, D]. n_decode (static): None, or the flattened rows [0, n_decode) are a mixed
+        iteration's decode tokens and the rest a prefill chunk's (one tile-scheduled launch, decode
+        tiles first, on one device; expert parallelism runs them as any other tokens)."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         weights, ids = route(flat, self.gate_weight[...], self.expert_bias[...], top_k=self.top_k,
@@ -146,7 +158,8 @@ class MoE(nnx.Module):
             y = expert_parallel(flat, ids, weights, w13, w2, swiglu_limit=self.swiglu_limit, mesh=self.mesh,
                                 compute=functools.partial(routed_experts, backend=self.kernels))
         else:
-            y = routed_experts(flat, ids, weights, w13, w2, swiglu_limit=self.swiglu_limit, backend=self.kernels)
+            y = routed_experts(flat, ids, weights, w13, w2, swiglu_limit=self.swiglu_limit, backend=self.kernels,
+                               n_decode=n_decode)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         return y.reshape(b, t, d)

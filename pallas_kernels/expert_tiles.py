@@ -1,7 +1,7 @@
 """Tile-scheduled MoE: decode and prefill tokens of one layer in one persistent launch, decode first.
 
-Experimental: no serving path calls it yet (the server runs `fused_moe` for decode and
-`grouped_gemm` for prefill chunks); `bench/mixed_moe.py` measures it.
+The server's mixed iteration runs it (`moe.block.routed_experts` with n_decode: a decode step
+and a prefill chunk in one program); `bench/mixed_moe.py` measures it alone.
 
     y [M, D] = sum_k topk_weights[m, k] * expert_{topk_ids[m, k]}(x[m])   (fused_moe's maths)
     tokens [0, M_d) are the decode class, [M_d, M) the prefill class (M_d = n_decode).
@@ -707,6 +707,17 @@ def run_tiles(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit
     # The prefill rows, rounded after the launch (in place into the kernel's y: a dynamic update slice)
     y = lax.dynamic_update_slice_in_dim(y, y32[n_decode:m].astype(x.dtype), n_decode, axis=0)
     return TileRun(y, h, y32, sync, tr, st)
+
+
+def supports(w13, w2) -> bool:
+    """Whether the launch takes these weights: low-bit ones need the dot path's >= 16 words a
+    group, and the up tile an even block_n >= 32 (callers run fused_moe / grouped_gemm otherwise)."""
+    try:
+        up = weight_operands(w13, Tile().block_k, Tile().block_n, dot=True, stage="up")
+        weight_operands(w2, Tile().block_k, Tile().block_n, dot=True, stage="down")
+    except ValueError:
+        return False
+    return up.bn % 2 == 0 and up.bn >= 32
 
 
 def tile_moe(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit=None, backend="auto",

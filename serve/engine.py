@@ -5,6 +5,8 @@ One iteration: admit requests and dispatch the next prefill chunk (if any slot i
 dispatch the next decode step (if any slot is decoding), which returns the PREVIOUS step's tokens;
 deliver those; then read the first tokens of the prompts this chunk completed. The host reads
 results only after the next piece of device work is queued, so the device never idles on it.
+With the mixed iteration on (`Runner.mixable`), a chunk of one prompt and the step of the other
+decoding slots are one program instead of two; the prompt's slot decodes from the next iteration.
 """
 
 from __future__ import annotations
@@ -104,11 +106,9 @@ class Engine:
         idle = not self.scheduler.has_work() and not self.runner.pending
         self._read_inbox(block=idle)
         chunk = self.scheduler.next_chunk()
-        first = self.runner.prefill(chunk) if chunk is not None else None
+        first, result = self.runner.iterate(chunk, self.scheduler.decoding())
         if chunk is not None and chunk.lookups:
             self.metrics.record_prefix(chunk.lookups, self.scheduler.prefix.used)
-        owners = self.scheduler.decoding()
-        result = self.runner.step(owners) if any(r is not None for r in owners) else self.runner.drain()
         if result is not None:
             self._on_step(result)
         if chunk is not None:

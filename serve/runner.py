@@ -27,7 +27,7 @@ class StepResult:
 
 class Runner:
     def __init__(self, model, *, max_batch: int, max_seq_len: int, speculative_steps: int, buckets=None,
-                 contexts=(), prefix_entries: int = 0, prefix_interval: int = 0, drafter=None):
+                 contexts=(), prefix_entries: int = 0, prefix_interval: int = 0, drafter=None, mixed: bool = False):
         """buckets: the batch sizes the step is compiled for (`spec.stepper.Stepper`; None: the
         powers of two up to max_batch); a step runs the smallest that holds the decoding slots.
         contexts: the cache lengths the prefill chunk and the step are compiled for (`Stepper`,
@@ -35,11 +35,14 @@ class Runner:
         slots' positions, which the runner bounds from the host's side (`_length`).
         prefix_entries, prefix_interval: the prefix cache's pool (`spec.prefix.PrefixPool`; 0
         entries: no cache); the slots' caches are then a whole number of intervals long.
-        drafter: the speculative step's drafter (None: NEXTN; `spec.step.BlockDrafter`: DSpark)."""
+        drafter: the speculative step's drafter (None: NEXTN; `spec.step.BlockDrafter`: DSpark).
+        mixed: run a chunk of one prompt and the step of the slots decoding beside it as one
+        program (`mixed`; its variants are compiled by `warmup_mixed`)."""
         from spec.prefix import PrefixPool
         from spec.stepper import ChunkPrefiller, SlotCopier, Stepper, batch_buckets
 
         self.model = model
+        self.mixing = mixed and max_batch > 1
         self.max_batch, self.max_seq_len, self.speculative_steps = max_batch, max_seq_len, speculative_steps
         self.prefix_interval = prefix_interval if prefix_entries > 0 else 0
         self.stepper = Stepper(model, self._new_slots(), speculative=speculative_steps > 0,
@@ -69,6 +72,58 @@ class Runner:
         the first tokens [B] (-1 where the prompt does not end; a copy's own first token at its
         slot), to be read after the next step is dispatched. context: the cache length to run at
         (default: the shortest compiled one that holds the chunk's slots)."""
+        prepared, rows = self._prepare(chunk, self.stepper.buckets, context)
+        self.stepper.slots, first, *lp = self.prefiller(self.stepper.slots, **prepared)
+        return self._after_chunk(chunk, first, lp, rows)
+
+    def iterate(self, chunk: PrefillChunk | None, owners: list):
+        """One engine iteration's device work: the chunk (if any) and a step over the decoding
+        slots `owners` (if any; else the last step's result is drained), as one mixed program
+        where `mixable`, else as two. Returns (what `read_first` takes, or None without a chunk;
+        the previous step's result, or None)."""
+        mixed = None if chunk is None else self.mixable(chunk, owners)
+        if mixed is not None:
+            return self.mixed(chunk, mixed)
+        first = self.prefill(chunk) if chunk is not None else None
+        return first, self.step(owners) if any(r is not None for r in owners) else self.drain()
+
+    def mixable(self, chunk: PrefillChunk, owners: list) -> list | None:
+        """The owners a mixed iteration of this chunk would step (`mixed`): the decoding slots
+        that the chunk neither prefills nor copies into (those decode from the next iteration
+        on). None when there is no mixed iteration to run: mixing is off, the chunk prefills
+        more than one slot (the mixed programs are compiled for one), or nothing else decodes."""
+        if not self.mixing:
+            return None
+        busy = (np.asarray(chunk.start) > 0) | (np.asarray(chunk.valid) > 0)
+        if busy.sum() != 1:
+            return None
+        busy[[d for _, d in chunk.copies]] = True
+        owners = [None if busy[b] else r for b, r in enumerate(owners)]
+        return owners if any(r is not None for r in owners) else None
+
+    def mixed(self, chunk: PrefillChunk, owners: list):
+        """One program for the step over `owners` (from `mixable`) and the chunk over its one slot
+        (`spec.stepper.Stepper.dispatch` with a chunk): their attention apart, one MLP (the
+        tile-scheduled MoE) over both kinds of tokens. Returns (what `read_first` takes, the
+        previous step's result)."""
+        from spec.sampling import any_sampling
+
+        live = np.array([r is not None for r in owners])
+        self._length[live] += self.stepper.width
+        prepared, rows = self._prepare(chunk, (1,), int(self._length[live].max(initial=1)))
+        self._owners.append((owners, live, self._epoch.copy()))
+        chunk_call = self.prefiller.prepare(self.stepper.slots, **prepared)
+        report = self.stepper.step(sampling=any_sampling(self._sampling, live), live=live,
+                                   logprobs=bool(np.any(self._logprobs & live)), chunk=chunk_call)
+        first = self.prefiller.report(self.stepper.slots, chunk_call)
+        first, lp = (first if chunk_call.logprobs else (first, None))
+        return self._after_chunk(chunk, first, [] if lp is None else [lp], rows), self._result(report)
+
+    def _prepare(self, chunk: PrefillChunk, buckets, need: int):
+        """The chunk's bookkeeping (slots started, restores, lengths, what each slot samples) and
+        its arguments for `ChunkPrefiller` (host arrays over the rows of the smallest of `buckets`
+        that holds the slots it touches, at a context that holds them and `need`); returns
+        (arguments, rows)."""
         from spec.sampling import SamplingParams, any_sampling, needs_sampling
         from spec.stepper import bucket_rows
 
@@ -81,16 +136,21 @@ class Runner:
         self._length += np.asarray(chunk.valid)
         self._sampling[start] = needs_sampling(chunk)[start]
         self._logprobs[start] = False if chunk.logprobs is None else np.asarray(chunk.logprobs, bool)[start]
-        rows = bucket_rows(touched, self.stepper.buckets, self.max_batch)
+        rows = bucket_rows(touched, buckets, self.max_batch)
         pick = (lambda a: np.asarray(a)) if rows is None else (lambda a: np.asarray(a)[rows])
         params = SamplingParams(pick(chunk.temperature), pick(chunk.top_k), pick(chunk.top_p), pick(chunk.seed),
                                 pick(chunk.presence), pick(chunk.frequency), pick(chunk.repetition))  # host arrays
         logprobs = bool(np.any(self._logprobs & np.asarray(chunk.ends, bool)))
-        self.stepper.slots, first, *lp = self.prefiller(
-            self.stepper.slots, start=pick(chunk.start), params=params, max_new=pick(chunk.max_new),
-            eos=pick(chunk.eos), tokens=pick(chunk.tokens), next_tokens=pick(chunk.next_tokens),
-            valid=pick(chunk.valid), ends=pick(chunk.ends), sampling=any_sampling(self._sampling, chunk.ends),
-            rows=rows, logprobs=logprobs, context=context or int(self._length[touched].max(initial=1)))
+        need = max(need or 1, int(self._length[touched].max(initial=1)))
+        return dict(start=pick(chunk.start), params=params, max_new=pick(chunk.max_new), eos=pick(chunk.eos),
+                    tokens=pick(chunk.tokens), next_tokens=pick(chunk.next_tokens), valid=pick(chunk.valid),
+                    ends=pick(chunk.ends), sampling=any_sampling(self._sampling, chunk.ends), rows=rows,
+                    logprobs=logprobs, context=need), rows
+
+    def _after_chunk(self, chunk: PrefillChunk, first, lp, rows):
+        """The chunk's checkpoints and copies, dispatched after it; returns what `read_first` takes."""
+        from spec.sampling import needs_sampling
+
         for slot, entry, row0 in chunk.saves:
             self.pool.save(self.stepper.slots, slot, entry, row0)
         copied = None
@@ -208,17 +268,43 @@ class Runner:
         token into the first k slots with max_tokens 1, which leaves them done."""
         b = self.max_batch
         for k, context, temperature in itertools.product(self.stepper.buckets, self._warm_contexts(), (0.0, 1.0)):
-            some = np.arange(b) < k
-            chunk = PrefillChunk(start=some, tokens=np.zeros((b, chunk_size), np.int32),
-                                 next_tokens=np.zeros((b, chunk_size), np.int32), valid=some.astype(np.int32),
-                                 ends=some, owners=[None] * b, temperature=np.full(b, temperature, np.float32),
-                                 top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),
-                                 seed=np.zeros(b, np.uint32), presence=np.zeros(b, np.float32),
-                                 frequency=np.zeros(b, np.float32), repetition=np.ones(b, np.float32),
-                                 max_new=np.ones(b, np.int32), eos=np.full(b, -1, np.int32))
+            chunk = self._warm_chunk(np.arange(b) < k, chunk_size, temperature)
             self.read_first(self.prefill(chunk, context))
         self._sampling[:] = False
         self._length[:] = 0
+
+    def warmup_mixed(self, chunk_size: int) -> None:
+        """Compiles the mixed iteration (`mixed`) for every batch bucket of the step and cache
+        length, all-greedy and sampling, by prefilling one token into slot 0 with max_tokens 1
+        beside a step over slots that are all done: nothing changes but slot 0, left done."""
+        if not self.mixing:
+            return
+        b = self.max_batch
+        for k, context, temperature in itertools.product(self.stepper.buckets, self._warm_contexts(), (0.0, 1.0)):
+            chunk = self._warm_chunk(np.arange(b) < 1, chunk_size, temperature)
+            # the step's rows: slots 1..k, or every slot (which holds the chunk's: allowed, `Stepper`)
+            owners = [None] + [object()] * min(k, b - 1) + [None] * (b - 1 - min(k, b - 1))
+            if k == b:
+                owners[0] = object()
+            live = np.array([r is not None for r in owners])
+            prepared, rows = self._prepare(chunk, (1,), context)
+            call = self.prefiller.prepare(self.stepper.slots, **prepared)
+            self.stepper.step(sampling=temperature > 0, live=live, chunk=call)
+            np.asarray(self.prefiller.report(self.stepper.slots, call))
+            self.stepper.drain()
+        self._sampling[:] = False
+        self._length[:] = 0
+
+    def _warm_chunk(self, some, chunk_size: int, temperature: float) -> PrefillChunk:
+        """A chunk that prefills one token into the `some` slots with max_tokens 1 (leaves them done)."""
+        b = self.max_batch
+        return PrefillChunk(start=some, tokens=np.zeros((b, chunk_size), np.int32),
+                            next_tokens=np.zeros((b, chunk_size), np.int32), valid=some.astype(np.int32),
+                            ends=some, owners=[None] * b, temperature=np.full(b, temperature, np.float32),
+                            top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),
+                            seed=np.zeros(b, np.uint32), presence=np.zeros(b, np.float32),
+                            frequency=np.zeros(b, np.float32), repetition=np.ones(b, np.float32),
+                            max_new=np.ones(b, np.int32), eos=np.full(b, -1, np.int32))
 
     def warmup_copy(self) -> None:
         """Compiles the slot copy (`spec.stepper.SlotCopier`) by running it with no copies, which

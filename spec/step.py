@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ling.model import LingModel
+from ling.model import Batch, DraftBatch, LingModel
 from ling.state import KDAState, State, commit, init_state
 from spec.sampling import (MAX_TOP_LOGPROBS, SamplingParams, any_sampling, key_for, needs_sampling, penalize,
                            penalize_verify, probs, sample, token_logprobs)
@@ -151,6 +151,43 @@ def last_at(x, n):
     return jnp.take_along_axis(x, idx, axis=1)[:, 0]
 
 
+# Step programs. Each step below is written once, as a generator that yields the model forwards
+# it needs, in order: a target forward (`ling.model.Batch`) or a NEXTN one (`DraftBatch`), and is
+# sent each one's result. `run` drives one program; `run_together` drives several in one traced
+# program, each round's forwards of one kind as one grouped pass (`LingModel.forward`: every
+# layer's attention per batch, its MLP over all their tokens) — the mixed iteration.
+
+
+def run(model: LingModel, program):
+    """Drives one step program to its end; returns its result."""
+    return run_together(model, [program])[0]
+
+
+def run_together(model: LingModel, programs: list) -> list:
+    """Drives step programs side by side: each round takes every unfinished program's next
+    forward, runs those of the first pending kind as one grouped pass in the order of `programs`
+    (put decode steps before prefill chunks: the MoE then runs their tiles first), and sends each
+    its result. Returns each program's result. The programs must touch disjoint slots."""
+    results, pending = [None] * len(programs), {}
+
+    def advance(i, value):
+        try:
+            pending[i] = programs[i].send(value)
+        except StopIteration as stop:
+            results[i] = stop.value
+
+    for i in range(len(programs)):
+        advance(i, None)
+    while pending:
+        kind = type(pending[min(pending)])
+        ids = [i for i in sorted(pending) if type(pending[i]) is kind]
+        requests = [pending.pop(i) for i in ids]
+        outs = model.forward(requests) if kind is Batch else model.draft_forward(requests)
+        for i, out in zip(ids, outs):
+            advance(i, out)
+    return results
+
+
 def prefill_chunk(model: LingModel, slots: Slots, tokens, next_tokens, valid, ends, *, sampling: bool,
                   logprobs: bool = False) -> Slots:
     """One chunk of the prompts: tokens [B, C], next_tokens [B, C] (each token's successor in its
@@ -158,14 +195,21 @@ def prefill_chunk(model: LingModel, slots: Slots, tokens, next_tokens, valid, en
     slot's prompt ends in this chunk: those sample their first token. sampling (static): whether
     any of them samples (False: all greedy, the cheaper program). logprobs (static): keep the
     first token's log-probabilities in `slots.logprobs[:, 0]`."""
+    return run(model, prefill_program(model, slots, tokens, next_tokens, valid, ends, sampling=sampling,
+                                      logprobs=logprobs))
+
+
+def prefill_program(model: LingModel, slots: Slots, tokens, next_tokens, valid, ends, *, sampling: bool,
+                    logprobs: bool = False):
+    """`prefill_chunk` as a step program (`run_together`)."""
     lengths = slots.model.lengths
     taps = _dspark_taps(model, slots)
-    _, hidden, state, *tapped = model(tokens, slots.model, valid=valid, form="prefill", logits=False, taps=taps)
+    _, hidden, state, *tapped = yield Batch(tokens, slots.model, valid, "prefill", logits=False, taps=taps)
     if taps:  # the block drafter's context: positions lengths .. lengths + valid - 1
         state = state.replace(dspark=model.dspark.extend(state.dspark, tapped[0], lengths))
     if model.nextn is not None and state.nextn is not None:
         # NEXTN pairs (h_i, token_{i+1}); the final pair waits for the sampled token
-        _, _, cache = model.draft(hidden, next_tokens, state.nextn, lengths, form="prefill", logits=False)
+        _, _, cache = yield DraftBatch(hidden, next_tokens, state.nextn, lengths, "prefill", logits=False)
         state = state.replace(nextn=cache)
     rows = jnp.arange(tokens.shape[0])[:, None]
     in_chunk = jnp.arange(tokens.shape[1])[None] < valid[:, None]
@@ -221,9 +265,13 @@ def copy_slots(model: LingModel, slots: Slots, src, dst, count, seed):
 def decode_step(model: LingModel, slots: Slots, *, sampling: bool, logprobs: bool = False) -> Slots:
     """One token per live slot: the target over last_token, then sample (sampling, logprobs: as
     in `prefill_chunk`, over the live slots)."""
+    return run(model, decode_program(model, slots, sampling=sampling, logprobs=logprobs))
+
+
+def decode_program(model: LingModel, slots: Slots, *, sampling: bool, logprobs: bool = False):
+    """`decode_step` as a step program (`run_together`)."""
     live = ~slots.done
-    logits, hidden, state = model(slots.last_token[:, None], slots.model, valid=live.astype(jnp.int32),
-                                  form="decode")
+    logits, hidden, state = yield Batch(slots.last_token[:, None], slots.model, live.astype(jnp.int32), "decode")
     nxt, _ = sample(_penalized(logits[:, 0], slots, sampling), slots.params,
                     key_for(slots.params, slots.n_out, _SAMPLE), sampling=sampling)
     if logprobs:
@@ -355,12 +403,19 @@ def spec_step(model: LingModel, slots: Slots, num_steps: int, drafter: Drafter =
     """One draft -> verify -> accept -> commit -> extend step for every live slot (sampling,
     logprobs: as in `prefill_chunk`, over the live slots; an emitted token's log-probabilities are
     the verify pass's, the target's own distribution at its position)."""
+    return run(model, spec_program(model, slots, num_steps, drafter, sampling=sampling, logprobs=logprobs))
+
+
+def spec_program(model: LingModel, slots: Slots, num_steps: int, drafter: Drafter = nextn_chain, *,
+                 sampling: bool, logprobs: bool = False):
+    """`spec_step` as a step program (`run_together`): the drafts are made before its first
+    forward (the verify pass), the NEXTN extend is its second."""
     live = ~slots.done
     drafts, q, cache, *limit = drafter(model, slots, num_steps, sampling=sampling)
     limit = limit[0] if limit else None
     verify_tokens = jnp.concatenate([slots.last_token[:, None], drafts], axis=1)  # [B, S+1]
     taps = _dspark_taps(model, slots)
-    logits, hidden, pending, *tapped = model(verify_tokens, slots.model, form="verify", taps=taps)
+    logits, hidden, pending, *tapped = yield Batch(verify_tokens, slots.model, None, "verify", taps=taps)
     target = penalize_verify(logits, slots.counts, slots.seen, drafts, slots.params) if sampling else logits
     accepted, bonus = accept(target, drafts, q, slots.params, key_for(slots.params, slots.n_out, _ACCEPT),
                              key_for(slots.params, slots.n_out, _BONUS), sampling=sampling, limit=limit)
@@ -373,7 +428,8 @@ def spec_step(model: LingModel, slots: Slots, num_steps: int, drafter: Drafter =
         state = state.replace(dspark=model.dspark.extend(slots.model.dspark, tapped[0], slots.model.lengths))
     if model.nextn is not None and state.nextn is not None:
         pairs_h = jnp.concatenate([slots.last_hidden[:, None], hidden[:, :-1]], axis=1)  # h_{n-1} .. h_{n+S-1}
-        _, _, cache = model.draft(pairs_h, verify_tokens, cache, slots.model.lengths - 1, form="decode", logits=False)
+        _, _, cache = yield DraftBatch(pairs_h, verify_tokens, cache, slots.model.lengths - 1, "decode",
+                                       logits=False)
         state = state.replace(nextn=cache)
     if logprobs:  # emitted[:, j] is the target's token at verify position j
         slots = _record_logprobs(slots, logits, emitted)
@@ -389,10 +445,17 @@ def step_fn(speculative: bool, num_steps: int, sampling: bool, drafter: Drafter 
             logprobs: bool = False):
     """The step as a function of (model, slots); sampling and logprobs are static (see
     `prefill_chunk`)."""
+    program = step_program(speculative, num_steps, sampling, drafter, logprobs)
+    return lambda model, slots: run(model, program(model, slots))
+
+
+def step_program(speculative: bool, num_steps: int, sampling: bool, drafter: Drafter | None = None,
+                 logprobs: bool = False):
+    """`step_fn`'s step as a step program of (model, slots) (`run_together`)."""
     if speculative:
-        return lambda model, slots: spec_step(model, slots, num_steps, drafter or nextn_chain, sampling=sampling,
-                                              logprobs=logprobs)
-    return lambda model, slots: decode_step(model, slots, sampling=sampling, logprobs=logprobs)
+        return lambda model, slots: spec_program(model, slots, num_steps, drafter or nextn_chain, sampling=sampling,
+                                                 logprobs=logprobs)
+    return lambda model, slots: decode_program(model, slots, sampling=sampling, logprobs=logprobs)
 
 
 def live_sampling(slots: Slots) -> bool:

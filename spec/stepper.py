@@ -5,6 +5,8 @@ others (`copy_slots`: a prompt prefilled once for several choices)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,9 @@ from flax import nnx
 from ling.model import LingModel
 from ling.state import MLACache
 from spec.sampling import SamplingParams
-from spec.step import Slots, check_model, copy_slots, last_at, live_sampling, prefill_chunk, reset, step_fn
+from spec.step import (Slots, check_model, copy_slots, last_at, live_sampling, prefill_program, reset,
+                       run_together, step_program)
+from spec.step import run as run_program
 
 def _flat_weights(model: LingModel):
     """(the weights as a flat list of arrays, merge: such a list -> the model, for use under jit).
@@ -177,14 +181,26 @@ class Stepper:
         self.width = width = num_steps + 1 if speculative else 1
         slot_def = self._slot_def
 
-        def run(param_leaves, slot_leaves, count, rows, sampling, logprobs, context):
+        def run(param_leaves, slot_leaves, count, rows, chunk, sampling, logprobs, context, chunk_logprobs):
             full = jax.tree_util.tree_unflatten(slot_def, slot_leaves)
+            model = merge(param_leaves)
             s = gather_rows(full, rows, context)
             before = s.n_out
-            s = step_fn(speculative, num_steps, sampling, drafter, logprobs=logprobs)(merge(param_leaves), s)
+            program = step_program(speculative, num_steps, sampling, drafter, logprobs=logprobs)(model, s)
+            if chunk is None:
+                s = run_program(model, program)
+            else:  # the mixed iteration: the chunk's rows beside the step's, one forward for both
+                chunk_rows, packed = chunk
+                p = gather_rows(full, chunk_rows, context)
+                s, p = run_together(model, [program, prefill_step_program(
+                    model, p, *_unpack_chunk(packed, _chunk_width(packed)), sampling=sampling,
+                    logprobs=chunk_logprobs)])
             emitted = s.n_out - before
             count = count.at[slice(None) if rows is None else rows].set(emitted)  # in place: a use of count
-            return jax.tree_util.tree_leaves(scatter_rows(full, rows, s, context)), count
+            full = scatter_rows(full, rows, s, context)
+            if chunk is not None:  # after the step's rows: a step over every slot also ran the chunk's (done) rows
+                full = scatter_rows(full, chunk[0], p, context)
+            return jax.tree_util.tree_leaves(full), count
 
         def report(out, n_out, done, lp, top_ids, count, rows, logprobs):
             """[K, width + 2]: the new tokens (padded), their number and the done flag of the rows
@@ -195,7 +211,7 @@ class Stepper:
                                  done[:, None].astype(jnp.int32)], axis=1)
             return (r, lp[:, :width] + 0, top_ids[:, :width] + 0) if logprobs else r
 
-        self._step = jax.jit(run, donate_argnums=(1, 2), static_argnums=(4, 5, 6))
+        self._step = jax.jit(run, donate_argnums=(1, 2), static_argnums=(5, 6, 7, 8))
         self._report = jax.jit(report, static_argnums=7)
         # Placed as the slots are: a first step that met an uncommitted count would compile a
         # program of its own that no later step (whose count is the committed output) runs.
@@ -217,7 +233,7 @@ class Stepper:
     def lower(self):
         """The step program over every slot (greedy, without logprobs) lowered for the current slots,
         for inspecting its HLO."""
-        return self._step.lower(self._params, self._slots, self._count, None, self.sampling, False, None)
+        return self._step.lower(self._params, self._slots, self._count, None, None, self.sampling, False, None, False)
 
     def rows(self, live) -> np.ndarray | None:
         """The slot indices a step over `live` [B] bool runs (`bucket_rows`; None: every slot)."""
@@ -228,27 +244,40 @@ class Stepper:
         the whole cache)."""
         return pick_context(need, self.contexts, self.cache_len) if self.contexts else None
 
-    def dispatch(self, sampling: bool | None = None, live=None, logprobs: bool = False, context=None) -> None:
+    def dispatch(self, sampling: bool | None = None, live=None, logprobs: bool = False, context=None,
+                 chunk: PreparedChunk | None = None) -> None:
         """Queues a step over the `live` slots (None: all of them) and its report, whose copy to the
         host starts at once; `step` and `drain` read it. context: at most this many positions in any
-        live slot after the step (None: unknown)."""
+        live slot after the step (None: unknown). chunk: a prefill chunk (`ChunkPrefiller.prepare`)
+        over slots that are not live, run in the same program (the mixed iteration: one forward
+        for the step's tokens and the chunk's, `spec.step.run_together`); its first tokens are
+        read with `ChunkPrefiller.report`. The program then runs at the chunk's context, and in
+        the sampling variant if either part asks for it."""
         sampling = self.sampling if sampling is None else sampling
         rows = self.rows(live)
         on_device = None if rows is None else self._kept(rows)
-        self._slots, self._count = self._step(self._params, self._slots, self._count, on_device, bool(sampling),
-                                              bool(logprobs), self.context(context))
+        if chunk is None:
+            context, extra, chunk_logprobs = self.context(context), None, False
+        else:
+            if rows is not None and np.isin(chunk.rows, rows).any():
+                raise ValueError("a mixed iteration's chunk must run over slots the step does not")
+            context, extra, chunk_logprobs = chunk.context, (chunk.rows_on_device, chunk.packed), chunk.logprobs
+            sampling = sampling or chunk.sampling
+        self._slots, self._count = self._step(self._params, self._slots, self._count, on_device, extra,
+                                              bool(sampling), bool(logprobs), context, chunk_logprobs)
         report = self._report(*(self._slots[i] for i in self._read), self._count, on_device, bool(logprobs))
         for a in jax.tree_util.tree_leaves(report):
             a.copy_to_host_async()
         self._pending = (report, rows)
 
-    def step(self, sampling: bool | None = None, live=None, logprobs: bool = False, context=None):
+    def step(self, sampling: bool | None = None, live=None, logprobs: bool = False, context=None,
+             chunk: PreparedChunk | None = None):
         """Dispatches a step over the `live` slots (None: all of them); returns the previous one's
         results (`_unpack`). logprobs: report the new tokens' log-probabilities (a program of its
         own, compiled at first use; the slots need a logprob_width of at least the step's width);
-        context: as in `dispatch`."""
+        context, chunk: as in `dispatch`."""
         previous = self._pending
-        self.dispatch(sampling, live, logprobs, context)
+        self.dispatch(sampling, live, logprobs, context, chunk)
         return self._unpack(previous)
 
     def drain(self):
@@ -290,14 +319,21 @@ def prefill_step(model: LingModel, slots: Slots, start, params: SamplingParams, 
     sampling (static): whether any slot in `ends` samples its first token; logprobs (static): keep
     the first tokens' log-probabilities in `slots.logprobs[:, 0]`.
     Returns the slots; the sampled first token of a slot in `ends` is its `out[:, 0]`."""
+    return run_program(model, prefill_step_program(model, slots, start, params, max_new, eos, tokens, next_tokens, valid,
+                                           ends, sampling=sampling, logprobs=logprobs))
+
+
+def prefill_step_program(model: LingModel, slots: Slots, start, params: SamplingParams, max_new, eos, tokens,
+                         next_tokens, valid, ends, *, sampling: bool, logprobs: bool = False):
+    """`prefill_step` as a step program (`spec.step.run_together`)."""
     start = jnp.asarray(start)
     slots = reset(slots, start > 0, params, max_new, eos, restored=start == 2)
     start = start > 0
     slots = slots.replace(done=(slots.done | start) & ~ends)
-    slots = prefill_chunk(model, slots, tokens, next_tokens, valid, valid > 0, sampling=sampling, logprobs=logprobs)
+    slots = yield from prefill_program(model, slots, tokens, next_tokens, valid, valid > 0, sampling=sampling,
+                                       logprobs=logprobs)
     mid = (valid > 0) & ~ends
-    slots = slots.replace(last_token=jnp.where(mid, last_at(next_tokens, valid), slots.last_token))
-    return slots
+    return slots.replace(last_token=jnp.where(mid, last_at(next_tokens, valid), slots.last_token))
 
 
 # The columns of a prefill chunk's packed arguments (`ChunkPrefiller`), after tokens and next_tokens
@@ -318,6 +354,23 @@ def _unpack_chunk(packed, c: int):
                             floats["frequency"], floats["repetition"])
     return (ints["start"], params, ints["max_new"], ints["eos"], tokens, next_tokens, ints["valid"],
             ints["ends"] > 0)
+
+
+def _chunk_width(packed) -> int:
+    """C of a packed chunk [K, 2C + 12]."""
+    return (packed.shape[1] - len(_INT_ARGS) - len(_FLOAT_ARGS)) // 2
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedChunk:
+    """A prefill chunk's arguments on the device (`ChunkPrefiller.prepare`)."""
+
+    packed: jax.Array  # [K, 2C + 12] int32 (`ChunkPrefiller._pack`)
+    rows: np.ndarray | None  # [K] the slots it runs (None: all of them)
+    rows_on_device: jax.Array | None
+    sampling: bool
+    logprobs: bool
+    context: int | None  # the MLA caches' positions it runs over (None: all)
 
 
 class ChunkPrefiller:
@@ -346,9 +399,10 @@ class ChunkPrefiller:
         self.contexts = tuple(sorted(set(contexts or ())))
 
         def run(param_leaves, slots, rows, packed, sampling, logprobs, context):
-            args = _unpack_chunk(packed, (packed.shape[1] - len(_INT_ARGS) - len(_FLOAT_ARGS)) // 2)
-            sub = prefill_step(merge(param_leaves), gather_rows(slots, rows, context), *args, sampling=sampling,
-                               logprobs=logprobs)
+            model = merge(param_leaves)
+            sub = run_program(model, prefill_step_program(model, gather_rows(slots, rows, context),
+                                                          *_unpack_chunk(packed, _chunk_width(packed)),
+                                                          sampling=sampling, logprobs=logprobs))
             return scatter_rows(slots, rows, sub, context)
 
         def report(out, logprobs_buf, top_ids, rows, packed, logprobs):
@@ -373,15 +427,33 @@ class ChunkPrefiller:
         return np.concatenate([np.asarray(tokens, np.int32), np.asarray(next_tokens, np.int32),
                                np.stack([ints[n] for n in _INT_ARGS] + floats, axis=1)], axis=1)
 
-    def __call__(self, slots: Slots, *, start, params: SamplingParams, max_new, eos, tokens, next_tokens, valid,
-                 ends, sampling: bool, rows=None, logprobs: bool = False, context: int | None = None):
+    def prepare(self, slots: Slots, *, start, params: SamplingParams, max_new, eos, tokens, next_tokens, valid,
+                ends, sampling: bool, rows=None, logprobs: bool = False, context: int | None = None) -> PreparedChunk:
+        """The chunk's arguments on the device, for `__call__` or a mixed iteration (`Stepper.dispatch`)."""
         packed = self._kept(self._pack(start, params, max_new, eos, tokens, next_tokens, valid, ends))
         on_device = None if rows is None else self._kept(np.asarray(rows, np.int32))
         context = pick_context(context, self.contexts, cache_len(slots)) if self.contexts else None
-        slots = self._call(self._params, slots, on_device, packed, bool(sampling), bool(logprobs), context)
-        first = self._report(slots.out, slots.logprobs, slots.top_ids, on_device, packed, bool(logprobs))
+        return PreparedChunk(packed, None if rows is None else np.asarray(rows), on_device, bool(sampling),
+                             bool(logprobs), context)
+
+    def report(self, slots: Slots, chunk: PreparedChunk):
+        """Queues the read of a dispatched chunk's first tokens (and their log-probabilities, if it
+        asked): first [K], or (first [K], (log-probabilities [K, 1 + top], top ids [K, top])); their
+        copy to the host starts at once."""
+        first = self._report(slots.out, slots.logprobs, slots.top_ids, chunk.rows_on_device, chunk.packed,
+                             chunk.logprobs)
         for a in jax.tree_util.tree_leaves(first):
             a.copy_to_host_async()
+        return first
+
+    def __call__(self, slots: Slots, *, start, params: SamplingParams, max_new, eos, tokens, next_tokens, valid,
+                 ends, sampling: bool, rows=None, logprobs: bool = False, context: int | None = None):
+        chunk = self.prepare(slots, start=start, params=params, max_new=max_new, eos=eos, tokens=tokens,
+                             next_tokens=next_tokens, valid=valid, ends=ends, sampling=sampling, rows=rows,
+                             logprobs=logprobs, context=context)
+        slots = self._call(self._params, slots, chunk.rows_on_device, chunk.packed, chunk.sampling, chunk.logprobs,
+                           chunk.context)
+        first = self.report(slots, chunk)
         return (slots, *first) if logprobs else (slots, first)
 
 

@@ -130,9 +130,7 @@ def serve(runner, sched, requests):
         chunk = sched.next_chunk()
         if chunk is not None:
             lookups += chunk.lookups
-        first = runner.prefill(chunk) if chunk is not None else None
-        owners = sched.decoding()
-        result = runner.step(owners) if any(o is not None for o in owners) else runner.drain()
+        first, result = runner.iterate(chunk, sched.decoding())
         if result is not None:
             for b, r in enumerate(result.owners):
                 take(r, result.tokens[b], bool(result.done[b]))
@@ -151,9 +149,11 @@ def runners(model, request):
 
     made = []
     for entries in (0, 12):
+        # the cached runner runs mixed iterations: restores, checkpoints and a mixed program together
         r = Runner(model, max_batch=SLOTS, max_seq_len=CONTEXT, speculative_steps=request.param,
-                   prefix_entries=entries, prefix_interval=I)
+                   prefix_entries=entries, prefix_interval=I, mixed=entries > 0)
         r.warmup_prefill(I)
+        r.warmup_mixed(I)
         r.warmup_prefix()
         made.append(r)
     return made

@@ -23,16 +23,29 @@ def model():
     return ling.load("ling-tiny", dtype="float32", seed=1)
 
 
-def make_runner(model, steps, contexts=()):
-    r = Runner(model, max_batch=SLOTS, max_seq_len=CONTEXT, speculative_steps=steps, contexts=contexts)
+def make_runner(model, steps, contexts=(), mixed=False):
+    r = Runner(model, max_batch=SLOTS, max_seq_len=CONTEXT, speculative_steps=steps, contexts=contexts, mixed=mixed)
     r.warmup_prefill(CHUNK)
     r.warmup_step()
+    r.warmup_mixed(CHUNK)
     return r
 
 
 @pytest.fixture(scope="module")
 def runner(model):
     return make_runner(model, STEPS)
+
+
+@pytest.fixture(scope="module")
+def mixed_runner(model):
+    return make_runner(model, STEPS, mixed=True)
+
+
+def counting_mixed(runner, monkeypatch) -> list:
+    """Counts the runner's mixed iterations (a list that grows by one each)."""
+    calls, real = [], runner.mixed
+    monkeypatch.setattr(runner, "mixed", lambda chunk, owners: calls.append(1) or real(chunk, owners))
+    return calls
 
 
 def serve(runner, requests, arrivals, check=None):
@@ -55,9 +68,7 @@ def serve(runner, requests, arrivals, check=None):
             if at == it:
                 sched.add(r)
         chunk = sched.next_chunk()
-        first = runner.prefill(chunk) if chunk is not None else None
-        owners = sched.decoding()
-        result = runner.step(owners) if any(o is not None for o in owners) else runner.drain()
+        first, result = runner.iterate(chunk, sched.decoding())
         if result is not None:
             for b, r in enumerate(result.owners):
                 take(r, result.tokens[b])
@@ -72,9 +83,15 @@ def serve(runner, requests, arrivals, check=None):
     return [out[r.id][: r.sampling.max_tokens] for r in everyone]
 
 
-@pytest.mark.parametrize("speculative", [True, False])
-def test_interleaved_serving_equals_plain_greedy(model, runner, speculative):
-    runner = runner if speculative else make_runner(model, 0)  # plain: models without a NEXTN layer
+@pytest.mark.parametrize("speculative,mixed", [(True, False), (False, False), (True, True), (False, True)])
+def test_interleaved_serving_equals_plain_greedy(model, runner, mixed_runner, speculative, mixed, monkeypatch):
+    """Also with the mixed iteration: a chunk of one prompt and the other slots' step as one
+    program (one MoE call over both kinds of tokens) gives the same outputs."""
+    if speculative:
+        runner = mixed_runner if mixed else runner
+    else:  # plain: models without a NEXTN layer
+        runner = make_runner(model, 0, mixed=mixed)
+    mixes = counting_mixed(runner, monkeypatch)
     rng = np.random.default_rng(0)
     lengths, max_new = (40, 7, 50, 23, 33, 3), (30, 24, 12, 30, 20, 25)
     prompts = [rng.integers(2, model.cfg.vocab_size, n).tolist() for n in lengths]
@@ -82,6 +99,18 @@ def test_interleaved_serving_equals_plain_greedy(model, runner, speculative):
     requests = [Request(p, Sampling(max_tokens=n, temperature=0.0)) for p, n in zip(prompts, max_new)]
     got = serve(runner, requests, arrivals=(0, 0, 2, 3, 9, 10))  # 6 requests, 3 slots: queueing and reuse
     assert got == [ref[:n] for ref, n in zip(reference, max_new)]
+    assert (len(mixes) >= 5) if mixed else not mixes
+
+
+def test_mixed_iterations_compile_nothing_after_warm_up(model, mixed_runner):
+    """Every mixed program a run needs (each step bucket, both sampling variants) was compiled by
+    `warmup_mixed`, greedy and sampled requests arriving while others decode."""
+    compiled = mixed_runner.stepper._step._cache_size()
+    rng = np.random.default_rng(6)
+    requests = [Request(rng.integers(2, model.cfg.vocab_size, n).tolist(),
+                        Sampling(max_tokens=12, temperature=t, seed=n)) for n, t in ((5, 0.0), (40, 0.7), (30, 0.0))]
+    serve(mixed_runner, requests, arrivals=(0, 1, 3))
+    assert mixed_runner.stepper._step._cache_size() == compiled
 
 
 @pytest.mark.parametrize("speculative", [True, False])
@@ -102,7 +131,7 @@ def test_context_buckets_change_no_output_and_hold_every_slot(model, speculative
     real = runner.stepper._step
 
     def recording(*args):
-        used.add(args[-1])
+        used.add(args[-2])  # the context (last: the chunk's logprobs flag)
         return real(*args)
 
     runner.stepper._step = recording
@@ -118,7 +147,9 @@ def test_context_buckets_change_no_output_and_hold_every_slot(model, speculative
     assert (real._cache_size(), runner.prefiller._call._cache_size()) == compiled
 
 
-def test_seeded_sampling_does_not_depend_on_company(model, runner):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_seeded_sampling_does_not_depend_on_company(model, runner, mixed_runner, mixed):
+    runner = mixed_runner if mixed else runner
     rng = np.random.default_rng(1)
     prompt = rng.integers(2, model.cfg.vocab_size, 37).tolist()
     sampled = lambda: Request(prompt, Sampling(max_tokens=25, temperature=0.8, top_p=0.9, seed=11))

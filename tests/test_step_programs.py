@@ -37,11 +37,18 @@ def round_trips(jaxpr) -> list[str]:
     return found
 
 
-def programs(runner: Runner):
-    """(name, jaxpr) of each program the runner compiles: prefill chunk and step at each batch
-    bucket and cache length, both sampling variants, and the variant that reports log-probabilities."""
+def packed_chunk(prefiller, n: int, c: int):
+    """A prefill chunk's packed arguments for n rows of c tokens (their values do not matter here)."""
     from spec.sampling import SamplingParams
 
+    return jnp.asarray(prefiller._pack(np.ones(n, bool), SamplingParams.make(n, temperature=0.5), np.zeros(n),
+                                       np.zeros(n), np.zeros((n, c)), np.zeros((n, c)), np.ones(n), np.ones(n, bool)))
+
+
+def programs(runner: Runner):
+    """(name, jaxpr) of each program the runner compiles: prefill chunk, step and mixed iteration
+    at each batch bucket and cache length, both sampling variants, and the variant that reports
+    log-probabilities."""
     stepper, prefiller = runner.stepper, runner.prefiller
     b, c = runner.max_batch, 8
     for sampling, logprobs in ((False, False), (True, False), (True, True)):
@@ -51,17 +58,21 @@ def programs(runner: Runner):
             on_device = None if rows is None else jnp.asarray(rows)
             for context in (*stepper.contexts, None):
                 yield f"step batch {k} context {context} {variant}", jax.make_jaxpr(
-                    stepper._step, static_argnums=(4, 5, 6))(stepper._params, stepper._slots, stepper._count,
-                                                             on_device, sampling, logprobs, context)
+                    stepper._step, static_argnums=(5, 6, 7, 8))(stepper._params, stepper._slots, stepper._count,
+                                                                on_device, None, sampling, logprobs, context, False)
+            # the mixed iteration: the step beside a one-row prefill chunk
+            chunk = (jnp.zeros(1, jnp.int32), packed_chunk(prefiller, 1, c))
+            for context in (*prefiller.contexts, None):
+                yield f"mixed step batch {k} context {context} {variant}", jax.make_jaxpr(
+                    stepper._step, static_argnums=(5, 6, 7, 8))(stepper._params, stepper._slots, stepper._count,
+                                                                on_device, chunk, sampling, logprobs, context, logprobs)
             yield f"report batch {k} {variant}", jax.make_jaxpr(stepper._report, static_argnums=7)(
                 *(stepper._slots[i] for i in stepper._read), stepper._count, on_device, logprobs)
         for k in stepper.buckets:  # every batch bucket's prefill chunk and the report of its first tokens
             rows = stepper.rows(np.arange(b) < k)
             n = b if rows is None else len(rows)
             on_device = None if rows is None else jnp.asarray(rows)
-            packed = jnp.asarray(prefiller._pack(np.ones(n, bool), SamplingParams.make(n, temperature=0.5),
-                                                 np.zeros(n), np.zeros(n), np.zeros((n, c)), np.zeros((n, c)),
-                                                 np.ones(n), np.ones(n, bool)))
+            packed = packed_chunk(prefiller, n, c)
             for context in (*prefiller.contexts, None):
                 yield f"prefill batch {k} context {context} {variant}", jax.make_jaxpr(
                     prefiller._call, static_argnums=(4, 5, 6))(prefiller._params, stepper.slots, on_device, packed,
@@ -96,10 +107,11 @@ def test_step_programs_hold_no_host_round_trip(backend, spec_steps, weights):
         bad = round_trips(jaxpr.jaxpr)
         assert not bad, f"{name} ({backend}, {weights}, S={spec_steps}) makes the host wait:\n  " + "\n  ".join(bad)
         seen += 1
-    # 2 buckets x (step at each context, prefill at 2, and their reports) x 3 variants; the step has
-    # context buckets only where its attention reads the whole cache; and the prefix cache's 3 programs.
+    # 2 buckets x (step at each context, mixed iteration at 2, prefill at 2, and their reports) x 3
+    # variants; the step alone has context buckets only where its attention reads the whole cache;
+    # and the prefix cache's 3 programs.
     step_contexts = 2 if backend == "reference" else 1
-    assert runner.stepper.buckets == (1, 2) and seen == 3 * 2 * (step_contexts + 1 + 2 + 1) + 3
+    assert runner.stepper.buckets == (1, 2) and seen == 3 * 2 * (step_contexts + 2 + 1 + 2 + 1) + 3
 
 
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
@@ -123,7 +135,7 @@ def test_block_drafting_programs_hold_no_host_round_trip(backend):
         bad = round_trips(jaxpr.jaxpr)
         assert not bad, f"{name} ({backend}, dspark) makes the host wait:\n  " + "\n  ".join(bad)
         seen += 1
-    assert seen == 3 * 2 * 4  # 2 buckets x (step, prefill and their reports) x 3 variants
+    assert seen == 3 * 2 * 5  # 2 buckets x (step, mixed iteration, prefill and their reports) x 3 variants
 
 
 def test_the_check_finds_a_cond_and_names_its_line():
