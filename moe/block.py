@@ -94,9 +94,11 @@ class SwiGLUMLP(nnx.Module):
     """down(swiglu(gate(x), up(x))): the dense MLP of the first layers and the shared expert.
 
     Held as one expert in the routed experts' format, w13 [1, D, 2I] (gate and up interleaved)
-    and w2 [1, I, D], or `QExperts`: up to GATHER_MAX_PAIRS rows (decode, verify) it runs the
-    fused MoE kernels as an expert that every row picks with weight 1 (two launches, the weights
-    streamed once); longer inputs (prefill, training) run two plain matmuls."""
+    and w2 [1, I, D], or `QExperts`: with the kernels, up to GATHER_MAX_PAIRS rows (decode,
+    verify) run the fused MoE kernels as an expert that every row picks with weight 1 (two
+    launches, the weights streamed once); longer inputs (prefill, training), and any input on
+    the reference backend (whose gathered form would copy the weights once a row), run two plain
+    matmuls."""
 
     def __init__(self, d: int, inter: int, *, limit: float | None = None, dtype, rngs: nnx.Rngs,
                  kernels: str = "auto"):
@@ -110,7 +112,7 @@ class SwiGLUMLP(nnx.Module):
         flat = x.reshape(-1, x.shape[-1])
         m = flat.shape[0]
         w13, w2 = expert_weights(self.w13, self.w2)
-        if m <= GATHER_MAX_PAIRS:
+        if m <= GATHER_MAX_PAIRS and self.kernels != "reference":
             y = routed_experts(flat, jnp.zeros((m, 1), jnp.int32), jnp.ones((m, 1), jnp.float32), w13, w2,
                                swiglu_limit=self.limit, backend=self.kernels)
         else:

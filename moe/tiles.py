@@ -14,9 +14,9 @@ At s = 1 the three slopes merge into one (beta + gamma + delta): a fit on MoE sa
 and beta and sets gamma = delta = 0, since they cannot be told apart there; samples with several
 values of s (an attention profile) determine all four.
 
-The server runs decode and prefill as two programs, so a step's x_moe is the sum of the two
-classes' tiles. The tile-scheduled kernel (pallas_kernels/expert_tiles.py) aligns their union
-instead, each expert's decode pairs in hot blocks (filled up with its prefill pairs when hot and
+Run as two programs, decode and prefill make a step's x_moe the sum of the two classes'
+tiles. The server's mixed iteration runs them as one, through the tile-scheduled kernel
+(pallas_kernels/expert_tiles.py), which aligns their union instead, each expert's decode pairs in hot blocks (filled up with its prefill pairs when hot and
 cold blocks are one height) and the rest in cold blocks: `x_moe_tile_kernel` counts those.
 
 Routing is unknown when the scheduler plans a step (it happens on device, per layer), so the
@@ -169,9 +169,14 @@ class TileModel:
     def expected_tiles(self, tokens: int, probs=None) -> float:
         return expected_x_moe(tokens, self.n_experts, self.top_k, self.block_m, probs)
 
-    def iteration_us(self, *, decode_tiles: float, prefill_tiles: float, layers: int) -> float:
-        """A server iteration: the decode step and the prefill chunk are separate programs, so
-        each MoE layer is two launches (one per class present) plus the fixed overhead."""
+    def iteration_us(self, *, decode_tiles: float, prefill_tiles: float, layers: int,
+                     union_tiles: float | None = None) -> float:
+        """A server iteration plus the fixed overhead. Separate programs for the decode step and
+        the prefill chunk: each MoE layer is two launches (one per class present). A mixed
+        iteration (union_tiles given: the x_moe of both classes' tokens aligned together, as the
+        tile-scheduled kernel does): one launch a layer."""
+        if union_tiles is not None:
+            return self.step_overhead_us + layers * self.launch_us(union_tiles)
         return self.step_overhead_us + layers * (self.launch_us(decode_tiles) + self.launch_us(prefill_tiles))
 
     def save(self, path: str) -> None:
@@ -218,20 +223,24 @@ def chunk_candidates(max_chunk: int, smallest: int = 16) -> list[int]:
 
 
 def largest_chunk(model: TileModel, *, budget_us: float, candidates, rows: int, layers: int,
-                  decode_tokens: int = 0, decode_counts=None, probs=None) -> int:
+                  decode_tokens: int = 0, decode_counts=None, probs=None, mixed: bool = False) -> int:
     """The largest chunk C in candidates whose predicted iteration fits budget_us, else 0.
 
-    A chunk of width C runs rows*C prefill tokens (the server's chunk call is [slots, C]); its x_moe
-    is their expectation (`expected_x_moe`, probs as there). The decode batch is decode_counts
-    (per-expert rows [E]: the exact x_moe) or decode_tokens (its expectation)."""
+    A chunk of width C runs rows*C prefill tokens (the chunk call is [rows, C]); its x_moe is
+    their expectation (`expected_x_moe`, probs as there). The decode batch is decode_counts
+    (per-expert rows [E]: the exact x_moe) or decode_tokens (its expectation). mixed: the chunk
+    and the decode step are one program (one launch a layer over the union of their tokens,
+    whose x_moe is the expectation for decode_tokens + rows*C tokens)."""
     if decode_counts is not None:
         x_d = float(x_moe(decode_counts, model.block_m))
+        decode_tokens = int(np.sum(decode_counts))
     else:
         x_d = model.expected_tiles(decode_tokens, probs)
     best = 0
     for c in sorted(candidates):
         x_p = model.expected_tiles(rows * c, probs)
-        if model.iteration_us(decode_tiles=x_d, prefill_tiles=x_p, layers=layers) <= budget_us:
+        x_u = model.expected_tiles(decode_tokens + rows * c, probs) if mixed else None
+        if model.iteration_us(decode_tiles=x_d, prefill_tiles=x_p, layers=layers, union_tiles=x_u) <= budget_us:
             best = c
     return best
 
@@ -247,7 +256,7 @@ class ChunkSizer:
     model: TileModel
     budget_us: float
     candidates: tuple[int, ...]
-    rows: int  # tokens per chunk column: the server's slots
+    rows: int  # the chunk call's rows when the caller does not say: the server's slots
     layers: int  # MoE layers per step
 
     def __post_init__(self):
@@ -257,9 +266,12 @@ class ChunkSizer:
             raise ValueError(f"the TPOT budget must be positive, got {self.budget_us} µs")
 
     @functools.lru_cache(maxsize=256)
-    def __call__(self, decode_tokens: int) -> int:
+    def __call__(self, decode_tokens: int, rows: int | None = None, mixed: bool = False) -> int:
+        """rows: the prompts the chunk prefills (default `self.rows`); mixed: the chunk runs in
+        one program with the decode step (`largest_chunk`)."""
         if decode_tokens <= 0:
             return max(self.candidates)
-        c = largest_chunk(self.model, budget_us=self.budget_us, candidates=self.candidates, rows=self.rows,
-                          layers=self.layers, decode_tokens=decode_tokens)
+        c = largest_chunk(self.model, budget_us=self.budget_us, candidates=self.candidates,
+                          rows=self.rows if rows is None else rows, layers=self.layers, decode_tokens=decode_tokens,
+                          mixed=mixed)
         return c or min(self.candidates)

@@ -7,11 +7,19 @@ accepted length of speculative decoding (from the server's /metrics, before and 
     python -m serve.bench --dataset jsonl --dataset-path prompts.jsonl --request-rate 4 --output-json out.json
     python -m serve.bench --num-prompts 64 --concurrency 8 --plot run.png
     python -m serve.bench --multi-turn --num-prompts 8 --turns 4 --random-input-len 4096 --turn-input-len 128
+    python -m serve.bench --streams 16 --num-prompts 8 --random-input-len 8192 --random-range-ratio 0.25 \\
+        --random-output-len 16 --request-rate 0.5
 
 Datasets (`--dataset`, or SGLang's `--dataset-name`): `random` and `random-ids` both send uniform
 random token ids (this tool has no ShareGPT text to draw `random`'s prompts from offline), `jsonl`
 reads a file. A JSONL line is {"prompt": "text" | [token ids]} or {"messages": [...]}, with an optional
 "max_tokens" (default --random-output-len).
+
+`--streams N`: decode tokens waiting behind prefill. N running streams (short prompts, long outputs)
+run alone, then again while the --num-prompts prompts (e.g. --random-input-len 8192
+--random-range-ratio 0.25: 2k-8k tokens) arrive at --request-rate. Reported per phase: the streams'
+TPOT and median / P99 ITL (while arrivals are in flight), the arrivals' TTFT, throughput, and the
+ratio of the streams' P99 ITL with arrivals to without.
 
 `--multi-turn`: synthetic chats for the prefix cache. --num-prompts conversations, each opening with
 a --random-input-len prompt; turn t + 1 resends turn t's prompt, its output (re-tokenised from the
@@ -284,6 +292,92 @@ async def multi_turn(args, tokenizer) -> dict:
     return out
 
 
+async def with_streams(args, items: list[Item], tokenizer) -> dict:
+    """The --streams workload (module docstring): the streams alone, then the streams again with
+    `items` arriving at --request-rate beside them. Returns {"alone": ..., "arrivals": ...}: the
+    streams' TPOT and ITL (in the second phase only the gaps that end between the first arrival
+    and the last one's completion), the arrivals' TTFT, and each phase's output throughput."""
+    stream_args = argparse.Namespace(**{**vars(args), "num_prompts": args.streams, "random_output_len":
+                                        args.stream_output_len, "random_input_len": args.stream_input_len,
+                                        "random_range_ratio": 1.0, "seed": args.seed + 1})
+    stream_items = random_items(stream_args, tokenizer)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.streams + len(items), max_keepalive_connections=None)
+    ms = lambda xs, f: float(f(np.asarray(xs)) * 1e3) if len(xs) else float("nan")  # noqa: E731
+    p99 = lambda a: np.percentile(a, 99)  # noqa: E731
+    out = {}
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=httpx.Timeout(None, connect=30),
+                                 limits=limits) as client:
+        model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        for item in (stream_items[0], items[0]):  # compiles / warms outside the measurement
+            warm = await send(client, args, model, dataclasses.replace(item, max_tokens=4))
+            if not warm.ok:
+                raise SystemExit(f"error: the warm-up request failed: {warm.error}")
+        rng = np.random.default_rng(args.seed + 2)
+        for phase in ("alone", "arrivals"):
+            start = time.perf_counter()
+            running = [asyncio.create_task(send(client, args, model, it)) for it in stream_items]
+            arrivals = []
+            if phase == "arrivals":
+                await asyncio.sleep(args.streams_lead_s)  # the streams decode before the first arrival
+                for item in items:
+                    arrivals.append(asyncio.create_task(send(client, args, model, item)))
+                    if math.isfinite(args.request_rate):
+                        await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+            new = await asyncio.gather(*arrivals)
+            streams = await asyncio.gather(*running)
+            duration = time.perf_counter() - start
+            ok = [r for r in streams if r.ok]
+            if phase == "arrivals" and new:
+                lo = min(r.start for r in new)
+                hi = max((r.start + r.latency for r in new if r.ok), default=lo)
+                gaps = [g for r in ok for t, g in zip(r.token_times()[1:], r.itl) if lo <= t <= hi]
+                covered = max((r.start + r.latency for r in ok), default=lo) >= hi
+            else:
+                gaps, covered = [x for r in ok for x in r.itl], True
+            tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+            done = [r for r in (*streams, *new) if r.ok]
+            failed = [r for r in (*streams, *new) if not r.ok]
+            out[phase] = {
+                "streams": args.streams, "arrivals": len(new), "failed": len(failed),
+                "first_error": failed[0].error if failed else None, "duration_s": duration,
+                "stream_mean_tpot_ms": ms(tpot, np.mean), "stream_median_itl_ms": ms(gaps, np.median),
+                "stream_p99_itl_ms": ms(gaps, p99), "stream_max_itl_ms": ms(gaps, np.max), "itl_samples": len(gaps),
+                "streams_outlast_arrivals": bool(covered),
+                "arrival_mean_ttft_ms": ms([r.ttft for r in new if r.ok], np.mean),
+                "arrival_p99_ttft_ms": ms([r.ttft for r in new if r.ok], p99),
+                "output_throughput": sum(r.output_tokens for r in done) / duration,
+                "total_throughput": sum(r.output_tokens + r.prompt_tokens for r in done) / duration,
+            }
+    a, b = out["alone"], out["arrivals"]
+    out["p99_itl_ratio"] = b["stream_p99_itl_ms"] / a["stream_p99_itl_ms"] if a["stream_p99_itl_ms"] else None
+    return out
+
+
+def streams_report(runs: dict) -> str:
+    a, b = runs["alone"], runs["arrivals"]
+    rows = [("Streams / arrivals", None), ("Benchmark duration (s)", "duration_s"),
+            ("Streams: mean TPOT (ms)", "stream_mean_tpot_ms"), ("Streams: median ITL (ms)", "stream_median_itl_ms"),
+            ("Streams: P99 ITL (ms)", "stream_p99_itl_ms"), ("Streams: max ITL (ms)", "stream_max_itl_ms"),
+            ("Arrivals: mean TTFT (ms)", "arrival_mean_ttft_ms"), ("Arrivals: P99 TTFT (ms)", "arrival_p99_ttft_ms"),
+            ("Output token throughput (tok/s)", "output_throughput"),
+            ("Total token throughput (tok/s)", "total_throughput"), ("Failed requests", "failed")]
+    fmt = lambda v: f"{v:>12.2f}" if isinstance(v, float) else f"{v!s:>12}"  # noqa: E731
+    lines = [f"{' Streams With Arrivals Benchmark Result ':=^64}", f"{'':<40}{'alone':>12}{'arrivals':>12}"]
+    for name, key in rows:
+        lines.append(f"{name + ':':<40}" + (f"{a['streams']:>12}{b['streams']:>7} / {b['arrivals']}" if key is None
+                                             else f"{fmt(a[key])}{fmt(b[key])}"))
+    if runs["p99_itl_ratio"] is not None:
+        lines.append(f"{'Streams: P99 ITL, arrivals / alone:':<40}{runs['p99_itl_ratio']:>24.2f}")
+    if not b["streams_outlast_arrivals"]:
+        lines.append("note: the streams ended before the last arrival did: raise --stream-output-len")
+    lines.append("=" * 64)
+    for phase in ("alone", "arrivals"):
+        if runs[phase]["first_error"]:
+            lines.append(f"first error ({phase}): {runs[phase]['first_error']}")
+    return "\n".join(lines)
+
+
 def multi_turn_report(runs: dict) -> str:
     a, b = runs["no-cache"], runs["cache"]
     rows = [("Successful requests", "completed"), ("Failed requests", "failed"), ("Benchmark duration (s)", "duration_s"),
@@ -430,6 +524,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--turns", type=int, default=4, help="with --multi-turn: turns per conversation")
     ap.add_argument("--turn-input-len", type=int, default=64, help="with --multi-turn: new tokens a follow-up turn "
                     "adds to the history")
+    ap.add_argument("--streams", type=int, default=0, metavar="N", help="N running streams (--stream-input-len "
+                    "prompts, --stream-output-len tokens each), alone and then with the --num-prompts prompts "
+                    "arriving at --request-rate beside them (module docstring)")
+    ap.add_argument("--stream-input-len", type=int, default=64, help="with --streams: each stream's prompt")
+    ap.add_argument("--stream-output-len", type=int, default=1024, help="with --streams: each stream's output (make "
+                    "it outlast the arrivals)")
+    ap.add_argument("--streams-lead-s", type=float, default=1.0, help="with --streams: seconds the streams decode "
+                    "before the first arrival")
     ap.add_argument("--plot", default=None, metavar="PNG", help="also draw TTFT and TPOT distributions and output "
                     "throughput over time to this image (needs matplotlib)")
     args = ap.parse_args(argv)
@@ -437,6 +539,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--multi-turn sends token-id prompts: --endpoint completions with a random dataset")
     if args.multi_turn and (args.turns < 1 or args.turn_input_len < 1):
         ap.error("--turns and --turn-input-len must be at least 1")
+    if args.streams < 0 or (args.streams and (args.stream_input_len < 1 or args.stream_output_len < 2)):
+        ap.error("--streams must be at least 0, --stream-input-len at least 1 and --stream-output-len at least 2")
+    if args.streams and (args.multi_turn or args.endpoint != "completions"):
+        ap.error("--streams sends token-id prompts to --endpoint completions, without --multi-turn")
     if args.dataset == "jsonl" and not args.dataset_path:
         ap.error("--dataset jsonl needs --dataset-path")
     if args.concurrency is not None and args.concurrency < 1:
@@ -463,6 +569,9 @@ def main(argv=None) -> int:
     if not items:
         print("error: no prompts", file=sys.stderr)
         return 2
+    if args.streams:
+        return _finish(args, lambda: with_streams(args, items, Tokenizer(args.tokenizer)), streams_report,
+                       lambda runs: runs["alone"]["failed"] + runs["arrivals"]["failed"])
     return _finish(args, lambda: run(args, items), report, lambda summary: summary["failed"])
 
 

@@ -36,7 +36,7 @@ class Engine:
         """sizer: None (fixed chunk) or a moe.tiles.ChunkSizer whose candidates were compiled."""
         self.runner, self.tokenizer, self.metrics = runner, tokenizer, metrics
         self.scheduler = Scheduler(runner.max_batch, chunk, eos_id, sizer=sizer, decode_width=runner.stepper.width,
-                                   prefix=self._new_index())
+                                   prefix=self._new_index(), mixed=runner.mixing)
         self.stop_ids = set(stop_ids) | ({eos_id} if eos_id is not None else set())
         self.outputs: dict[int, TextOutput] = {}
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()

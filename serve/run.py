@@ -6,6 +6,7 @@
                         [--dtype bfloat16|float32] [--prefill-chunk C]
                         [--tile-model PATH --tpot-slo-ms MS] [--num-layers N]
                         [--prefix-cache-gb G] [--prefix-cache-interval N] [--disable-prefix-cache]
+                        [--mixed-iteration auto|on|off]
 
 With no --model it serves serve/default_model: ling-small, a 15 M-parameter Ling-architecture model
 trained by `python -m offline.train` on the Python standard library's sources, and its tokenizer. Start-up loads the tokenizer and the model and compiles the prefill chunk and the
@@ -16,6 +17,11 @@ With --tile-model (a fitted moe.tiles.TileModel: `python -m bench.fused_moe --pr
 --tpot-slo-ms, the prefill chunk is sized per iteration: --prefill-chunk wide when no request
 decodes, else the widest power-of-two width (>= 16) the model predicts to keep an iteration (decode
 step + chunk) within the budget; every such width is compiled at start-up.
+
+With --mixed-iteration on (auto: with the Pallas kernels), an iteration that prefills one prompt
+while other requests decode runs the chunk and their step as one program: attention apart, each
+MoE layer one tile-scheduled launch over both kinds of tokens with the decode tokens' tiles first,
+so a long prompt arriving holds the running streams back less (`serve.runner.Runner.mixable`).
 
 The prefix cache (on unless --disable-prefix-cache) keeps checkpoints of prefilled prompts, every
 --prefix-cache-interval tokens, and of finished requests, in a pool of --prefix-cache-gb on the
@@ -92,6 +98,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "CPU; off: always --max-seq-len)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per slot per prefill chunk "
                     "(with --tile-model: the widest chunk; default 256 on an accelerator, 64 on CPU)")
+    ap.add_argument("--mixed-iteration", default="auto", choices=["auto", "on", "off"], help="run a chunk of one "
+                    "prompt and the step of the requests decoding beside it as one program, the MoE over both kinds "
+                    "of tokens in one tile-scheduled launch, decode tiles first (default auto: on with the Pallas "
+                    "kernels; off on the plain-jnp reference a CPU runs, where it has no such launch and its "
+                    "programs add ~40 s to the first start; off: two programs, for comparison)")
     ap.add_argument("--tile-model", default=None, metavar="PATH", help="fitted MoE tile model (JSON from "
                     "python -m bench.fused_moe --profile-tiles): size prefill chunks to --tpot-slo-ms")
     ap.add_argument("--tpot-slo-ms", type=float, default=None, help="with --tile-model: the budget of one iteration "
@@ -467,15 +478,17 @@ def start(args, bar) -> Loaded:
     bar.set_description(f"slots ({args.max_batch} x {max_seq_len})")
     buckets = {"auto": None, "off": ()}.get(args.batch_buckets) if args.batch_buckets in ("auto", "off") else \
         tuple(int(x) for x in args.batch_buckets.split(","))
+    mixed = args.mixed_iteration == "on" or (args.mixed_iteration == "auto" and model.kernels != "reference")
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, speculative_steps=steps,
                     buckets=buckets, contexts=context_ladder(args, platform, max_seq_len),
                     prefix_entries=memory.prefix_entries, prefix_interval=args.prefix_cache_interval,
-                    drafter=drafter)
+                    drafter=drafter, mixed=mixed)
     bar.update()
     try:
         bar.set_description("compiling prefill")
         for width in (sizer.candidates if sizer is not None else (args.prefill_chunk,)):
             runner.warmup_prefill(width)
+            runner.warmup_mixed(width)  # the chunk beside a step (--mixed-iteration)
         runner.warmup_copy()  # the slot copy of n > 1 choices
         runner.warmup_prefix()  # the prefix cache's save and restore
         bar.update()
@@ -532,7 +545,8 @@ def main(argv=None) -> int:
                 else "plain decoding")
     prefix = (f"prefix cache every {args.prefix_cache_interval} tokens" if s.runner.pool is not None
               else "no prefix cache")
-    about = (f"{args.max_batch} slots x {s.max_seq_len} tokens, {decoding}, {prefix}, {args.dtype}"
+    mixing = "mixed iterations" if s.runner.mixing else "separate prefill and decode calls"
+    about = (f"{args.max_batch} slots x {s.max_seq_len} tokens, {decoding}, {prefix}, {mixing}, {args.dtype}"
              f"{', ' + args.quantize if args.quantize else ''}, {jax.devices()[0].platform}")
     engine.start()
     # uvicorn waits for open responses a little longer than the grace: by then each has ended itself.

@@ -15,8 +15,9 @@ runner copies the prefilled slot into theirs and they decode from the next step 
 Chunk width. Fixed (`chunk`) by default. With a `sizer` (moe.tiles.ChunkSizer, built from a fitted
 tile model and a TPOT budget) each iteration's width is the largest the model predicts to fit
 the budget next to the decode step: the widest when no slot decodes, narrower while slots do.
-The compiled decode step computes every slot (idle ones too), so its MoE work is
-num_slots * decode_width tokens whenever any slot decodes.
+The step's MoE work is taken as decode_width tokens a decoding slot (the step runs the live
+slots, `spec.stepper.Stepper`'s batch buckets), the chunk's as its width for each prompt
+prefilling, in one launch a layer when the iteration is mixed.
 
 Prefix cache (`prefix`, a `serve.prefix_cache.PrefixIndex`). An admitted request takes the longest
 checkpoint of its prompt: the chunk names it in `restores` (the runner copies it into the slot
@@ -69,11 +70,13 @@ class PrefillChunk:
 
 class Scheduler:
     def __init__(self, num_slots: int, chunk: int, eos_id: int | None, *, sizer=None, decode_width: int = 1,
-                 prefix=None):
-        """sizer: None (every chunk is `chunk` wide) or a callable decode_tokens -> chunk width;
-        decode_width: tokens per slot in a decode step (speculative: draft steps + 1); prefix:
-        None (no prefix cache) or a serve.prefix_cache.PrefixIndex."""
-        self.num_slots, self.chunk, self.eos_id = num_slots, chunk, eos_id
+                 prefix=None, mixed: bool = False):
+        """sizer: None (every chunk is `chunk` wide) or a callable (decode tokens, prompts
+        prefilling, mixed) -> chunk width (`moe.tiles.ChunkSizer`); decode_width: tokens per slot
+        in a decode step (speculative: draft steps + 1); prefix: None (no prefix cache) or a
+        serve.prefix_cache.PrefixIndex; mixed: the runner runs a chunk of one prompt and the
+        step beside it as one program (`serve.runner.Runner.mixable`)."""
+        self.num_slots, self.chunk, self.eos_id, self.mixed = num_slots, chunk, eos_id, mixed
         self.sizer, self.decode_width, self.prefix = sizer, decode_width, prefix
         self.node: list = [None] * num_slots  # the pinned prefix-cache node of each prefilling slot
         self.waiting: collections.deque[Request] = collections.deque()
@@ -165,16 +168,18 @@ class Scheduler:
     # -- planning ------------------------------------------------------------------------------
 
     def chunk_width(self) -> int:
-        """This iteration's chunk width, from the slots decoding before it (a prompt that ends in
-        this chunk decodes in this iteration already, under the width chosen without it)."""
+        """This iteration's chunk width, from the slots decoding before it and the prompts it
+        prefills (a prompt that ends in this chunk decodes in this iteration already, under the
+        width chosen without it; in a mixed iteration, from the next one)."""
         if self.sizer is None:
             return self.chunk
-        decoding = any(r is not None for r in self.decoding())
-        return self.sizer(self.num_slots * self.decode_width if decoding else 0)
+        decoding = sum(r is not None for r in self.decoding())
+        rows = sum(p is not None for p in self.prefilled)
+        return self.sizer(decoding * self.decode_width, rows, self.mixed and rows == 1 and decoding > 0)
 
     def next_chunk(self) -> PrefillChunk | None:
         """Admits waiting requests into free slots, then the next chunk of every prefilling slot."""
-        b, c = self.num_slots, self.chunk_width()
+        b = self.num_slots
         start = np.zeros(b, np.int32)
         free = [slot for slot in range(b) if self.slots[slot] is None]
         restores, lookups = [], []
@@ -207,6 +212,7 @@ class Scheduler:
                 self.copies_of[slot] = taken
         if all(p is None for p in self.prefilled):
             return None
+        c = self.chunk_width()
         p = PrefillChunk(start=start, tokens=np.zeros((b, c), np.int32), next_tokens=np.zeros((b, c), np.int32),
                          valid=np.zeros(b, np.int32), ends=np.zeros(b, bool), owners=[None] * b,
                          temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),

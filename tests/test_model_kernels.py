@@ -87,3 +87,37 @@ def test_serve_run_builds_the_model_with_its_kernels_flag():
 
     model = _load_model(parse_args(["--model", "ling-tiny", "--dtype", "float32", "--kernels", "interpret"]))
     assert {m.kernels for _, m in nnx.iter_graph(model) if hasattr(m, "kernels")} == {"interpret"}
+
+
+@pytest.mark.parametrize("backend", ["reference", *KERNELS])
+def test_a_grouped_forward_equals_separate_calls(backend, monkeypatch):
+    """`LingModel.forward` over a verify batch and a prefill batch (the mixed iteration: attention
+    per batch, one MoE call over both, through the tile-scheduled kernel with the verify tokens
+    first) equals the two calls made apart on the reference path: logits, hidden states and
+    every layer's new state."""
+    import moe.block
+    from ling.model import Batch
+
+    model = ling.load("ling-tiny", dtype="float32", seed=4)
+    cfg, r = model.cfg, np.random.default_rng(2)
+    ling.use_kernels(model, "reference")
+    decoding = init_state(cfg, 2, 48, jnp.float32)
+    _, _, decoding = model(jnp.asarray(r.integers(0, cfg.vocab_size, (2, 12))), decoding,
+                           valid=jnp.asarray([12, 7]), form="prefill")
+    verify = jnp.asarray(r.integers(0, cfg.vocab_size, (2, 4)))
+    prompt, valid = jnp.asarray(r.integers(0, cfg.vocab_size, (1, 24))), jnp.asarray([17])
+    fresh = init_state(cfg, 1, 48, jnp.float32)
+    apart = (model(verify, decoding, form="verify"), model(prompt, fresh, valid=valid, form="prefill"))
+
+    tiles = []
+    real = moe.block.tile_moe
+    monkeypatch.setattr(moe.block, "tile_moe", lambda *a, **kw: tiles.append(kw["n_decode"]) or real(*a, **kw))
+    ling.use_kernels(model, backend)
+    together = model.forward([Batch(verify, decoding, None, "verify"), Batch(prompt, fresh, valid, "prefill")])
+    moe_layers = sum(t == "moe" for t in cfg.mlp_types)
+    assert tiles == ([] if backend == "reference" else [2 * 4] * moe_layers)
+    for (want_logits, want_hidden, want_state), (logits, hidden, state) in zip(apart, together):
+        assert_model_close(logits, want_logits, "interpret" if backend == "reference" else backend, "logits")
+        assert_model_close(hidden, want_hidden, "interpret" if backend == "reference" else backend, "hidden")
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want_state)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)

@@ -117,15 +117,21 @@ def _request(n_prompt, max_tokens=100):
     return Request(prompt_ids=list(range(1, n_prompt + 1)), sampling=Sampling(max_tokens=max_tokens))
 
 
-def test_scheduler_sizes_chunks_with_the_model():
+@pytest.mark.parametrize("mixed", [False, True])
+def test_scheduler_sizes_chunks_with_the_model(mixed):
+    """One slot decodes (width tokens) while one prompt prefills: the chunk is the model's width
+    for them, in one launch a layer when the iteration is mixed (a wider chunk then fits)."""
     slots, layers, width = 2, 20, 4
     m = _model(step_overhead_us=2_000.0)
-    sizer = tiles.ChunkSizer(m, budget_us=12_000.0, candidates=tuple(tiles.chunk_candidates(256)), rows=slots,
+    sizer = tiles.ChunkSizer(m, budget_us=13_000.0, candidates=tuple(tiles.chunk_candidates(256)), rows=slots,
                              layers=layers)
-    expect = tiles.largest_chunk(m, budget_us=12_000.0, candidates=sizer.candidates, rows=slots, layers=layers,
-                                 decode_tokens=slots * width)
+    expect = tiles.largest_chunk(m, budget_us=13_000.0, candidates=sizer.candidates, rows=1, layers=layers,
+                                 decode_tokens=width, mixed=mixed)
+    separate = tiles.largest_chunk(m, budget_us=13_000.0, candidates=sizer.candidates, rows=1, layers=layers,
+                                   decode_tokens=width)
     assert 16 <= expect < 256  # the budget binds while a slot decodes
-    sched = Scheduler(slots, 256, eos_id=None, sizer=sizer, decode_width=width)
+    assert expect > separate if mixed else expect == separate
+    sched = Scheduler(slots, 256, eos_id=None, sizer=sizer, decode_width=width, mixed=mixed)
     short, long = _request(40), _request(600)
     sched.add(short)
     first = sched.next_chunk()  # nobody decodes yet: the widest chunk
