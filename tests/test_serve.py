@@ -27,9 +27,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def running(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
+    # Mixed iterations on (off by default on CPU): every HTTP test below runs through them too.
     s = Server(["--max-batch", str(BATCH), "--max-seq-len", str(CONTEXT), "--prefill-chunk", str(CHUNK), "--dtype",
-                "float32", "--speculative-num-steps", "3", "--api-key", KEY, "--profile-dir", str(tmp / "profiles")],
-               tmp)
+                "float32", "--speculative-num-steps", "3", "--api-key", KEY, "--profile-dir", str(tmp / "profiles"),
+                "--mixed-iteration", "on"], tmp)
     try:
         yield s
     finally:
@@ -595,6 +596,22 @@ def test_serve_bench_against_the_server(server, tmp_path):
     assert summary["total_input_tokens"] == 4 * 12 and summary["total_output_tokens"] == 4 * 5
     assert summary["mean_ttft_ms"] > 0 and summary["mean_tpot_ms"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_bench_streams_with_arrivals(server, tmp_path):
+    """`python -m serve.bench --streams`: the streams alone, then with prompts arriving beside
+    them; every request completed, the streams' gaps measured while the arrivals ran."""
+    from serve import bench
+
+    out = tmp_path / "streams.json"
+    rc = bench.main(["--base-url", server, "--api-key", KEY, "--streams", "2", "--stream-output-len", "120",
+                     "--streams-lead-s", "0.2", "--num-prompts", "2", "--random-input-len", "90",
+                     "--random-output-len", "3", "--request-rate", "20", "--disable-tqdm", "--output-json", str(out)])
+    runs = json.loads(out.read_text())
+    assert rc == 0 and runs["alone"]["failed"] == runs["arrivals"]["failed"] == 0
+    assert runs["alone"]["arrivals"] == 0 and runs["arrivals"]["arrivals"] == 2
+    assert runs["alone"]["itl_samples"] > 0 and runs["arrivals"]["arrival_mean_ttft_ms"] > 0
+    assert runs["arrivals"]["streams_outlast_arrivals"] and runs["p99_itl_ratio"] > 0
 
 
 def test_serve_bench_multi_turn(server, client, tmp_path):
