@@ -282,11 +282,9 @@ class Runner:
         b = self.max_batch
         for k, context, temperature in itertools.product(self.stepper.buckets, self._warm_contexts(), (0.0, 1.0)):
             chunk = self._warm_chunk(np.arange(b) < 1, chunk_size, temperature)
-            # the step's rows: slots 1..k, or every slot (which holds the chunk's: allowed, `Stepper`)
-            owners = [None] + [object()] * min(k, b - 1) + [None] * (b - 1 - min(k, b - 1))
-            if k == b:
-                owners[0] = object()
-            live = np.array([r is not None for r in owners])
+            # the step's rows: slots 1..k, or every slot (the chunk's among them: allowed, `Stepper`)
+            slot = np.arange(b)
+            live = (slot >= 1) & (slot <= k) if k < b else slot >= 0
             prepared, rows = self._prepare(chunk, (1,), context)
             call = self.prefiller.prepare(self.stepper.slots, **prepared)
             self.stepper.step(sampling=temperature > 0, live=live, chunk=call)

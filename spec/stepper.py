@@ -1,7 +1,8 @@
 """The server's stepping: `Stepper` runs one compiled decode (or speculative) step at a time,
 dispatching step k+1 before it reads step k's tokens; `ChunkPrefiller` runs one prefill chunk
-(`prefill_step`) that such steps may be interleaved with; `SlotCopier` copies prefilled slots into
-others (`copy_slots`: a prompt prefilled once for several choices)."""
+(`prefill_step`) that such steps may be interleaved with, or prepares one that a step carries
+(the mixed iteration: `Stepper.dispatch(chunk=...)`, both in one program); `SlotCopier` copies
+prefilled slots into others (`copy_slots`: a prompt prefilled once for several choices)."""
 
 from __future__ import annotations
 
@@ -259,8 +260,8 @@ class Stepper:
         if chunk is None:
             context, extra, chunk_logprobs = self.context(context), None, False
         else:
-            if rows is not None and np.isin(chunk.rows, rows).any():
-                raise ValueError("a mixed iteration's chunk must run over slots the step does not")
+            if chunk.rows is None or (rows is not None and np.isin(chunk.rows, rows).any()):
+                raise ValueError("a mixed iteration's chunk must name its rows, and run over slots the step does not")
             context, extra, chunk_logprobs = chunk.context, (chunk.rows_on_device, chunk.packed), chunk.logprobs
             sampling = sampling or chunk.sampling
         self._slots, self._count = self._step(self._params, self._slots, self._count, on_device, extra,
