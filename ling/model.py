@@ -6,7 +6,9 @@ and the new state; prefilling a prompt and then stepping token by token gives th
 prefill of the whole sequence. `form` picks the algorithm, not the result: "prefill" (chunked KDA,
 plain MLA) or "decode" (recurrent KDA, absorbed MLA); "auto" takes decode up to DECODE_MAX_T tokens.
 "verify" is decode that keeps the KDA state after every position and leaves the state uncommitted:
-`commit(pending, n)` then keeps any number of the tokens without recomputation.
+`commit(pending, n)` then keeps any number of the tokens without recomputation. `forward` runs
+several batches of slots in one pass, each in its own form (a decode step beside a prefill chunk):
+attention per batch, one MLP call over all their tokens.
 """
 
 from __future__ import annotations
