@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -87,13 +88,9 @@ class DecoderLayer(nnx.Module):
         d = outs[0].shape[-1]
         flat = jnp.concatenate([self.post_attention_layernorm(x).reshape(-1, d) for x in outs])[None]  # [1, N, D]
         sizes = [x.shape[0] * x.shape[1] for x in outs]
-        n_decode = 0
-        for size, form in zip(sizes, forms):
-            if form == "prefill":
-                break
-            n_decode += size
-        y = self.mlp(flat, n_decode=n_decode if 0 < n_decode < sum(sizes) else None)[0]
-        ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+        ends = list(itertools.accumulate(sizes))
+        n_decode = sum(n for n, form in itertools.takewhile(lambda p: p[1] != "prefill", zip(sizes, forms)))
+        y = self.mlp(flat, n_decode=n_decode if 0 < n_decode < ends[-1] else None)[0]
         return [x + part.reshape(x.shape) for x, part in zip(outs, jnp.split(y, ends[:-1]))], new
 
     def _attention(self, h, positions, lengths, valid, cache, form: str):

@@ -16,8 +16,9 @@ values of s (an attention profile) determine all four.
 
 Run as two programs, decode and prefill make a step's x_moe the sum of the two classes'
 tiles. The server's mixed iteration runs them as one, through the tile-scheduled kernel
-(pallas_kernels/expert_tiles.py), which aligns their union instead, each expert's decode pairs in hot blocks (filled up with its prefill pairs when hot and
-cold blocks are one height) and the rest in cold blocks: `x_moe_tile_kernel` counts those.
+(pallas_kernels/expert_tiles.py), which aligns their union instead: each expert's decode pairs
+in hot blocks (filled up with its prefill pairs when hot and cold blocks are one height) and the
+rest in cold blocks; `x_moe_tile_kernel` counts those.
 
 Routing is unknown when the scheduler plans a step (it happens on device, per layer), so the
 planner uses the expectation of x_moe under routing with per-expert probabilities p_e
