@@ -83,7 +83,8 @@ def commit(pending: State, n) -> State:
         if isinstance(c, KDAPending):
             rec = c.recurrent
             if rec.ndim == 5:  # per-position states: the one after token n[b], or the initial one
-                picked = jnp.take_along_axis(rec, jnp.maximum(n - 1, 0)[:, None, None, None, None], axis=1)[:, 0]
+                picked = rec[:, 0] if rec.shape[1] == 1 else \
+                    jnp.take_along_axis(rec, jnp.maximum(n - 1, 0)[:, None, None, None, None], axis=1)[:, 0]
                 rec = jnp.where((n > 0)[:, None, None, None], picked, c.initial)
             c = KDAState(conv=tuple(conv_state_after(w, n, c.conv_len) for w in c.window), recurrent=rec)
         layers.append(c)

@@ -31,9 +31,22 @@ def causal_conv(x, conv_state, weight):
     return jax.nn.silu(y).astype(x.dtype), window.astype(conv_state.dtype)
 
 
+SELECT_MAX_T = 16  # windows of at most this many new tokens are cut by selects, not a gather
+
+
 def conv_state_after(window, n, state_len: int):
-    """window [B, W-1+T, C], n [B] new tokens kept -> conv state [B, W-1, C] (state_len = W-1)."""
-    return jax.vmap(lambda w, i: jax.lax.dynamic_slice_in_dim(w, i, state_len, axis=0))(window, n)
+    """window [B, W-1+T, C], n [B] new tokens kept (clamped to 0..T) -> conv state [B, W-1, C]
+    (state_len = W-1). Up to SELECT_MAX_T new tokens (decode, verify) the T + 1 candidate states
+    are static slices picked by selects, one elementwise fusion; longer windows (prefill) take
+    each slot's slice by a gather."""
+    t = window.shape[1] - state_len
+    if t > SELECT_MAX_T:
+        return jax.vmap(lambda w, i: jax.lax.dynamic_slice_in_dim(w, i, state_len, axis=0))(window, n)
+    n = jnp.asarray(n)[:, None, None]
+    out = window[:, :state_len]
+    for i in range(1, t + 1):
+        out = jnp.where(n >= i, window[:, i:i + state_len], out)
+    return out
 
 
 def l2_normalize(x, eps: float = 1e-6):
