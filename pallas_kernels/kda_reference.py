@@ -35,7 +35,7 @@ SELECT_MAX_T = 16  # windows of at most this many new tokens are cut by selects,
 
 
 def conv_state_after(window, n, state_len: int):
-    """window [B, W-1+T, C], n [B] new tokens kept (clamped to 0..T) -> conv state [B, W-1, C]
+    """window [B, W-1+T, C], n [B] new tokens kept, 0..T -> conv state [B, W-1, C]
     (state_len = W-1). Up to SELECT_MAX_T new tokens (decode, verify) the T + 1 candidate states
     are static slices picked by selects, one elementwise fusion; longer windows (prefill) take
     each slot's slice by a gather."""
