@@ -62,8 +62,9 @@ def main(argv=None):
     model = build(args)
     slots = args.streams + 1
     steps = args.spec_steps if model.nextn is not None else 0
+    # every iteration steps all the streams: one batch bucket (all slots) keeps the warm-up to 6 programs
     runner = Runner(model, max_batch=slots, max_seq_len=args.context + 4096, speculative_steps=steps, mixed=True,
-                    prefix_entries=0)
+                    prefix_entries=0, buckets=())
     t = time.perf_counter()
     runner.warmup_prefill(args.chunk)
     runner.warmup_mixed(args.chunk)

@@ -202,7 +202,9 @@ async def _generate(http: HTTPRequest, prepare: Callable, prefix: str, shape: "C
     group = _group(ids, sampling, best_of, asyncio.get_running_loop())
     rid, timeout = protocol.new_id(prefix), _timeout(c, req)
     if req.stream:
-        return _sse(_stream(c, group, shape, rid, timeout, _include_usage(req)))
+        options = req.stream_options
+        return _sse(_stream(c, group, shape, rid, timeout, bool(options and options.include_usage),
+                            bool(options and options.continuous_usage_stats)))
     results = await _collect(c, http, group, rid, timeout)  # (text, reason, tokens, entries) per choice
     use = protocol.usage(len(ids), sum(tokens for _, _, tokens, _ in results))
     if best_of > n:
@@ -542,11 +544,12 @@ CHAT_CHUNKS = Chunks(opening=lambda rid, model, i: protocol.chat_chunk(rid, mode
 
 
 async def _stream(c: Context, group: list[Request], shape: Chunks, rid: str, timeout: float | None,
-                  include_usage: bool):
+                  include_usage: bool, continuous_usage: bool = False):
     """The payloads of one streamed request: per choice the opening chunk, a chunk per piece of
     text and the closing chunk with its finish reason, each tagged with the choice's index; then
     (if asked) the usage; an error payload if a choice fails (the others are ended), or the
-    request times out or outlives the shutdown grace."""
+    request times out or outlives the shutdown grace. continuous_usage: a chunk for every step's
+    new tokens, text or not, each with the usage so far (the completion tokens of all choices)."""
     model = c.info.model_name
     events = _events(c, group, rid, timeout)
     sent = [0] * len(group)  # characters of text streamed so far, per choice
@@ -557,11 +560,13 @@ async def _stream(c: Context, group: list[Request], shape: Chunks, rid: str, tim
                 yield shape.opening(rid, model, i)
         async for i, ev in events:
             if isinstance(ev, Delta):
-                if ev.logprobs:
-                    yield shape.text(rid, model, ev.text,
-                                     shape.logprobs(c.tokenizer.token_text, ev.logprobs, sent[i]), i)
-                elif ev.text:
-                    yield shape.text(rid, model, ev.text, None, i)
+                tokens[i] = ev.completion_tokens
+                if ev.logprobs or ev.text or continuous_usage:
+                    lp = shape.logprobs(c.tokenizer.token_text, ev.logprobs, sent[i]) if ev.logprobs else None
+                    chunk = shape.text(rid, model, ev.text, lp, i)
+                    if continuous_usage:
+                        chunk["usage"] = protocol.usage(len(group[0].prompt_ids), sum(tokens))
+                    yield chunk
                 sent[i] += len(ev.text)
             elif isinstance(ev, Finished):
                 tokens[i] = ev.completion_tokens
@@ -576,7 +581,3 @@ async def _stream(c: Context, group: list[Request], shape: Chunks, rid: str, tim
         yield e.body()
     finally:
         await events.aclose()
-
-
-def _include_usage(req) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage)

@@ -10,6 +10,11 @@ accepted length of speculative decoding (from the server's /metrics, before and 
     python -m serve.bench --streams 16 --num-prompts 8 --random-input-len 8192 --random-range-ratio 0.25 \\
         --random-output-len 16 --request-rate 0.5
 
+TTFT and ITL are taken at the chunks that bring new tokens: the requests ask for the usage on
+every chunk (`stream_options.continuous_usage_stats`, as vLLM has it), so tokens that make no text
+yet (a byte of an unfinished character, or ids past a mismatched tokenizer's vocabulary, as with a
+preset's random weights) still count; from a server that ignores it, the chunks with text.
+
 Datasets (`--dataset`, or SGLang's `--dataset-name`): `random` and `random-ids` both send uniform
 random token ids (this tool has no ShareGPT text to draw `random`'s prompts from offline), `jsonl`
 reads a file. A JSONL line is {"prompt": "text" | [token ids]} or {"messages": [...]}, with an optional
@@ -68,7 +73,7 @@ class Result:
     text: str = ""  # the streamed output
 
     def token_times(self) -> np.ndarray:
-        """When each streamed chunk with text arrived (time.perf_counter())."""
+        """When each streamed chunk with new tokens arrived (time.perf_counter())."""
         if not self.ok or not self.ttft:
             return np.zeros(0)
         return self.start + self.ttft + np.concatenate([[0.0], np.cumsum(self.itl)])
@@ -126,7 +131,8 @@ def jsonl_items(args) -> list[Item]:
 async def send(client: httpx.AsyncClient, args, model: str, item: Item) -> Result:
     chat = args.endpoint == "chat"
     body = {"model": model, "max_tokens": item.max_tokens, "temperature": args.temperature, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": not args.disable_ignore_eos}
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "ignore_eos": not args.disable_ignore_eos}
     body.update({"messages": item.messages} if chat else {"prompt": item.prompt})
     start = time.perf_counter()
     res, last = Result(start=start), None
@@ -142,19 +148,20 @@ async def send(client: httpx.AsyncClient, args, model: str, item: Item) -> Resul
                 if "error" in chunk:
                     res.error = chunk["error"].get("message", str(chunk))
                     return res
-                if chunk.get("usage"):
-                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
-                for c in chunk.get("choices", []):
-                    text = c.get("delta", {}).get("content") if chat else c.get("text")
-                    if text:
-                        res.text += text
-                        now = time.perf_counter()
-                        if last is None:
-                            res.ttft = now - start
-                        else:
-                            res.itl.append(now - last)
-                        last = now
+                use, choices = chunk.get("usage"), chunk.get("choices", [])
+                texts = [c.get("delta", {}).get("content") if chat else c.get("text") for c in choices]
+                res.text += "".join(t for t in texts if t)
+                # tokens arrived: the usage grew (a server that sends it on every chunk; tokens that
+                # make no text yet count), else the chunk has text
+                if choices and (use["completion_tokens"] > res.output_tokens if use else any(texts)):
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                if use:
+                    res.prompt_tokens, res.output_tokens = use["prompt_tokens"], use["completion_tokens"]
         res.latency = time.perf_counter() - start
         res.ok = True
     except (httpx.HTTPError, json.JSONDecodeError) as e:

@@ -44,6 +44,9 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # an extension (vLLM): every chunk carries the usage so far, and a chunk is sent for every step's
+    # tokens, also when they add no text yet (a character still incomplete, or an empty token)
+    continuous_usage_stats: bool = False
 
 
 class _Sampling(_Strict):

@@ -135,6 +135,24 @@ def test_completion_stream_equals_non_stream(client):
     assert reason == "length" and use == whole["usage"] and n >= 3
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_counts_every_steps_tokens(client, path):
+    """`stream_options.continuous_usage_stats` (vLLM's): every chunk of tokens carries the usage so
+    far, the completion tokens grow with each step's tokens to max_tokens, and the text is the same."""
+    body = {"model": DEFAULT_MODEL_NAME, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True,
+            **({"prompt": "x = 1\n"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})}
+    plain = stream_choices(client, path, body)[0][0][0]
+    with client.stream("POST", path, json={**body, "stream_options": {"include_usage": True,
+                                                                      "continuous_usage_stats": True}}) as r:
+        assert r.status_code == 200, r.read()
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"] and "usage" in c]
+    assert counts and counts[-1] == 16 and all(b >= a for a, b in zip(counts, counts[1:])) and len(set(counts)) > 2
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 16
+    text = "".join(c["text"] if "text" in c else c["delta"].get("content") or "" for ch in chunks for c in ch["choices"])
+    assert text == plain
+
+
 def stream_choices(client, path, body):
     """({index: (text, finish_reason)}, usage or None) of an SSE response with several choices."""
     texts, reasons, use = {}, {}, None
