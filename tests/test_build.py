@@ -97,7 +97,7 @@ def test_server_memory_plan_counts_the_slots_and_refuses_what_does_not_fit():
     is refused with the settings that would."""
     import dataclasses
 
-    from serve.run import StartupError, check_memory, memory_plan
+    from serve.memory import check_memory, memory_plan
     from spec.step import new_slots
 
     model = ling.load("ling-tiny", progress=False)
@@ -107,6 +107,16 @@ def test_server_memory_plan_counts_the_slots_and_refuses_what_does_not_fit():
     assert plan.verify > 0 and memory_plan(model, max_seq_len=512, speculative_steps=0).verify == 0
     assert plan.weights == sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model)))
     check_memory(dataclasses.replace(plan, free=16 * plan.slot), 16, 512)
-    with pytest.raises(StartupError, match=r"16 slots x 512 tokens need .* try --max-batch 10 or --max-seq-len \d+"):
+    with pytest.raises(ValueError, match=r"16 slots x 512 tokens need .* try --max-batch 10 or --max-seq-len \d+"):
         check_memory(dataclasses.replace(plan, free=10 * plan.slot + 5), 16, 512)
     assert "MLA cache" in plan.describe(16)
+    # the prefix cache's pool: a budget in checkpoints, refused when it holds none
+    from argparse import Namespace
+
+    from serve.memory import plan_prefix_cache
+
+    pooled = dataclasses.replace(plan, free=None, prefix_entry=10**6, prefix_interval=64)
+    plan_prefix_cache(pooled, Namespace(disable_prefix_cache=False, prefix_cache_gb=0.0105, max_batch=4))
+    assert pooled.prefix_entries == 10 and pooled.pool == 10**7
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        plan_prefix_cache(pooled, Namespace(disable_prefix_cache=False, prefix_cache_gb=0.0005, max_batch=4))
