@@ -44,7 +44,8 @@ def build_model(args):
 
     t = time.perf_counter()
     model = ling.load(args.preset, num_layers=args.layers, quantize=args.quantize,
-                      quantize_experts=args.quantize_experts, quantize_lm_head=args.quantize is not None)
+                      quantize_experts=args.quantize_experts, quantize_lm_head=args.quantize is not None,
+                      quantize_layout=args.quantize_layout)
     leaves = jax.tree_util.tree_leaves(nnx.state(model))
     jax.block_until_ready(leaves)
     gb = sum(x.nbytes for x in leaves) / 1e9
@@ -86,6 +87,8 @@ def main():
     ap.add_argument("--quantize", choices=["int8", "int4"], default=None,
                     help="low-bit projections and lm_head (ling.quantize)")
     ap.add_argument("--quantize-experts", action="store_true", help="the routed experts too")
+    ap.add_argument("--quantize-layout", choices=["tiles", "rows"], default="tiles",
+                    help="int4 projections and lm_head: rows (tensor-core Triton matvec) or tiles (Pallas)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling of every slot (0: greedy)")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "bench_out")

@@ -29,14 +29,16 @@ def _dtype(dtype):
 def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, progress: bool = True,
          quantize: str | None = None, group_size: int = 128, quantize_lm_head: bool = False,
          quantize_experts: bool = False, ep_size: int = 1, num_layers: int | None = None,
-         memory_budget: int | None = None, kernels: str = "auto") -> LingModel:
+         memory_budget: int | None = None, kernels: str = "auto", quantize_layout: str = "tiles") -> LingModel:
     """A preset name gives random weights (num_layers: only its first decoder layers, the NEXTN
     layer kept, so that a cut of a large preset fits one device for benchmarks); a hub directory
     (config.json + safetensors) or a converted directory (`python -m ling.convert`) gives the
     checkpoint's weights.
     quantize ("int8", "int4", "int2") stores the projections grouped low-bit (`ling.quantize`),
     and with quantize_experts (int4 / int8) the routed experts in the fused MoE kernel's format;
-    a converted directory that was quantised at conversion is served as stored.
+    a converted directory that was quantised at conversion is served as stored (its projections
+    re-laid out if quantize_layout asks another layout: "rows", int4 in groups of 128, for the
+    tensor-core matvec; "tiles", the Pallas one).
     ep_size > 1 shards the routed experts over that many devices (`moe.parallel`).
     kernels: the kernel backend the model runs (`pallas_kernels.backend`; "auto": Pallas on a GPU,
     the plain-jnp references elsewhere, or LING_KERNELS where set), fixed when the model is built.
@@ -54,7 +56,8 @@ def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, 
         raise ValueError(f"num_layers cuts a preset's random model; {p!r} is a checkpoint "
                          f"(presets: {', '.join(sorted(PRESETS))})")
     dtype = _dtype(dtype)
-    quant = None if quantize is None else Quantization(bits_of(quantize), group_size, quantize_lm_head, quantize_experts)
+    quant = None if quantize is None else Quantization(bits_of(quantize), group_size, quantize_lm_head,
+                                                       quantize_experts, quantize_layout)
     mesh = None
     if ep_size > 1:
         from moe.parallel import make_mesh

@@ -451,6 +451,7 @@ def load_converted(directory: str, *, dtype=None, quant=None, mesh=None, progres
 
     from ling import build
     from ling.config import ModelConfig
+    from ling.quantize import relayout_module
 
     directory = os.path.abspath(directory)
     with open(os.path.join(directory, CONFIG_FILE)) as f:
@@ -474,6 +475,8 @@ def load_converted(directory: str, *, dtype=None, quant=None, mesh=None, progres
     units += [(("nextn",), model.nextn)] if model.nextn is not None else []
     units += [((), model)]  # what lies outside the layers
     finish = build.Finish(quant if stored_quant is None else None, mesh)
+    # A stored low-bit model is served as stored, its projections in the layout asked for.
+    layout = quant.layout if stored_quant is not None and quant is not None else None
     size = lambda v: int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize  # noqa: E731
     with tqdm(total=sum(size(v) for _, v in build.variables(model)), desc=f"restoring {os.path.basename(directory)}",
               unit="B", unit_scale=True, disable=not progress) as bar, \
@@ -498,6 +501,8 @@ def load_converted(directory: str, *, dtype=None, quant=None, mesh=None, progres
                     value = value[key]
                 var.set_value(value)
             bar.update(sum(size(v) for v in todo.values()))
+            if layout is not None and layout != stored_quant.layout:
+                relayout_module(unit, layout)
             if prefix:
                 finish(unit)
     return finish.model(model)

@@ -2,7 +2,8 @@
 
 `quantize_model(model, bits=4)` replaces every projection (`moe.nn.Linear`: the KDA and MLA
 projections) and optionally the lm_head with a `QLinear` holding the weight in
-`pallas_kernels.quant`'s tile-transposed format; the dense MLPs and the shared experts (one
+`pallas_kernels.quant`'s tile-transposed layout (or its row layout, `layout="rows"`: int4 in groups
+of 128, which the tensor-core Triton kernel reads); the dense MLPs and the shared experts (one
 expert each, `moe.block.SwiGLUMLP`) take the fused MoE kernel's format below (int4 and int8; at
 other widths, or sizes that format does not divide, they stay in full precision). What stays in
 full precision, and why:
@@ -29,7 +30,7 @@ from moe.nn import Linear
 from pallas_kernels.backend import resolve
 from pallas_kernels.experts import quantize_experts
 from pallas_kernels.qmatvec import MAX_M, qmatvec
-from pallas_kernels.quant import QuantizedWeight, check_config, dequantize, quantize
+from pallas_kernels.quant import LAYOUTS, QuantizedWeight, check_config, dequantize, quantize, relayout
 
 SCHEMES = {"int8": 8, "int4": 4, "int2": 2}
 EXPERT_BITS = (4, 8)  # the fused MoE kernels' tested formats
@@ -42,9 +43,11 @@ class QLinear(nnx.Module):
 
     def __init__(self, qw: QuantizedWeight, *, kernels: str = "auto"):
         self.kernels = resolve(kernels)  # the kernel backend (pallas_kernels.backend), fixed at build
-        self.words = nnx.Param(qw.words, logical_axes=("tiles", "words", "tile_rows"))
-        self.scales = nnx.Param(qw.scales, logical_axes=("tiles", "groups", "tile_rows"))
-        self.zeros = None if qw.zeros is None else nnx.Param(qw.zeros, logical_axes=("tiles", "groups", "tile_rows"))
+        words, groups = (("rows", "words"), ("rows", "groups")) if qw.layout == "rows" else (
+            ("tiles", "words", "tile_rows"), ("tiles", "groups", "tile_rows"))
+        self.words = nnx.Param(qw.words, logical_axes=words)
+        self.scales = nnx.Param(qw.scales, logical_axes=groups)
+        self.zeros = None if qw.zeros is None else nnx.Param(qw.zeros, logical_axes=groups)
         self.bits, self.group_size, self.symmetric, self.shape = qw.bits, qw.group_size, qw.symmetric, qw.shape
 
     @property
@@ -73,15 +76,17 @@ def bits_of(scheme: str) -> int:
 class Quantization:
     """How a model's weights are stored: the projections, dense MLPs and shared experts at `bits`
     with one scale per `group_size` input columns; the lm_head and the routed experts too when
-    asked."""
+    asked. layout: the projections' and lm_head's (`pallas_kernels.quant`): "tiles" (the Pallas
+    matvec) or "rows" (int4, groups of 128: the tensor-core Triton matvec)."""
 
     bits: int
     group_size: int = 128
     lm_head: bool = False
     experts: bool = False
+    layout: str = "tiles"
 
     def __post_init__(self):
-        check_config(self.group_size * 2, self.bits, self.group_size, 128)  # names a bad bits / group_size
+        check_config(self.group_size * 2, self.bits, self.group_size, 128, self.layout)  # names a bad value
         if self.experts and self.bits not in EXPERT_BITS:
             raise ValueError(f"quantize_experts takes int4 or int8 (the fused MoE kernels' formats), got {self.bits} bits")
 
@@ -128,7 +133,8 @@ def quantize_module(module, q: Quantization) -> None:
     walk(module)
     for parent, name, lin in found:
         w = lin.kernel[...].T  # [N, K], the torch orientation the codec takes
-        setattr(parent, name, QLinear(quantize(w, bits=q.bits, group_size=q.group_size), kernels=kernels))
+        qw = quantize(w, bits=q.bits, group_size=q.group_size, layout=q.layout)
+        setattr(parent, name, QLinear(qw, kernels=kernels))
     for mlp in mlps if q.bits in EXPERT_BITS else ():
         try:
             e = quantize_experts(mlp.w13[...], mlp.w2[...], bits=q.bits, group_size=q.group_size,
@@ -150,14 +156,37 @@ def quantize_lm_head(model, q: Quantization) -> None:
     """The lm_head (the embedding's transpose when tied) as a QLinear, if q.lm_head and not yet."""
     if q.lm_head and not isinstance(model.lm_head, QLinear):
         w = model.embed_tokens[...] if model.lm_head is None else model.lm_head[...].T  # [V, D]
-        model.lm_head = QLinear(quantize(w, bits=q.bits, group_size=q.group_size), kernels=model.kernels)
+        qw = quantize(w, bits=q.bits, group_size=q.group_size, layout=q.layout)
+        model.lm_head = QLinear(qw, kernels=model.kernels)
 
 
-def quantize_model(model, *, bits: int, group_size: int = 128, lm_head: bool = False, experts: bool = False):
+def relayout_module(module, layout: str) -> None:
+    """Every QLinear under `module` (its lm_head included) rewritten in `layout`, in place and
+    exactly (`pallas_kernels.quant.relayout`); what is already in it is left alone."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+    def walk(node):
+        for name, child in list(vars(node).items()):
+            if isinstance(child, QLinear):
+                if child.weight.layout != layout:
+                    setattr(node, name, QLinear(relayout(child.weight, layout), kernels=child.kernels))
+            elif isinstance(child, nnx.List):
+                for item in child:
+                    walk(item)
+            elif isinstance(child, nnx.Module):
+                walk(child)
+
+    walk(module)
+
+
+def quantize_model(model, *, bits: int, group_size: int = 128, lm_head: bool = False, experts: bool = False,
+                   layout: str = "tiles"):
     """Quantises the model's projections in place (see the module docstring); returns the model.
     Linears whose input size the group does not divide stay in full precision. experts: the
-    routed experts too (int4 / int8; the group must divide D and I, and 64 divide 2I and D)."""
-    q = Quantization(bits, group_size, lm_head, experts)
+    routed experts too (int4 / int8; the group must divide D and I, and 64 divide 2I and D).
+    layout: the projections' and lm_head's ("rows": int4, groups of 128)."""
+    q = Quantization(bits, group_size, lm_head, experts, layout)
     q.check(model.cfg)
     quantize_module(model, q)
     quantize_lm_head(model, q)
@@ -171,4 +200,5 @@ def quantization_of(model) -> Quantization | None:
     if not found:
         return None
     return Quantization(found[0].bits, found[0].group_size, isinstance(model.lm_head, QLinear),
-                        any(isinstance(m, MoE) and isinstance(m.w13, QExperts) for m in nodes))
+                        any(isinstance(m, MoE) and isinstance(m.w13, QExperts) for m in nodes),
+                        found[0].weight.layout)

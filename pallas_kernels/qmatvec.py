@@ -1,6 +1,10 @@
 """Fused dequantising matvec  y = x @ W^T  for grouped low-bit weights (decode and verify, M <= 16).
 
-Layout (pallas_kernels/quant.py): words uint32 [T, WPR, B_N], scales (and zeros) bf16
+One entry, `qmatvec`, for both layouts of pallas_kernels/quant.py: the row layout (int4) runs the
+tensor-core Triton kernel of pallas_kernels/triton_qmatvec.py through jax_triton; the
+tile-transposed layout runs the Pallas kernel below.
+
+Layout (pallas_kernels/quant.py, tiles): words uint32 [T, WPR, B_N], scales (and zeros) bf16
 [T, K/G, B_N]; inside a group of G columns, lane i of word w is column w + i*WPG (WPG = G*b/32).
 x is bf16 [M, K], y is bf16 [M, N].
 
@@ -272,14 +276,40 @@ def _finish(out, n, plan: Plan):
     return out.sum(axis=0)[:, :n].astype(jnp.bfloat16)  # one XLA fusion over [S, M, N_pad]
 
 
-def qmatvec(x, qw: QuantizedWeight, *, tiles=None, backend="auto", plan: Plan | None = None):
+def _rows(x, qw: QuantizedWeight, plan):
+    """The row layout's tensor-core kernel, one launch (its split-K sum included)."""
+    import jax_triton as jt
+
+    from pallas_kernels import triton_qmatvec as tq
+
+    m, k = x.shape
+    n = qw.shape[0]
+    plan = plan or tq.rows_plan_for(m, n, k)
+    tiles = -(-n // plan.block_n)
+    out_shape = [jax.ShapeDtypeStruct((m, n), jnp.bfloat16),  # y
+                 jax.ShapeDtypeStruct((plan.split, m, n) if plan.split > 1 else (1,), jnp.float32),
+                 jax.ShapeDtypeStruct((tiles,), jnp.int32)]  # the tiles' tickets
+    y, _, _ = jt.triton_call(
+        x, qw.words, qw.scales, qw.scales if qw.symmetric else qw.zeros,
+        kernel=tq.qmatvec_rows_kernel, out_shape=out_shape, grid=(tiles * plan.split,),
+        num_warps=plan.num_warps, num_stages=1, zeroed_outputs=(2,) if plan.split > 1 else (),
+        name=f"qmatvec_rows_int{qw.bits}",
+        M=m, N=n, K=k, BN=plan.block_n, S=plan.split, GPI=plan.groups_per_iter,
+        LW=plan.num_warps.bit_length() - 1, SYMMETRIC=qw.symmetric, COMPILED=True)
+    return y
+
+
+def qmatvec(x, qw: QuantizedWeight, *, tiles=None, backend="auto", plan=None):
     """y = x @ W^T: x [M, K] (M = 1..16) -> bf16 [M, N], W the quantised [N, K] weight.
 
     tiles: optional int32 [n_active] indices in [0, qw.n_tiles) of the output tiles (qw.block_n
     rows each) to compute, each at most once; the other tiles' outputs are zero and their
-    weights are never read (the grid has n_active * split programs).
-    backend: "pallas" (GPU), "interpret" (the Pallas kernel on CPU), "reference" (plain jnp),
-    "auto" (pallas on GPU, reference elsewhere). plan overrides the launch heuristics.
+    weights are never read (the grid has n_active * split programs). Tile layout only.
+    backend: "pallas" (GPU: the Pallas kernel for tiles, the Triton kernel for rows, which needs
+    jax_triton), "interpret" (the Pallas kernel on CPU; tile layout only: the row layout's kernel
+    runs in Triton's own interpreter, tests/triton_interpret.py), "reference" (plain jnp), "auto"
+    (pallas on GPU, reference elsewhere). plan overrides the launch heuristics (a `Plan` for
+    tiles, a `triton_qmatvec.RowsPlan` for rows).
     """
     backend = resolve(backend)
     if x.ndim != 2 or x.shape[1] != qw.shape[1]:
@@ -288,9 +318,17 @@ def qmatvec(x, qw: QuantizedWeight, *, tiles=None, backend="auto", plan: Plan | 
         raise ValueError(f"x must have 1..{MAX_M} rows (M), got {x.shape[0]}")
     if tiles is not None and (tiles.ndim != 1 or not jnp.issubdtype(tiles.dtype, jnp.integer)):
         raise ValueError(f"tiles must be a 1-D integer array, got {tiles.dtype}{tiles.shape}")
+    if tiles is not None and qw.layout == "rows":
+        raise ValueError("tiles= selects output tiles of the tile layout; this weight is in the row layout")
     if backend == "reference":
         return reference(x, qw, tiles=tiles)
     x = x.astype(jnp.bfloat16)
+    if qw.layout == "rows":
+        if backend == "interpret":
+            raise ValueError("the row layout's kernel is Triton's (jax_triton), which Pallas' interpret "
+                             "mode cannot run: use backend='reference' on CPU, or "
+                             "tests/triton_interpret.py for Triton's interpreter")
+        return _rows(x, qw, plan)
     n_active = qw.n_tiles if tiles is None else tiles.shape[0]
     if tiles is not None:
         tiles = tiles.astype(jnp.int32)

@@ -15,6 +15,17 @@ the packed rows are stored as words [n_tiles, WPR, B_N] (WPR = K*b/32 words per 
 zeros as [n_tiles, K/G, B_N]: the B_N words of one column-group index are adjacent, so a tile's
 read is unit-stride and a skipped tile is simply never addressed.
 
+Row layout (int4, G = 128; `layout="rows"`). The tensor-core matvec (pallas_kernels.triton_qmatvec)
+reads each row's words in place: words [N, WPR], scales and zeros [N, K/G], no padding. Inside a
+block of 128 columns (a group) word m (0..15) holds in lane j (bits [4j, 4j+4)) the column
+
+    ROW_ORDER[m, j] = 16*(2*(j % 4) + (m % 4) // 2) + 8*(m % 2) + 2*(m // 4) + j // 4,
+
+the column order of a wgmma A fragment: a thread that loads words 4t..4t+3 of a row with one
+128-bit load and unpacks lanes (j, j + 4) of each word into one bf16x2 register holds exactly
+the columns {16b + 8h + 2t + p} the tensor core expects from it, so no shuffle and no
+permutation of x is needed.
+
 Cost per weight: b + 16/G bits (symmetric), b + 32/G (asymmetric); 4.125 bits for int4, G = 128.
 
 Idempotence. `quantize(dequantize(qw))` reproduces qw's words, scales and zeros exactly: the
@@ -38,6 +49,17 @@ import jax.numpy as jnp
 import numpy as np
 
 BITS = (2, 4, 8)
+LAYOUTS = ("tiles", "rows")
+ROW_BLOCK = 128  # columns of one row-layout group: 16 words of 8 int4 codes
+
+
+def _row_order() -> np.ndarray:
+    m, j = np.arange(16)[:, None], np.arange(8)[None, :]
+    return 16 * (2 * (j % 4) + (m % 4) // 2) + 8 * (m % 2) + 2 * (m // 4) + j // 4
+
+
+ROW_ORDER = _row_order()  # [word, lane] -> column in the group (the module docstring's formula)
+ROW_INVERSE = np.argsort(ROW_ORDER.ravel())  # column -> word * 8 + lane
 
 
 @functools.partial(
@@ -47,19 +69,24 @@ BITS = (2, 4, 8)
 )
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """A quantised [N, K] weight in the tile-transposed layout (see the module docstring)."""
+    """A quantised [N, K] weight in the tile-transposed layout or the row layout (see the module
+    docstring); the words' rank tells which."""
 
-    words: jax.Array  # uint32 [n_tiles, WPR, B_N]
-    scales: jax.Array  # bf16 [n_tiles, K // G, B_N]
-    zeros: jax.Array | None  # bf16 [n_tiles, K // G, B_N] integer codes; None when symmetric
+    words: jax.Array  # uint32 tiles: [n_tiles, WPR, B_N]; rows: [N, WPR]
+    scales: jax.Array  # bf16 tiles: [n_tiles, K // G, B_N]; rows: [N, K // G]
+    zeros: jax.Array | None  # bf16 integer codes, shaped as scales; None when symmetric
     bits: int
     group_size: int
     symmetric: bool
     shape: tuple[int, int]  # (N, K) of the unpadded weight
 
     @property
+    def layout(self) -> str:
+        return "rows" if self.words.ndim == 2 else "tiles"
+
+    @property
     def block_n(self) -> int:
-        return self.words.shape[2]
+        return 1 if self.layout == "rows" else self.words.shape[2]
 
     @property
     def n_tiles(self) -> int:
@@ -76,15 +103,21 @@ class QuantizedWeight:
         return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in arrays)
 
 
-def check_config(k: int, bits: int, group_size: int, block_n: int) -> None:
-    """Raise ValueError naming the argument that makes (K, bits, group_size, block_n) invalid."""
+def check_config(k: int, bits: int, group_size: int, block_n: int, layout: str = "tiles") -> None:
+    """Raise ValueError naming the argument that makes (K, bits, group_size, block_n, layout)
+    invalid (block_n is not used by the row layout)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "rows" and (bits != 4 or group_size != ROW_BLOCK):
+        raise ValueError(f"the row layout holds int4 in groups of {ROW_BLOCK}: got bits={bits}, "
+                         f"group_size={group_size}")
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
     if group_size < 32 or group_size & (group_size - 1):
         raise ValueError(f"group_size must be a power of two >= 32, got {group_size!r}")
     if k % group_size:
         raise ValueError(f"group_size={group_size} must divide K={k} (the input dimension of w)")
-    if block_n < 16 or block_n & (block_n - 1):
+    if layout == "tiles" and (block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")
 
 
@@ -101,52 +134,75 @@ def _round(v):  # round half up: one rounding rule for lo and for every code (se
     return jnp.floor(v + 0.5)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "group_size", "symmetric", "block_n"))
-def quantize_arrays(w, *, bits, group_size, symmetric, block_n):
+def _quantize_codes(w, *, bits, group_size, symmetric):
+    """w f32 [N, K] -> (codes u f32 [N, NG, G], scales s f32 [N, NG], zeros z f32 [N, NG] | None)."""
     n, k = w.shape
-    g, vpw = group_size, 32 // bits
-    n_pad = -n % block_n
-    w = jnp.pad(w.astype(jnp.float32), ((0, n_pad), (0, 0)))  # [Np, K]
-    wg = w.reshape(n + n_pad, k // g, g)  # [Np, NG, G]
+    wg = w.reshape(n, k // group_size, group_size)  # [N, NG, G]
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
-        s = _bf16_nearest(jnp.max(jnp.abs(wg), axis=2) / qmax)  # [Np, NG]
+        s = _bf16_nearest(jnp.max(jnp.abs(wg), axis=2) / qmax)  # [N, NG]
         s = jnp.where(s == 0, 1.0, s)  # an all-zero group: any scale, codes 0
         q = jnp.clip(jnp.round(wg / s[..., None]), -qmax, qmax)
-        u = q + 2 ** (bits - 1)
-        z = None
+        return q + 2 ** (bits - 1), s, None
+    top = 2**bits - 1
+    lo = jnp.minimum(jnp.min(wg, axis=2), 0.0)  # [N, NG]
+    hi = jnp.maximum(jnp.max(wg, axis=2), 0.0)
+    s = _bf16_floor((hi - lo) / top)
+    s = jnp.where(s == 0, 1.0, s)
+    z = jnp.clip(-_round(lo / s), 0, top)
+    return jnp.clip(_round(wg / s[..., None]) + z[..., None], 0, top), s, z
+
+
+def _pack(u, s, z, *, bits, group_size, block_n, layout):
+    """Codes u [Np, K] (natural column order; Np a multiple of block_n for tiles) and per-group
+    s, z [Np, NG] -> (words, scales, zeros) in `layout`."""
+    n, k = u.shape
+    vpw = 32 // bits
+    u = u.astype(jnp.uint32)
+    if layout == "rows":
+        lanes = u.reshape(n, k // ROW_BLOCK, ROW_BLOCK)[..., ROW_ORDER]  # [N, NB, word, lane]
+        shifts = jnp.arange(vpw, dtype=jnp.uint32) * bits  # [lane]
+        words = jnp.sum(lanes << shifts, axis=3, dtype=jnp.uint32).reshape(n, k * bits // 32)
+
+        def params(a):
+            return a.astype(jnp.bfloat16)
     else:
-        top = 2**bits - 1
-        lo = jnp.minimum(jnp.min(wg, axis=2), 0.0)  # [Np, NG]
-        hi = jnp.maximum(jnp.max(wg, axis=2), 0.0)
-        s = _bf16_floor((hi - lo) / top)
-        s = jnp.where(s == 0, 1.0, s)
-        z = jnp.clip(-_round(lo / s), 0, top)
-        u = jnp.clip(_round(wg / s[..., None]) + z[..., None], 0, top)
-    u = u.astype(jnp.uint32).reshape(n + n_pad, k // g, vpw, g // vpw)  # [Np, NG, lane, WPG]
-    shifts = (jnp.arange(vpw, dtype=jnp.uint32) * bits)[:, None]  # [lane, 1]
-    words = jnp.sum(u << shifts, axis=2, dtype=jnp.uint32)  # disjoint bits: sum == or
-    words = words.reshape(-1, block_n, k * bits // 32).transpose(0, 2, 1)  # [T, WPR, B_N]
+        u = u.reshape(n, k // group_size, vpw, group_size // vpw)  # [Np, NG, lane, WPG]
+        shifts = (jnp.arange(vpw, dtype=jnp.uint32) * bits)[:, None]  # [lane, 1]
+        words = jnp.sum(u << shifts, axis=2, dtype=jnp.uint32)  # disjoint bits: sum == or
+        words = words.reshape(-1, block_n, k * bits // 32).transpose(0, 2, 1)  # [T, WPR, B_N]
 
-    def tiles(a):  # [Np, NG] -> [T, NG, B_N]
-        return a.reshape(-1, block_n, k // g).transpose(0, 2, 1).astype(jnp.bfloat16)
+        def params(a):  # [Np, NG] -> [T, NG, B_N]
+            return a.reshape(-1, block_n, k // group_size).transpose(0, 2, 1).astype(jnp.bfloat16)
 
-    return words, tiles(s), None if z is None else tiles(z)
+    return words, params(s), None if z is None else params(z)
 
 
-def quantize(w, *, bits=4, group_size=128, symmetric=True, block_n=128) -> QuantizedWeight:
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "symmetric", "block_n", "layout"))
+def quantize_arrays(w, *, bits, group_size, symmetric, block_n, layout="tiles"):
+    n, k = w.shape
+    n_pad = -n % block_n if layout == "tiles" else 0
+    w = jnp.pad(w.astype(jnp.float32), ((0, n_pad), (0, 0)))  # [Np, K]
+    u, s, z = _quantize_codes(w, bits=bits, group_size=group_size, symmetric=symmetric)
+    return _pack(u.reshape(n + n_pad, k), s, z, bits=bits, group_size=group_size, block_n=block_n,
+                 layout=layout)
+
+
+def quantize(w, *, bits=4, group_size=128, symmetric=True, block_n=128, layout="tiles") -> QuantizedWeight:
     """Quantise w [N, K] (out, in) into groups of `group_size` input columns.
 
-    Returns a QuantizedWeight whose words are uint32 [ceil(N / block_n), K*bits/32, block_n].
-    Raises ValueError naming the argument when bits, group_size, block_n or w's shape is invalid.
+    Returns a QuantizedWeight whose words are uint32 [ceil(N / block_n), K*bits/32, block_n]
+    (layout "tiles") or [N, K*bits/32] (layout "rows": int4, groups of 128).
+    Raises ValueError naming the argument when bits, group_size, block_n, layout or w's shape is
+    invalid.
     """
     if getattr(w, "ndim", None) != 2:
         raise ValueError(f"w must be a 2-D [N, K] array, got shape {getattr(w, 'shape', None)}")
-    check_config(w.shape[1], bits, group_size, block_n)
+    check_config(w.shape[1], bits, group_size, block_n, layout)
     if not isinstance(symmetric, bool):
         raise ValueError(f"symmetric must be a bool, got {symmetric!r}")
     words, scales, zeros = quantize_arrays(
-        w, bits=bits, group_size=group_size, symmetric=symmetric, block_n=block_n
+        w, bits=bits, group_size=group_size, symmetric=symmetric, block_n=block_n, layout=layout
     )
     return QuantizedWeight(words, scales, zeros, bits, group_size, symmetric, tuple(w.shape))
 
@@ -155,24 +211,49 @@ def quantize(w, *, bits=4, group_size=128, symmetric=True, block_n=128) -> Quant
 def codes(qw: QuantizedWeight) -> jax.Array:
     """The unsigned codes u as uint32 [N, K] in natural column order (undoes packing and tiling)."""
     n, k = qw.shape
-    vpw, (t, _, bn) = 32 // qw.bits, qw.words.shape
+    vpw = 32 // qw.bits
+    mask = jnp.uint32(2**qw.bits - 1)
+    if qw.layout == "rows":
+        words = qw.words.reshape(n, k // ROW_BLOCK, 16, 1)  # [N, NB, word, 1]
+        lanes = (words >> (jnp.arange(vpw, dtype=jnp.uint32) * qw.bits)) & mask  # [N, NB, word, lane]
+        return lanes.reshape(n, k // ROW_BLOCK, ROW_BLOCK)[..., ROW_INVERSE].reshape(n, k)
+    t, _, bn = qw.words.shape
     words = qw.words.transpose(0, 2, 1).reshape(t * bn, k // qw.group_size, 1, -1)  # [Np, NG, 1, WPG]
     shifts = (jnp.arange(vpw, dtype=jnp.uint32) * qw.bits)[:, None]  # [lane, 1]
-    u = (words >> shifts) & jnp.uint32(2**qw.bits - 1)  # [Np, NG, lane, WPG]
+    u = (words >> shifts) & mask  # [Np, NG, lane, WPG]
     return u.reshape(t * bn, k)[:n]
+
+
+def _untile(a, qw: QuantizedWeight):  # scales or zeros -> [N, NG] in their stored dtype
+    if qw.layout == "rows":
+        return a
+    return a.transpose(0, 2, 1).reshape(-1, a.shape[1])[: qw.shape[0]]
 
 
 @jax.jit
 def group_params(qw: QuantizedWeight) -> tuple[jax.Array, jax.Array]:
     """Per-group (scale, zero) as float32 [N, K // G]."""
-    n, k = qw.shape
-
-    def untile(a):
-        return a.transpose(0, 2, 1).reshape(-1, k // qw.group_size)[:n].astype(jnp.float32)
-
-    s = untile(qw.scales)
-    z = jnp.full_like(s, 2 ** (qw.bits - 1)) if qw.zeros is None else untile(qw.zeros)
+    s = _untile(qw.scales, qw).astype(jnp.float32)
+    z = jnp.full_like(s, 2 ** (qw.bits - 1)) if qw.zeros is None else _untile(qw.zeros, qw).astype(jnp.float32)
     return s, z
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "block_n"))
+def relayout(qw: QuantizedWeight, layout: str, block_n: int = 128) -> QuantizedWeight:
+    """The same codes, scales and zeros in another layout (exact; "rows" needs int4, G = 128)."""
+    check_config(qw.shape[1], qw.bits, qw.group_size, block_n, layout)
+    n, k = qw.shape
+    u = codes(qw)
+    s = _untile(qw.scales, qw)
+    z = None if qw.zeros is None else _untile(qw.zeros, qw)
+    if layout == "tiles":
+        pad = ((0, -n % block_n), (0, 0))  # padded rows as quantize makes them: zero weights
+        u = jnp.pad(u, pad, constant_values=2 ** (qw.bits - 1) if qw.symmetric else 0)
+        s = jnp.pad(s, pad, constant_values=1)
+        z = None if z is None else jnp.pad(z, pad)
+    words, scales, zeros = _pack(u, s, z, bits=qw.bits, group_size=qw.group_size, block_n=block_n,
+                                 layout=layout)
+    return QuantizedWeight(words, scales, zeros, qw.bits, qw.group_size, qw.symmetric, qw.shape)
 
 
 @jax.jit

@@ -158,3 +158,23 @@ def test_quantised_experts_errors_are_named():
     with pytest.raises(ValueError, match="expert parallelism"):
         build.plan(ling.preset("ling-tiny"), dtype=jnp.float32, quant=Quantization(4, 32, experts=True),
                    mesh=make_mesh(1))
+
+
+def test_row_layout_serves_the_tile_layouts_model(tmp_path):
+    """int4 in the row layout (the tensor-core matvec's): quantised at load, or re-laid out from a
+    checkpoint converted in the tile layout, the same weights and so the same logits."""
+    from ling.convert import main as convert_main
+
+    hf = oracle.build(oracle.random_bailing_config(0, hidden_size=128, moe_intermediate_size=32), 0)
+    hub = oracle.save(hf, str(tmp_path / "hub"))
+    out = str(tmp_path / "q")
+    assert convert_main(["--hf", hub, "--out", out, "--quantize", "int4", "--quantize-lm-head"]) == 0
+    tokens = TOKENS % 90
+    tiles = ling.forward(ling.load(hub, quantize="int4", quantize_lm_head=True, progress=False), tokens)
+    for model in (ling.load(hub, quantize="int4", quantize_lm_head=True, quantize_layout="rows", progress=False),
+                  ling.load(out, quantize="int4", quantize_lm_head=True, quantize_layout="rows", progress=False)):
+        proj = model.layers[0].attention.in_proj
+        assert isinstance(proj, QLinear) and proj.weight.layout == "rows" and model.lm_head.weight.layout == "rows"
+        np.testing.assert_array_equal(ling.forward(model, tokens), tiles)
+    with pytest.raises(ValueError, match="row layout"):
+        ling.load(hub, quantize="int8", quantize_layout="rows", progress=False)

@@ -1,0 +1,147 @@
+"""The tensor-core int4 matvec (pallas_kernels.triton_qmatvec) compiled offline for sm_90a: SASS
+instructions per weight in its main loop, registers, spills, shared memory, for the plans
+`rows_plan_for` picks at the model's shapes. No GPU needed:
+
+    pip install triton==3.6.0   # in an environment of its own (it breaks the CPU oracle)
+    python -m bench.qmatvec_sass [--out DIR]
+
+Per weight, two counts: the main loop's SASS (between a backward branch and its target) over a
+thread's share of an iteration (BN * 128 * GPI / (32 * num_warps) weights), and the whole
+program's (every static instruction once, plus the loop body once more an extra iteration) over
+its share of the program; the second counts the launch's fixed costs (addresses, the partial's
+store, the ticket, the last program's sum) and applies when a program is one iteration (no
+loop). The pointer arguments are declared 16-byte aligned, as jax_triton declares JAX's buffers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+from pallas_kernels.triton_qmatvec import RowsPlan, rows_plan_for
+
+SHAPES = [  # (name, N, K): the projections of Ling-3.0-flash's decode step and its lm_head
+    ("kda in_proj (q|k|v|f|g|b)", 12352, 2560),
+    ("o_proj", 2560, 4096),
+    ("lm_head", 157184, 2560),
+    ("20480 x 2560", 20480, 2560),
+    ("4096 x 2560", 4096, 2560),
+]
+CORE = ("LOP3", "SHF", "HADD2", "HGMMA", "FFMA")  # the dequantise-and-multiply instructions
+
+
+def compile_sm90(plan: RowsPlan, m: int, n: int, k: int, symmetric: bool = True) -> dict:
+    """Compile the kernel for one call's constants; returns sass text, registers, spills, smem."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pallas_kernels import triton_qmatvec as tq
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*u32", "s_ptr": "*bf16", "z_ptr": "*bf16", "y_ptr": "*bf16",
+           "part_ptr": "*fp32", "ticket_ptr": "*i32"}
+    consts = dict(M=m, N=n, K=k, BN=plan.block_n, S=plan.split, GPI=plan.groups_per_iter,
+                  LW=plan.num_warps.bit_length() - 1, SYMMETRIC=symmetric, COMPILED=True)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
+    src = ASTSource(fn=tq.qmatvec_rows_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=plan.num_warps, num_stages=1))
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin, ptx = os.path.join(tmp, "k.cubin"), os.path.join(tmp, "k.ptx")
+        with open(cubin, "wb") as f:
+            f.write(kern.asm["cubin"])
+        with open(ptx, "w") as f:
+            f.write(kern.asm["ptx"])
+        sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", cubin], capture_output=True,
+                              text=True, check=True).stdout
+        ptxas = subprocess.run([os.path.join(bin_dir, "ptxas"), "--gpu-name", "sm_90a", "-v", ptx, "-o",
+                                os.devnull], capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", ptxas)
+    spill = re.search(r"(\d+) bytes spill stores", ptxas)
+    return dict(sass=sass, ttgir=kern.asm["ttgir"], regs=regs and int(regs.group(1)),
+                spill=spill and int(spill.group(1)), smem=kern.metadata.shared)
+
+
+def opcodes(sass: str) -> collections.Counter:
+    return collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", sass, re.M))
+
+
+def main_loop(sass: str) -> collections.Counter:
+    """Opcode counts of the main loop: the longest loop (the SASS from a backward branch's target to
+    the branch) that runs the tensor cores; empty when the plan unrolls it (one iteration)."""
+    pat = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)(.*)$")
+    labels, pending, body = {}, [], []
+    for line in sass.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = pat.match(line)
+        if m:
+            addr = int(m.group(1), 16)
+            for name in pending:
+                labels[name] = addr
+            pending = []
+            body.append((addr, m.group(2), m.group(3)))
+    best: list = []
+    for addr, op, rest in body:
+        target = re.search(r"`\((\.L_x_\d+)\)", rest)
+        if op == "BRA" and target and labels.get(target.group(1), addr) < addr:
+            loop = [o for a, o, _ in body if labels[target.group(1)] <= a <= addr]
+            if "HGMMA" in loop:
+                best = max(best, loop, key=len)
+    return collections.Counter(best)
+
+
+def report(m: int, out: str | None, log=print) -> list[dict]:
+    rows = []
+    for name, n, k in SHAPES:
+        plan = rows_plan_for(m, n, k)
+        rec = compile_sm90(plan, m, n, k)
+        ops, every = main_loop(rec["sass"]), opcodes(rec["sass"])
+        weights = plan.block_n * 128 * plan.groups_per_iter / (32 * plan.num_warps)
+        iters = k // 128 // plan.split // plan.groups_per_iter
+        total = sum(ops.values())
+        program = sum(every.values()) + total * (iters - 1)
+        core = sum(ops[o] for o in CORE) if total else sum(every[o] for o in CORE)
+        rows.append(dict(shape=name, n=n, k=k, plan=plan, regs=rec["regs"], spill=rec["spill"],
+                         smem=rec["smem"], loop=total, per_weight=total / weights if total else None,
+                         program_per_weight=program / (weights * iters),
+                         core_per_weight=core / weights, ops=dict((ops or every).most_common(12))))
+        if out:
+            os.makedirs(out, exist_ok=True)
+            stem = os.path.join(out, f"qmatvec_rows_m{m}_{n}x{k}")
+            with open(stem + ".sass", "w") as f:
+                f.write(rec["sass"])
+            with open(stem + ".ttgir", "w") as f:
+                f.write(rec["ttgir"])
+        log(f"M={m} {name} ({n}x{k}) {plan}: {rec['regs']} regs, spill {rec['spill']} B, smem {rec['smem']} B; "
+            f"loop {total} instructions / {weights:.0f} weights a thread, {iters} iterations; "
+            f"{dict((ops or every).most_common(12))}")
+    log("\n| shape | M | plan (BN, S, GPI, warps) | instructions / weight: loop, program | of which "
+        "unpack + mma + scale | regs |")
+    log("|---|---|---|---|---|---|")
+    for r in rows:
+        p = r["plan"]
+        loop = "—" if r["per_weight"] is None else f"{r['per_weight']:.2f}"
+        log(f"| {r['shape']} {r['n']}x{r['k']} | {m} | {p.block_n}, {p.split}, {p.groups_per_iter}, "
+            f"{p.num_warps} | {loop}, {r['program_per_weight']:.2f} | {r['core_per_weight']:.2f} | {r['regs']} |")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 6], help="rows of x (tokens)")
+    ap.add_argument("--out", default=None, help="directory for each kernel's SASS and TTGIR")
+    args = ap.parse_args()
+    for m in args.m:
+        report(m, args.out)
+
+
+if __name__ == "__main__":
+    main()
