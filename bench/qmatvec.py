@@ -1,14 +1,16 @@
-"""H200 benchmark of the fused dequantising matvec (pallas_kernels/qmatvec.py) against its peers.
+"""H200 benchmark of the fused dequantising matvecs (pallas_kernels/qmatvec.py: the Pallas kernel on
+the tile layout, and int4 the tensor-core Triton kernel on the row layout) against their peers.
 
-Run on the GPU machine from the repository root (gemlite carried as an sdist, see
-../shared/tools/device-wheels.sh):
+Run on the GPU machine from the repository root (gemlite carried as an sdist and jax_triton as a
+wheel, see ../shared/tools/device-wheels.sh):
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
-        .whl/gemlite-*.tar.gz && PYTHONPATH=/tmp/site:. python -m bench.qmatvec
+        .whl/gemlite-*.tar.gz .whl/jax_triton-*.whl && PYTHONPATH=/tmp/site:. python -m bench.qmatvec
 Options: --sweep (also time launch-plan variants), --quick (two shapes only).
 
 Per shape (N x K), M in {1, 6}, int4 and int8 (G = 128, symmetric), bf16 activations (torch peers:
 bench/qmatvec_peers.py):
-  ours     qmatvec's default plan, many calls per iteration of a fori_loop in one jit
+  ours     qmatvec's default plan, many calls per iteration of a fori_loop in one jit; int4 twice:
+           the tile layout (Pallas) and the row layout (tensor cores, Triton; "rows" lines)
   cuBLAS   torch F.linear bf16 under a CUDA graph
   gemlite  gemlite 0.6 A16W4 (int4 only), its H100-tuned config of the nearest shape, CUDA graph
   XLA      jnp.dot bf16, timed like ours
@@ -60,17 +62,24 @@ def jax_part(shapes, args, peers):
     from pallas_kernels.qmatvec import Plan, plan_for, qmatvec, reference
     from pallas_kernels.quant import QuantizedWeight, quantize
 
+    try:
+        from pallas_kernels.triton_qmatvec import RowsPlan, rows_plan_for
+    except ImportError:  # no triton (--smoke on CPU): the tile layout only
+        RowsPlan = rows_plan_for = None
+
     log("jax", jax.__version__, jax.devices()[0].device_kind)
     key = jax.random.PRNGKey(0)
 
     def random_qw(key, n, k, bits, block_n, count):
-        """count distinct random quantised weights (random codes and scales: timing only)."""
-        t = -(-n // block_n)
+        """count distinct random quantised weights (random codes and scales: timing only);
+        block_n 0: the row layout."""
+        t = -(-n // block_n) if block_n else n
         out = []
         for i in range(count):
             k1, k2 = jax.random.split(jax.random.fold_in(key, i))
-            words = jax.random.bits(k1, (t, k * bits // 32, block_n), jnp.uint32)
-            scales = (jax.random.uniform(k2, (t, k // G, block_n)) * 0.02 + 1e-3).astype(jnp.bfloat16)
+            tail = (block_n,) if block_n else ()
+            words = jax.random.bits(k1, (t, k * bits // 32) + tail, jnp.uint32)
+            scales = (jax.random.uniform(k2, (t, k // G) + tail) * 0.02 + 1e-3).astype(jnp.bfloat16)
             out.append(QuantizedWeight(words, scales, None, bits, G, True, (n, k)))
         return jax.block_until_ready(out)
 
@@ -111,7 +120,8 @@ def jax_part(shapes, args, peers):
         kk = (n, k, bits, block_n)
         if kk not in real_w:
             w = jax.random.normal(jax.random.fold_in(key, n * 7 + k), (n, k), jnp.bfloat16)
-            real_w[kk] = quantize(w, bits=bits, group_size=G, block_n=block_n)
+            real_w[kk] = quantize(w, bits=bits, group_size=G, block_n=block_n or 128,
+                                  layout="tiles" if block_n else "rows")
         return real_w[kk]
 
     def run_variant(n, k, m, bits, plan, block_n, tag):
@@ -144,38 +154,47 @@ def jax_part(shapes, args, peers):
             del ws
             log(f"XLA bf16 {n}x{k} M={m}: {xla[(n, k, m)]:.2f} µs")
 
-    # Default plans: the table.
+    # Default plans: the table. int4 also in the row layout (block_n 0): the tensor-core kernel.
     for n, k in shapes:
         for m in MS:
-            for bits in BITS:
-                probe = random_qw(key, n, k, bits, 128, 1)[0]
-                plan = plan_for(m, probe, probe.n_tiles)
-                r = run_variant(n, k, m, bits, plan, 128, "default")
+            for bits, block_n in [(b, 128) for b in BITS] + ([(4, 0)] if rows_plan_for and not args.smoke else []):
+                if block_n:
+                    probe = random_qw(key, n, k, bits, block_n, 1)[0]
+                    plan = plan_for(m, probe, probe.n_tiles)
+                else:
+                    plan = rows_plan_for(m, n, k)
+                r = run_variant(n, k, m, bits, plan, block_n, "default")
                 if r is None:
                     continue
                 t_cublas, t_gl = peers.get((n, k, m), (None, None))
-                r.update(cublas=t_cublas, gemlite=t_gl if bits == 4 else None, xla=xla[(n, k, m)])
+                r.update(cublas=t_cublas, gemlite=t_gl if bits == 4 else None, xla=xla[(n, k, m)],
+                         layout="tiles" if block_n else "rows")
                 RESULTS["rows"].append(r)
-                log(f"ours int{bits} {n}x{k} M={m}: {r['us']:.2f} µs {r['tbs']:.2f} TB/s "
-                    f"err {r['err']:.1e} {plan}")
+                log(f"ours int{bits} {'rows ' if not block_n else ''}{n}x{k} M={m}: {r['us']:.2f} µs "
+                    f"{r['tbs']:.2f} TB/s err {r['err']:.1e} {plan}")
 
-    if args.sweep:  # launch-plan variants on the two shapes that matter most, int4
+    if args.sweep:  # launch-plan variants on the two shapes that matter most, int4 (block_n 0: rows)
+        rows, rows_split = [], []
+        if RowsPlan is not None and not args.smoke:
+            rows = [(0, RowsPlan(128, 1, 2)), (0, RowsPlan(64, 1, 4)), (0, RowsPlan(256, 1, 4, 8))]
+            rows_split = [(0, RowsPlan(128, 2, 2)), (0, RowsPlan(128, 4, 1)), (0, RowsPlan(64, 10, 2)),
+                          (0, RowsPlan(128, 10, 2))]
         variants = {  # (shape N, M): [(block_n, Plan)]
-            (157184, 1): [(128, Plan("fma", 2, 1, chunk_words=16)),
+            (157184, 1): rows + [(128, Plan("fma", 2, 1, chunk_words=16)),
                           (128, Plan("fma", 2, 1, chunk_words=8, prefetch=True)),
                           (128, Plan("fma", 4, 1, chunk_words=8)),
                           (128, Plan("fma", 4, 1, chunk_words=8, prefetch=True)),
                           (256, Plan("fma", 2, 2, chunk_words=8, prefetch=True)),
                           (128, Plan("mma", 1, 4, num_stages=3))],
-            (157184, 6): [(128, Plan("mma", 2, 4, num_stages=3)),
+            (157184, 6): rows + [(128, Plan("mma", 2, 4, num_stages=3)),
                           (128, Plan("mma", 1, 4, num_stages=2)),
                           (256, Plan("mma", 1, 4, num_stages=3)),
                           (128, Plan("mma", 1, 2, num_stages=3))],
-            (20480, 1): [(128, Plan("fma", 10, 1, chunk_words=8, prefetch=True)),
+            (20480, 1): rows_split + [(128, Plan("fma", 10, 1, chunk_words=8, prefetch=True)),
                          (128, Plan("fma", 20, 1, chunk_words=8)),
                          (128, Plan("fma", 10, 1, chunk_words=16)),
                          (256, Plan("fma", 20, 2, chunk_words=8, prefetch=True))],
-            (20480, 6): [(128, Plan("mma", 10, 4, num_stages=3)),
+            (20480, 6): rows_split + [(128, Plan("mma", 10, 4, num_stages=3)),
                          (128, Plan("mma", 4, 2, num_stages=2)),
                          (128, Plan("mma", 4, 4, num_stages=2))],
         }
@@ -190,7 +209,7 @@ def jax_part(shapes, args, peers):
                 r = run_variant(nn, kk, m, 4, plan, bn, "sweep")
                 if r is not None:
                     RESULTS["sweep"].append(r)
-                    log(f"sweep int4 {nn}x{kk} M={m} bn{bn}: {r['us']:.2f} µs "
+                    log(f"sweep int4 {nn}x{kk} M={m} {f'bn{bn}' if bn else 'rows'}: {r['us']:.2f} µs "
                         f"{r['tbs']:.2f} TB/s {plan}")
 
 
