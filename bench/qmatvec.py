@@ -63,8 +63,8 @@ def jax_part(shapes, args, peers):
     from pallas_kernels.quant import QuantizedWeight, quantize
 
     try:
-        from pallas_kernels.triton_qmatvec import RowsPlan, rows_plan_for
-    except ImportError:  # no triton (--smoke on CPU): the tile layout only
+        from pallas_kernels.rows_plan import RowsPlan, rows_plan_for
+    except ImportError:
         RowsPlan = rows_plan_for = None
 
     log("jax", jax.__version__, jax.devices()[0].device_kind)

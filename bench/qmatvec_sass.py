@@ -1,6 +1,8 @@
-"""The tensor-core int4 matvec (pallas_kernels.triton_qmatvec) compiled offline for sm_90a: SASS
-instructions per weight in its main loop, registers, spills, shared memory, for the plans
-`rows_plan_for` picks at the model's shapes. No GPU needed:
+"""The row layout's tensor-core kernel (pallas_kernels.triton_qmatvec) compiled offline for sm_90a:
+SASS instructions per weight in its main loop, registers, spills, shared memory, for the plans
+`rows_plan_for` picks at the model's shapes: the matvecs of Ling-3.0-flash's decode step, and the
+up and down GEMMs of its routed experts (top-8 of 512, D 2560, I 768; M = 1: one pair a block,
+direct). No GPU needed:
 
     pip install triton==3.6.0   # in an environment of its own (it breaks the CPU oracle)
     python -m bench.qmatvec_sass [--out DIR]
@@ -22,7 +24,7 @@ import re
 import subprocess
 import tempfile
 
-from pallas_kernels.triton_qmatvec import RowsPlan, rows_plan_for
+from pallas_kernels.rows_plan import MP, RowsPlan, moe_rows_plans, rows_plan_for
 
 SHAPES = [  # (name, N, K): the projections of Ling-3.0-flash's decode step and its lm_head
     ("kda in_proj (q|k|v|f|g|b)", 12352, 2560),
@@ -34,20 +36,29 @@ SHAPES = [  # (name, N, K): the projections of Ling-3.0-flash's decode step and 
 CORE = ("LOP3", "SHF", "HADD2", "HGMMA", "FFMA")  # the dequantise-and-multiply instructions
 
 
-def compile_sm90(plan: RowsPlan, m: int, n: int, k: int, symmetric: bool = True) -> dict:
-    """Compile the kernel for one call's constants; returns sass text, registers, spills, smem."""
+MOE = dict(d=2560, inter=768, experts=512, topk=8)
+
+
+def compile_sm90(plan: RowsPlan, m: int, n: int, k: int, symmetric: bool = True, stage: int = 0,
+                 blocks: int = 1) -> dict:
+    """Compile the kernel for one call's constants; returns sass text, registers, spills, smem.
+    stage 1 / 2: a MoE's up / down GEMM over `blocks` blocks (M = 1: direct)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from pallas_kernels import triton_qmatvec as tq
 
-    sig = {"x_ptr": "*bf16", "w_ptr": "*u32", "s_ptr": "*bf16", "z_ptr": "*bf16", "y_ptr": "*bf16",
-           "part_ptr": "*fp32", "ticket_ptr": "*i32"}
-    consts = dict(M=m, N=n, K=k, BN=plan.block_n, S=plan.split, GPI=plan.groups_per_iter,
+    sig = {"a_ptr": "*bf16", "w_ptr": "*u32", "s_ptr": "*bf16", "z_ptr": "*bf16", "expert_ptr": "*i32",
+           "pair_ptr": "*i32", "out_ptr": "*fp32" if stage == 2 else "*bf16", "part_ptr": "*fp32",
+           "ticket_ptr": "*i32"}
+    moe = stage > 0
+    consts = dict(M=m, N=n, K=k, R=blocks * MP if moe else m, E=MOE["experts"] if moe else 1,
+                  TOPK=MOE["topk"] if moe else 1, STAGE=stage, DIRECT=moe and m == 1, HAS_LIMIT=False, LIMIT=0.0,
+                  BN=plan.block_n, S=plan.split, GPI=plan.groups_per_iter,
                   LW=plan.num_warps.bit_length() - 1, SYMMETRIC=symmetric, COMPILED=True)
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
-    src = ASTSource(fn=tq.qmatvec_rows_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    src = ASTSource(fn=tq.rows_kernel, signature=sig, constexprs=consts, attrs=attrs)
     kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=plan.num_warps, num_stages=1))
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -100,9 +111,13 @@ def main_loop(sass: str) -> collections.Counter:
 
 def report(m: int, out: str | None, log=print) -> list[dict]:
     rows = []
-    for name, n, k in SHAPES:
-        plan = rows_plan_for(m, n, k)
-        rec = compile_sm90(plan, m, n, k)
+    d, inter, topk = MOE["d"], MOE["inter"], MOE["topk"]
+    blocks = m * topk  # M = 1: one pair a block; verify sizes: at most one block a pair
+    up, down = moe_rows_plans(blocks, inter, d)
+    moe = [(f"MoE up ({blocks} blocks)", 2 * inter, d, 1, blocks, up),
+           (f"MoE down ({blocks} blocks)", d, inter, 2, blocks, down)]
+    for name, n, k, stage, nblk, plan in [(nm, n, k, 0, 1, rows_plan_for(m, n, k)) for nm, n, k in SHAPES] + moe:
+        rec = compile_sm90(plan, m, n, k, stage=stage, blocks=nblk)
         ops, every = main_loop(rec["sass"]), opcodes(rec["sass"])
         weights = plan.block_n * 128 * plan.groups_per_iter / (32 * plan.num_warps)
         iters = k // 128 // plan.split // plan.groups_per_iter

@@ -12,7 +12,8 @@ full precision, and why:
 - embeddings, norms, conv and decay parameters (small, read a few rows per token);
 - the routed experts, unless asked (`experts=True`): they then take the fused MoE kernel's own
   grouped format (`moe.block.QExperts`, int4 or int8, symmetric, B_N 64), which the fused MoE
-  kernels (decode, verify) and the grouped GEMM (prefill) read directly.
+  kernels (decode, verify) and the grouped GEMM (prefill) read directly; with layout "rows" the
+  row layout, which the tensor-core Triton kernels read at every size.
 Decode and verify (up to 16 rows) run `qmatvec`, dequantising in registers; longer inputs
 (prefill) dequantise the weight once per call and multiply.
 """
@@ -49,11 +50,12 @@ class QLinear(nnx.Module):
         self.scales = nnx.Param(qw.scales, logical_axes=groups)
         self.zeros = None if qw.zeros is None else nnx.Param(qw.zeros, logical_axes=groups)
         self.bits, self.group_size, self.symmetric, self.shape = qw.bits, qw.group_size, qw.symmetric, qw.shape
+        self.layout = qw.layout
 
     @property
     def weight(self) -> QuantizedWeight:
         return QuantizedWeight(self.words[...], self.scales[...], None if self.zeros is None else self.zeros[...],
-                               self.bits, self.group_size, self.symmetric, self.shape)
+                               self.bits, self.group_size, self.symmetric, self.shape, self.layout)
 
     @jax.named_scope("proj")
     def __call__(self, x):  # x [..., K] -> [..., N]
@@ -138,14 +140,14 @@ def quantize_module(module, q: Quantization) -> None:
     for mlp in mlps if q.bits in EXPERT_BITS else ():
         try:
             e = quantize_experts(mlp.w13[...], mlp.w2[...], bits=q.bits, group_size=q.group_size,
-                                 block_n=EXPERT_BLOCK_N)
+                                 block_n=EXPERT_BLOCK_N, layout=q.layout)
         except ValueError:
             continue  # sizes the format does not divide: left in full precision
         mlp.w13, mlp.w2 = QExperts(e.w13), QExperts(e.w2)
     for moe in moes if q.experts else ():
         try:
             e = quantize_experts(moe.w13[...], moe.w2[...], bits=q.bits, group_size=q.group_size,
-                                 block_n=EXPERT_BLOCK_N)
+                                 block_n=EXPERT_BLOCK_N, layout=q.layout)
         except ValueError as err:
             raise ValueError(f"the routed experts (D {moe.w13.shape[1]}, I {moe.w2.shape[1]}) cannot be quantised "
                              f"with group_size {q.group_size}: {err}") from err
@@ -160,9 +162,16 @@ def quantize_lm_head(model, q: Quantization) -> None:
         model.lm_head = QLinear(qw, kernels=model.kernels)
 
 
+def _relayout_experts(qw: QuantizedWeight, layout: str) -> QuantizedWeight:
+    """Stacked experts in another layout, one expert at a time (`lax.map`: no [E, N, K] codes)."""
+    one = lambda a: QuantizedWeight(*a, qw.bits, qw.group_size, qw.symmetric, qw.shape, qw.layout)  # noqa: E731
+    out = jax.lax.map(lambda a: relayout(one(a), layout, EXPERT_BLOCK_N), (qw.words, qw.scales, qw.zeros))
+    return QuantizedWeight(out.words, out.scales, out.zeros, qw.bits, qw.group_size, qw.symmetric, qw.shape, layout)
+
+
 def relayout_module(module, layout: str) -> None:
-    """Every QLinear under `module` (its lm_head included) rewritten in `layout`, in place and
-    exactly (`pallas_kernels.quant.relayout`); what is already in it is left alone."""
+    """Every QLinear and QExperts under `module` (its lm_head included) rewritten in `layout`, in
+    place and exactly (`pallas_kernels.quant.relayout`); what is already in it is left alone."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
@@ -171,6 +180,9 @@ def relayout_module(module, layout: str) -> None:
             if isinstance(child, QLinear):
                 if child.weight.layout != layout:
                     setattr(node, name, QLinear(relayout(child.weight, layout), kernels=child.kernels))
+            elif isinstance(child, QExperts):
+                if child.weight.layout != layout:
+                    setattr(node, name, QExperts(_relayout_experts(child.weight, layout)))
             elif isinstance(child, nnx.List):
                 for item in child:
                     walk(item)

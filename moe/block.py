@@ -6,8 +6,9 @@ columns), and w2 [E, I, D]; or, once `ling.quantize` stored them low-bit, the fu
 grouped format (`QExperts`, `experts.quantize_experts`). The routed experts (`routed_experts`)
 run Pallas kernels when the kernel backend is not the reference: the fused MoE kernels
 (pallas_kernels/fused_moe.py) at decode and verify sizes, the grouped GEMM
-(pallas_kernels/grouped_gemm.py) beyond GATHER_MAX_PAIRS pairs (prefill); otherwise the plain-jnp
-specification both are checked against (`pallas_kernels.experts.reference`).
+(pallas_kernels/grouped_gemm.py) beyond GATHER_MAX_PAIRS pairs (prefill); experts in the row
+layout run fused_moe's tensor-core Triton kernel at every size; otherwise the plain-jnp
+specification all are checked against (`pallas_kernels.experts.reference`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from moe.nn import param, swiglu
 from moe.parallel import expert_parallel
 from moe.router import route
 from pallas_kernels.backend import resolve
-from pallas_kernels.experts import GATHER_MAX_PAIRS, num_experts
+from pallas_kernels.experts import GATHER_MAX_PAIRS, num_experts, rows_layout
 from pallas_kernels.experts import reference as experts_reference
 from pallas_kernels.expert_tiles import supports as tiles_support
 from pallas_kernels.expert_tiles import tile_moe
@@ -56,7 +57,8 @@ def routed_experts(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, bac
         return tile_moe(x, topk_ids, topk_weights, w13, w2, n_decode=n_decode, swiglu_limit=swiglu_limit,
                         backend=backend)
     if backend != "reference":
-        kernel = fused_moe if topk_ids.size <= GATHER_MAX_PAIRS else grouped_moe
+        # The row layout's experts: the tensor-core kernel at every size (the grouped GEMM reads tiles).
+        kernel = fused_moe if topk_ids.size <= GATHER_MAX_PAIRS or rows_layout(w13) else grouped_moe
         return kernel(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, backend=backend)
     return experts_reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit)
 
@@ -73,16 +75,18 @@ class QExperts(nnx.Module):
     `QuantizedWeight` with a leading E axis), held as Params with logical axes."""
 
     def __init__(self, qw: QuantizedWeight):
-        self.words = nnx.Param(qw.words, logical_axes=("experts", "tiles", "words", "tile_rows"))
-        self.scales = nnx.Param(qw.scales, logical_axes=("experts", "tiles", "groups", "tile_rows"))
-        self.zeros = None if qw.zeros is None else nnx.Param(
-            qw.zeros, logical_axes=("experts", "tiles", "groups", "tile_rows"))
+        words, groups = (("experts", "rows", "words"), ("experts", "rows", "groups")) if qw.layout == "rows" else (
+            ("experts", "tiles", "words", "tile_rows"), ("experts", "tiles", "groups", "tile_rows"))
+        self.words = nnx.Param(qw.words, logical_axes=words)
+        self.scales = nnx.Param(qw.scales, logical_axes=groups)
+        self.zeros = None if qw.zeros is None else nnx.Param(qw.zeros, logical_axes=groups)
         self.bits, self.group_size, self.symmetric, self.shape = qw.bits, qw.group_size, qw.symmetric, qw.shape
+        self.layout = qw.layout
 
     @property
     def weight(self) -> QuantizedWeight:
         return QuantizedWeight(self.words[...], self.scales[...], None if self.zeros is None else self.zeros[...],
-                               self.bits, self.group_size, self.symmetric, self.shape)
+                               self.bits, self.group_size, self.symmetric, self.shape, self.layout)
 
 
 def expert_weights(w13, w2):

@@ -117,7 +117,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import resolve
-from pallas_kernels.experts import check_args, expert_dims, reference
+from pallas_kernels.experts import check_args, expert_dims, reference, rows_layout
 from pallas_kernels.fused_moe import expert_tile, pop_weight_refs, swiglu_columns, weight_operands
 from pallas_kernels.moe_align import align_sizes, next_pow2
 from pallas_kernels.quant import QuantizedWeight
@@ -711,7 +711,10 @@ def run_tiles(x, topk_ids, topk_weights, w13, w2, *, n_decode: int, swiglu_limit
 
 def supports(w13, w2) -> bool:
     """Whether the launch takes these weights: low-bit ones need the dot path's >= 16 words a
-    group, and the up tile an even block_n >= 32 (callers run fused_moe / grouped_gemm otherwise)."""
+    group, and the up tile an even block_n >= 32 (callers run fused_moe / grouped_gemm otherwise);
+    not the row layout."""
+    if rows_layout(w13) or rows_layout(w2):
+        return False
     try:
         up = weight_operands(w13, Tile().block_k, Tile().block_n, dot=True, stage="up")
         weight_operands(w2, Tile().block_k, Tile().block_n, dot=True, stage="down")

@@ -12,7 +12,9 @@ Layouts (x @ W orientation):
   Or grouped low-bit (`quantize_experts`): a `QuantizedWeight` (pallas_kernels/quant.py) whose
   arrays carry a leading E axis -- expert e's matrix in torch orientation, w13_e^T [2I, D] and
   w2_e^T [D, I] (the interleave kept on the N axis), tile-transposed words [E, T, K*b/32, B_N],
-  bf16 scales [E, T, K/G, B_N]. `jax.vmap(quant.dequantize)` gives the experts back.
+  bf16 scales [E, T, K/G, B_N]; or (layout "rows": int4, groups of 128) the row layout, words
+  [E, N, K/8], scales [E, N, K/128], which the tensor-core kernels read
+  (pallas_kernels/triton_qmatvec.py). `jax.vmap(quant.dequantize)` gives the experts back.
 """
 
 from __future__ import annotations
@@ -35,25 +37,26 @@ class QuantizedExperts:
     w2: QuantizedWeight
 
 
-def quantize_experts(w13, w2, *, bits=4, group_size=128, symmetric=True, block_n=64) -> QuantizedExperts:
+def quantize_experts(w13, w2, *, bits=4, group_size=128, symmetric=True, block_n=64,
+                     layout="tiles") -> QuantizedExperts:
     """Quantise stacked experts w13 [E, D, 2I], w2 [E, I, D] (x @ W) into the grouped format.
 
     Each expert's matrix is transposed to torch orientation and quantised alone (pallas_kernels/
     quant.py), one expert at a time (`lax.map`: no fp32 copy of the whole stack); the arrays are
-    stacked on a leading E axis. block_n must divide 2I and D.
+    stacked on a leading E axis. block_n must divide 2I and D (layout "tiles").
     """
 
     def stack(w, name):
         if getattr(w, "ndim", None) != 3:
             raise ValueError(f"{name} must be [E, K, N], got shape {getattr(w, 'shape', None)}")
         _, k, n = w.shape
-        check_config(k, bits, group_size, block_n)
-        if n % block_n:
+        check_config(k, bits, group_size, block_n, layout)
+        if layout == "tiles" and n % block_n:
             raise ValueError(f"block_n={block_n} must divide {name}'s output dimension {n}")
         quant = functools.partial(quantize_arrays, bits=bits, group_size=group_size, symmetric=symmetric,
-                                  block_n=block_n)
+                                  block_n=block_n, layout=layout)
         words, scales, zeros = lax.map(lambda we: quant(we.T), w)
-        return QuantizedWeight(words, scales, zeros, bits, group_size, symmetric, (n, k))
+        return QuantizedWeight(words, scales, zeros, bits, group_size, symmetric, (n, k), layout)
 
     return QuantizedExperts(stack(w13, "w13"), stack(w2, "w2"))
 
@@ -92,6 +95,11 @@ def expert_dims(w13, w2):
     if e != e2 or d != d2 or n13 != 2 * i:
         raise ValueError(f"w13 (E={e}, D={d}, 2I={n13}) and w2 (E={e2}, I={i}, D={d2}) disagree")
     return e, d, i
+
+
+def rows_layout(w) -> bool:
+    """Whether stacked experts w are low-bit in the row layout (the tensor-core kernels')."""
+    return isinstance(w, QuantizedWeight) and w.layout == "rows"
 
 
 def num_experts(w) -> int:

@@ -57,9 +57,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import resolve
-from pallas_kernels.experts import check_args, expert_dims, k_groups, reference, swiglu
+from pallas_kernels.experts import check_args, expert_dims, k_groups, reference, rows_layout, swiglu
 from pallas_kernels.moe_align import align_sizes, moe_align
-from pallas_kernels.qmatvec import H200_SMS, lanes
+from pallas_kernels.qmatvec import H200_SMS, MMA_ROWS, lanes, rows_launch
 from pallas_kernels.quant import QuantizedWeight
 
 EVICT = "evict_first"  # weights stream once: keep L2 for activations
@@ -436,6 +436,58 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
     return y.astype(x.dtype), h, out
 
 
+@dataclasses.dataclass(frozen=True)
+class RowsRoute:
+    """Where the row layout's kernel finds a routing's pairs: blocks of MMA_ROWS pairs of one
+    expert. direct (M = 1): block j is pair j, expert = the flat top-k ids; else the align's
+    sorted pairs [S] and block_expert. slot [P]: each pair's row in the down GEMM's output."""
+
+    direct: bool
+    expert: jax.Array
+    pairs: jax.Array | None
+    n_blocks: int
+    slot: jax.Array
+
+
+def rows_route(topk_ids, n_experts: int, *, backend="auto") -> RowsRoute:
+    m, k = topk_ids.shape
+    p = m * k
+    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    if m == 1:
+        return RowsRoute(True, ids, None, p, jnp.arange(p, dtype=jnp.int32) * MMA_ROWS)
+    pairs, expert = moe_align(ids, n_experts, MMA_ROWS, backend=backend)
+    slot = jnp.zeros((p,), jnp.int32).at[pairs].set(jnp.arange(pairs.shape[0], dtype=jnp.int32), mode="drop")
+    return RowsRoute(False, expert, pairs, align_sizes(p, n_experts, MMA_ROWS).nb, slot)
+
+
+def rows_combine(out, route: RowsRoute, topk_ids, topk_weights, n_experts: int):
+    """y [M, D] float32 = sum_k w * out[slot] over the live pairs (a skipped pair's rows are never
+    written: masked, not multiplied). One XLA fusion."""
+    m, k = topk_ids.shape
+    live = (topk_ids.reshape(-1) < n_experts)[:, None]
+    terms = jnp.where(live, out[route.slot] * topk_weights.reshape(-1, 1).astype(jnp.float32), 0.0)  # [P, D]
+    return jnp.sum(terms.reshape(m, k, -1), axis=1)
+
+
+def _run_rows(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan=None):
+    """Experts in the row layout: the tensor-core kernel's up and down GEMMs (two launches, each
+    with its split-K sum) over blocks of MMA_ROWS (token, slot) pairs of one expert, then the
+    combine. plan: (up, down) `rows_plan.RowsPlan`s. Returns (y, h, out)."""
+    from pallas_kernels.rows_plan import moe_rows_plans
+
+    m, k = topk_ids.shape
+    e, d, i = expert_dims(w13, w2)
+    route = rows_route(topk_ids, e, backend=backend)
+    up, down = plan or moe_rows_plans(route.n_blocks, i, d)
+    rows = route.n_blocks * MMA_ROWS
+    common = dict(m=m, expert=route.expert, n_blocks=route.n_blocks, topk=k, direct=route.direct)
+    h = rows_launch("up", x.astype(jnp.bfloat16), w13, out=jax.ShapeDtypeStruct((rows, i), jnp.bfloat16),
+                    plan=up, pairs=route.pairs, limit=swiglu_limit, **common)
+    out = rows_launch("down", h, w2, out=jax.ShapeDtypeStruct((rows, d), jnp.float32), plan=down, **common)
+    y = rows_combine(out, route, topk_ids, topk_weights, e)
+    return y.astype(x.dtype), h, out
+
+
 def fused_moe(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend="auto",
               plan: Plan | None = None):
     """y [M, D] = sum_k topk_weights * expert_{topk_ids}(x), fp32 accumulation, rounded once.
@@ -447,11 +499,19 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend=
     backend: "pallas" | "interpret" | "reference" | "auto" (pallas_kernels.backend.resolve).
     M <= 64 runs block 16 (bf16) or one pair per block (quantised, M <= 16); M = 1 without an
     align launch; larger M the same kernels with block 64 (a grouped GEMM) and the blocked
-    align. plan overrides the launch heuristics (`plan_for`).
+    align. Experts in the row layout (int4) run the tensor-core Triton kernel instead, any M,
+    in blocks of 16 pairs of one expert (`_run_rows`). plan overrides the launch heuristics
+    (`plan_for`; for the row layout a pair of `rows_plan.RowsPlan`s).
     """
     backend = resolve(backend)
     check_args(x, topk_ids, topk_weights, w13, w2)
     if backend == "reference":
         return reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit)
+    if rows_layout(w13):
+        if backend == "interpret":
+            raise ValueError("experts in the row layout run Triton's tensor-core kernel, which Pallas' interpret "
+                             "mode cannot run: use backend='reference' on CPU, or tests/triton_interpret.py")
+        return _run_rows(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, backend=backend,
+                         plan=plan)[0]
     return _run(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, backend=backend,
                 plan=plan)[0]

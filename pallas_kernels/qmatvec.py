@@ -276,27 +276,47 @@ def _finish(out, n, plan: Plan):
     return out.sum(axis=0)[:, :n].astype(jnp.bfloat16)  # one XLA fusion over [S, M, N_pad]
 
 
-def _rows(x, qw: QuantizedWeight, plan):
-    """The row layout's tensor-core kernel, one launch (its split-K sum included)."""
+STAGES = {"matvec": 0, "up": 1, "down": 2}
+
+
+def rows_launch(stage: str, a, qw: QuantizedWeight, *, out, m: int, plan, expert=None, pairs=None,
+                n_blocks: int = 1, topk: int = 1, direct: bool = False, limit=None):
+    """One launch of the row layout's tensor-core kernel (`triton_qmatvec.rows_kernel`, through
+    jax_triton), its split-K sum included. stage "matvec": a = x [M, K] -> y [M, N] bf16;
+    "up" / "down": a MoE's GEMMs over n_blocks blocks of MP rows (`fused_moe`). out: the result's
+    jax.ShapeDtypeStruct; expert, pairs: int32 arrays as the kernel reads them (see there)."""
     import jax_triton as jt
 
     from pallas_kernels import triton_qmatvec as tq
 
+    n, k = qw.shape
+    e = qw.words.shape[0] if qw.words.ndim == 3 else 1
+    tiles = -(-n // plan.block_n)
+    rows = out.shape[0]
+    dummy = jnp.zeros((1,), jnp.int32)
+    out_shapes = [out, jax.ShapeDtypeStruct((plan.split, rows, n) if plan.split > 1 else (1,), jnp.float32),
+                  jax.ShapeDtypeStruct((n_blocks * tiles,), jnp.int32)]  # the (block, tile) tickets
+    res, _, _ = jt.triton_call(
+        a, qw.words, qw.scales, qw.scales if qw.symmetric else qw.zeros,
+        dummy if expert is None else expert, dummy if pairs is None else pairs,
+        kernel=tq.rows_kernel, out_shape=out_shapes, grid=(n_blocks, tiles, plan.split),
+        num_warps=plan.num_warps, num_stages=1, zeroed_outputs=(2,) if plan.split > 1 else (),
+        name=f"rows_{stage}_int{qw.bits}",
+        M=m, N=n, K=k, R=rows, E=e, TOPK=topk, STAGE=STAGES[stage], DIRECT=direct,
+        HAS_LIMIT=limit is not None, LIMIT=0.0 if limit is None else float(limit),
+        BN=plan.block_n, S=plan.split, GPI=plan.groups_per_iter, LW=plan.num_warps.bit_length() - 1,
+        SYMMETRIC=qw.symmetric, COMPILED=True)
+    return res
+
+
+def _rows(x, qw: QuantizedWeight, plan):
+    """The row layout's matvec: one launch."""
+    from pallas_kernels.rows_plan import rows_plan_for
+
     m, k = x.shape
     n = qw.shape[0]
-    plan = plan or tq.rows_plan_for(m, n, k)
-    tiles = -(-n // plan.block_n)
-    out_shape = [jax.ShapeDtypeStruct((m, n), jnp.bfloat16),  # y
-                 jax.ShapeDtypeStruct((plan.split, m, n) if plan.split > 1 else (1,), jnp.float32),
-                 jax.ShapeDtypeStruct((tiles,), jnp.int32)]  # the tiles' tickets
-    y, _, _ = jt.triton_call(
-        x, qw.words, qw.scales, qw.scales if qw.symmetric else qw.zeros,
-        kernel=tq.qmatvec_rows_kernel, out_shape=out_shape, grid=(tiles * plan.split,),
-        num_warps=plan.num_warps, num_stages=1, zeroed_outputs=(2,) if plan.split > 1 else (),
-        name=f"qmatvec_rows_int{qw.bits}",
-        M=m, N=n, K=k, BN=plan.block_n, S=plan.split, GPI=plan.groups_per_iter,
-        LW=plan.num_warps.bit_length() - 1, SYMMETRIC=qw.symmetric, COMPILED=True)
-    return y
+    return rows_launch("matvec", x, qw, out=jax.ShapeDtypeStruct((m, n), jnp.bfloat16), m=m,
+                       plan=plan or rows_plan_for(m, n, k))
 
 
 def qmatvec(x, qw: QuantizedWeight, *, tiles=None, backend="auto", plan=None):
@@ -309,7 +329,7 @@ def qmatvec(x, qw: QuantizedWeight, *, tiles=None, backend="auto", plan=None):
     jax_triton), "interpret" (the Pallas kernel on CPU; tile layout only: the row layout's kernel
     runs in Triton's own interpreter, tests/triton_interpret.py), "reference" (plain jnp), "auto"
     (pallas on GPU, reference elsewhere). plan overrides the launch heuristics (a `Plan` for
-    tiles, a `triton_qmatvec.RowsPlan` for rows).
+    tiles, a `rows_plan.RowsPlan` for rows).
     """
     backend = resolve(backend)
     if x.ndim != 2 or x.shape[1] != qw.shape[1]:

@@ -65,12 +65,12 @@ ROW_INVERSE = np.argsort(ROW_ORDER.ravel())  # column -> word * 8 + lane
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["words", "scales", "zeros"],
-    meta_fields=["bits", "group_size", "symmetric", "shape"],
+    meta_fields=["bits", "group_size", "symmetric", "shape", "layout"],
 )
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
     """A quantised [N, K] weight in the tile-transposed layout or the row layout (see the module
-    docstring); the words' rank tells which."""
+    docstring). Stacked experts carry a leading E axis on words, scales and zeros."""
 
     words: jax.Array  # uint32 tiles: [n_tiles, WPR, B_N]; rows: [N, WPR]
     scales: jax.Array  # bf16 tiles: [n_tiles, K // G, B_N]; rows: [N, K // G]
@@ -79,14 +79,11 @@ class QuantizedWeight:
     group_size: int
     symmetric: bool
     shape: tuple[int, int]  # (N, K) of the unpadded weight
-
-    @property
-    def layout(self) -> str:
-        return "rows" if self.words.ndim == 2 else "tiles"
+    layout: str = "tiles"  # LAYOUTS
 
     @property
     def block_n(self) -> int:
-        return 1 if self.layout == "rows" else self.words.shape[2]
+        return 1 if self.layout == "rows" else self.words.shape[-1]
 
     @property
     def n_tiles(self) -> int:
@@ -204,7 +201,7 @@ def quantize(w, *, bits=4, group_size=128, symmetric=True, block_n=128, layout="
     words, scales, zeros = quantize_arrays(
         w, bits=bits, group_size=group_size, symmetric=symmetric, block_n=block_n, layout=layout
     )
-    return QuantizedWeight(words, scales, zeros, bits, group_size, symmetric, tuple(w.shape))
+    return QuantizedWeight(words, scales, zeros, bits, group_size, symmetric, tuple(w.shape), layout)
 
 
 @jax.jit
@@ -253,7 +250,7 @@ def relayout(qw: QuantizedWeight, layout: str, block_n: int = 128) -> QuantizedW
         z = None if z is None else jnp.pad(z, pad)
     words, scales, zeros = _pack(u, s, z, bits=qw.bits, group_size=qw.group_size, block_n=block_n,
                                  layout=layout)
-    return QuantizedWeight(words, scales, zeros, qw.bits, qw.group_size, qw.symmetric, qw.shape)
+    return QuantizedWeight(words, scales, zeros, qw.bits, qw.group_size, qw.symmetric, qw.shape, layout)
 
 
 @jax.jit

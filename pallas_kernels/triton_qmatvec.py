@@ -1,9 +1,11 @@
-"""The row layout's dequantising matvec on the tensor cores, in Triton:  y = x @ W^T.
+"""The row layout's dequantising kernels on the tensor cores, in Triton: the matvec  y = x @ W^T
+and the two GEMMs of a MoE's experts at decode and verify sizes, one kernel (`rows_kernel`).
 
 W: int4 in `pallas_kernels.quant`'s row layout (groups of 128 columns): words uint32 [N, K/8],
-scales (and zeros) bf16 [N, K/128]. x: bf16 [M, K], M = 1..16. y: bf16 [M, N]. `qmatvec` calls
-this kernel (through jax_triton) for weights in the row layout; this module imports only triton,
-so Triton's interpreter can run it on a CPU (tests/triton_interpret.py).
+scales (and zeros) bf16 [N, K/128] (stacked experts: a leading E axis). x: bf16 [M, K], M = 1..16
+for the matvec. `qmatvec` and `fused_moe` call it (through jax_triton) for weights in the row
+layout; this module imports only triton, so Triton's interpreter can run it on a CPU
+(tests/triton_interpret.py).
 
 Dequantisation, per 32-bit word of 8 codes (inline PTX, 7 integer instructions): lanes j and j + 4
 sit in bits [4j, 4j + 4) and [16 + 4j, 20 + 4j), so `lop3((w >> 4j) & 0x000F000F | 0x43004300)`
@@ -22,21 +24,21 @@ pairs (j, j + 4) as the (p = 0, 1) halves of one register. Rows are relabelled (
 between Triton's coalesced load layout (row +8 across warps) and wgmma's (row +8 in registers);
 scales, zeros and the stored rows take the same relabelling.
 
-Grid: 1-D, n_tiles * S programs (n_tiles = ceil(N / BN)). Program p owns tile p // S (rows
-[t*BN, t*BN + BN); the last tile's rows past N re-read row N - 1 and are not stored) and K split
-p % S: groups [s*NB/S, (s+1)*NB/S) of the NB = K/128, GPI groups an iteration with their loads
-issued together. S = 1 stores y. S > 1: the program stores its float32 partial [M, BN] to
-part [S, M, N], then takes a ticket from its tile's counter (int32, zeroed before the launch); the
-program that draws ticket S - 1 sums the S partials in split order (the same sum every run) and
-stores y, so one matvec is one launch.
+Grid (NBLK, n_tiles, S) (n_tiles = ceil(N / BN)): program (b, t, s) multiplies block b's MP
+rows of the activations (the matvec: x's M rows; a MoE: one expert's pairs, `rows_kernel`) by
+tile t's weight rows [t*BN, t*BN + BN) (rows past N re-read row N - 1 and are not stored) over K
+split s: groups [s*NB/S, (s+1)*NB/S) of the NB = K/128, GPI groups an iteration with their loads
+issued together. S = 1 stores the result. S > 1: the program stores its float32 partial to
+part [S, R, N], then takes a ticket from its (block, tile)'s counter (int32, zeroed before the
+launch); the program that draws ticket S - 1 sums the S partials in split order (the same sum
+every run) and stores the result (through the SwiGLU for a MoE's up GEMM: gate and up rows are
+read into one thread), so one GEMM is one launch.
 
-Bytes moved: the words and scales once (K/2 + K/64 bytes a row), x (M*K*2, from L2 after the
-first programs), y (M*N*2), and with S > 1 the partials (S*M*N*4, twice).
+Bytes moved: the words and scales once a block (K/2 + K/64 bytes a row), x (M*K*2, from L2
+after the first programs), the output, and with S > 1 the partials (S*R*N*4, twice).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import triton
 import triton.language as tl
@@ -145,84 +147,132 @@ def _column(a, i: tl.constexpr, n: tl.constexpr):
 
 
 @triton.jit
-def qmatvec_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, ticket_ptr,
-                        M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
-                        S: tl.constexpr, GPI: tl.constexpr, LW: tl.constexpr,
-                        SYMMETRIC: tl.constexpr, COMPILED: tl.constexpr):
-    """See the module docstring. z_ptr is not read when SYMMETRIC; part_ptr and ticket_ptr only
-    when S > 1. LW = log2(num_warps); BN a multiple of 16 << LW. COMPILED: False under Triton's
-    interpreter (no inline PTX there)."""
+def _paired(i, LW: tl.constexpr):
+    """Load row i -> the tile row it reads when rows 2j, 2j + 1 (an expert's gate j and up j)
+    must land in one thread: the bit that `_rowperm` makes the register bit 3 becomes bit 0."""
+    b = (i >> (3 + LW)) & 1
+    rest = (i & ((1 << (3 + LW)) - 1)) | ((i >> (4 + LW)) << (3 + LW))
+    return 2 * rest + b
+
+
+@triton.jit
+def _swiglu(acc, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr):
+    """acc [BN, MP] in wgmma row order whose rows r and r + 8 (bit 3) are gate j and up j ->
+    silu(gate) * up [BN/2, MP] (with the limit: min(silu(g), L) * clamp(u, -L, L)), float32."""
+    BN: tl.constexpr = acc.shape[0]
+    C: tl.constexpr = acc.shape[1]
+    g, u = acc.reshape(BN // 16, 2, 8, C).permute(0, 2, 3, 1).split()
+    g = g * tl.sigmoid(g)
+    if HAS_LIMIT:
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+    return (g * u).reshape(BN // 2, C)
+
+
+@triton.jit
+def _gate_rows(rows):
+    """The gate rows' entries of rows [BN, 1] (bit 3 = 0), as `_swiglu` keeps them: [BN/2, 1]."""
+    BN: tl.constexpr = rows.shape[0]
+    g, _ = rows.reshape(BN // 16, 2, 8, 1).permute(0, 2, 3, 1).split()
+    return g.reshape(BN // 2, 1)
+
+
+@triton.jit
+def _store(out_ptr, acc, orow, rows_out, N: tl.constexpr, R: tl.constexpr, STAGE: tl.constexpr,
+           HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr, COMPILED: tl.constexpr):
+    """A tile's finished sums acc [BN, MP] to the output (see `rows_kernel`)."""
+    cols = orow[None, :]  # [1, MP] output rows
+    ok = cols < R
+    if STAGE == 1:  # up: SwiGLU, h [R, N/2] bf16
+        h = _swiglu(acc, HAS_LIMIT, LIMIT)
+        j = _gate_rows(rows_out) // 2  # [BN/2, 1]
+        tl.store(out_ptr + cols * (N // 2) + j, _to_bf16(h, COMPILED), mask=ok & (j < N // 2))
+    elif STAGE == 2:  # down: float32 rows of the pairs
+        tl.store(out_ptr + cols * N + rows_out, acc, mask=ok & (rows_out < N))
+    else:
+        tl.store(out_ptr + cols * N + rows_out, _to_bf16(acc, COMPILED), mask=ok & (rows_out < N))
+
+
+@triton.jit
+def rows_kernel(a_ptr, w_ptr, s_ptr, z_ptr, expert_ptr, pair_ptr, out_ptr, part_ptr, ticket_ptr,
+                M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
+                TOPK: tl.constexpr, STAGE: tl.constexpr, DIRECT: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
+                BN: tl.constexpr, S: tl.constexpr, GPI: tl.constexpr, LW: tl.constexpr,
+                SYMMETRIC: tl.constexpr, COMPILED: tl.constexpr):
+    """One launch; grid (NBLK, ceil(N / BN), S): program (b, t, s) multiplies block b's MP rows of
+    a by tile t's weight rows over K split s (module docstring). STAGE:
+      0  matvec: a = x [M, K]; NBLK = 1; W [N, K/8]; out = y [M, N] bf16.
+      1  a MoE's up GEMM: a = x [M, K]; block b's expert from expert_ptr (DIRECT: the flat top-k
+         ids [P], block b = pair b, M = 1; else the align's block_expert [NBLK], -1 past the
+         used blocks) and its rows' tokens pair // TOPK (DIRECT: b // TOPK; else pair_ptr, the
+         align's sorted pairs [NBLK * MP], P marking padding); W [E, N = 2I, D/8] with rows 2j, 2j + 1
+         gate j and up j; out = h [NBLK * MP, I] bf16 after the SwiGLU (LIMIT where HAS_LIMIT).
+      2  a MoE's down GEMM: a = h; block b's rows are h's rows b*MP .. b*MP + MP - 1; W [E, N = D,
+         I/8]; out [NBLK * MP, D] float32.
+    R: the output's rows (M; NBLK * MP for the MoE stages). A block whose expert is outside
+    [0, E) does nothing. z_ptr is read only when not SYMMETRIC,
+    pair_ptr only by STAGE 1 not DIRECT, part_ptr and ticket_ptr only when S > 1 (partials
+    [S, R, N], tickets [NBLK * tiles]). LW = log2(num_warps); BN a multiple of 16 << LW.
+    COMPILED: False under Triton's interpreter (no inline PTX there)."""
     NB: tl.constexpr = K // _GROUP
     NBP: tl.constexpr = NB // S
-    pid = tl.program_id(0)
-    tile = pid // S
-    split = pid % S
-    rows = tile * BN + tl.arange(0, BN)
-    rows_in = tl.minimum(rows, N - 1)[:, None]  # [BN, 1]
-    xrows = tl.minimum(tl.arange(0, _MP), M - 1)[None, :]  # [1, MP]
-    acc = tl.zeros((BN, _MP), tl.float32)
-    for b0 in range(split * NBP, split * NBP + NBP, GPI):
-        groups = b0 + tl.arange(0, GPI)[None, :]
-        scales = _rowperm(tl.load(s_ptr + rows_in * NB + groups), LW).to(tl.float32)  # [BN, GPI]
-        if not SYMMETRIC:
-            z = _rowperm(tl.load(z_ptr + rows_in * NB + groups), LW).to(tl.float32)
-            cz = (z + 128.0).to(tl.bfloat16)  # [BN, GPI], exact
-        for i in tl.static_range(GPI):
-            b = b0 + i
-            q = tl.load(w_ptr + rows_in * (K // 8) + b * 16 + tl.arange(0, 16)[None, :],
-                        eviction_policy="evict_first")
-            q = _rowperm(q, LW)
-            if SYMMETRIC:
-                a = _fragment(q, tl.full((1, 1, 1, 1, 1), 136.0, tl.float32).to(tl.bfloat16), COMPILED)
-            else:
-                a = _fragment(q, _column(cz, i, GPI)[:, :, None, None, None], COMPILED)
-            xt = tl.load(x_ptr + xrows * K + b * _GROUP + tl.arange(0, _GROUP)[:, None])  # [128, MP]
-            if COMPILED:
-                d = tl.dot(a, xt)
-            else:  # the interpreter's dot reads bf16 operands as their bits
-                d = tl.dot(a, xt.to(tl.float32))
-            acc += d * _column(scales, i, GPI)
-    rows_out = _rowperm(rows[:, None], LW)  # [BN, 1]: the memory row of each accumulator row
-    cols = tl.arange(0, _MP)[None, :]
-    mask = (rows_out < N) & (cols < M)
-    offs = cols * N + rows_out  # [BN, MP] into [M, N]
-    if S == 1:
-        tl.store(y_ptr + offs, _to_bf16(acc, COMPILED), mask=mask)
+    blk = tl.program_id(0)
+    tile = tl.program_id(1)
+    split = tl.program_id(2)
+    m = tl.arange(0, _MP)
+    if STAGE == 0:
+        expert = 0
+        arow = tl.minimum(m, M - 1)  # x's rows, the padding repeating row M - 1
     else:
-        tl.store(part_ptr + split * M * N + offs, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
-        ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if ticket == S - 1:  # the tile's last program: sum the partials in split order
-            total = tl.zeros((BN, _MP), tl.float32)
-            for sp in range(S):
-                total += tl.load(part_ptr + sp * M * N + offs, mask=mask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(y_ptr + offs, _to_bf16(total, COMPILED), mask=mask)
-
-
-@dataclasses.dataclass(frozen=True)
-class RowsPlan:
-    """How one call is launched (static); `rows_plan_for` picks it."""
-
-    block_n: int  # BN: rows a program (64, 128 or 256 at 4 warps)
-    split: int  # S: programs a tile along K (divides K / 128)
-    groups_per_iter: int  # GPI: groups whose loads an iteration issues together (divides K/128/S)
-    num_warps: int = 4
-
-
-def rows_plan_for(m: int, n: int, k: int, sms: int = 132) -> RowsPlan:
-    """Launch heuristics: at least two programs an SM, as few splits as give them, and whole
-    iterations of 4 groups where a split allows (the loads of 4 groups in flight at once).
-
-    BN 128 unless its tiles need a split that leaves a program fewer than 4 groups; then 64."""
-    del m  # one tile of x rows (MP = 16) serves every M
-    nb = k // GROUP
-    divisors = [s for s in range(1, nb + 1) if nb % s == 0]
-    for bn in (128, 64):
-        tiles = -(-n // bn)
-        fits = [s for s in divisors if tiles * s >= 2 * sms] or [nb]
-        split = next((s for g in (4, 2, 1) for s in fits if (nb // s) % g == 0), fits[0])
-        if nb // split >= 4:
-            break
-    gpi = next(g for g in (4, 2, 1) if (nb // split) % g == 0)
-    return RowsPlan(bn, split, gpi)
+        expert = tl.load(expert_ptr + blk)
+        if STAGE == 2:
+            arow = blk * _MP + m  # h's rows of this block
+        elif DIRECT:
+            arow = tl.zeros((_MP,), tl.int32) + blk // TOPK  # pair blk's token, in every row
+        else:
+            pair = tl.load(pair_ptr + blk * _MP + m)  # P marks padding: it reads the last token
+            arow = tl.minimum(pair, M * TOPK - 1) // TOPK
+    if (expert >= 0) & (expert < E):
+        w_ptr += expert.to(tl.int64) * (N * (K // 8))
+        s_ptr += expert.to(tl.int64) * (N * NB)
+        z_ptr += expert.to(tl.int64) * (N * NB)
+        i = tl.arange(0, BN)
+        rows = tile * BN + (_paired(i, LW) if STAGE == 1 else i)  # the tile rows each load row reads
+        rows_in = tl.minimum(rows, N - 1)[:, None]  # [BN, 1]: rows past N re-read row N - 1
+        acc = tl.zeros((BN, _MP), tl.float32)
+        for b0 in range(split * NBP, split * NBP + NBP, GPI):
+            groups = b0 + tl.arange(0, GPI)[None, :]
+            scales = _rowperm(tl.load(s_ptr + rows_in * NB + groups), LW).to(tl.float32)  # [BN, GPI]
+            if not SYMMETRIC:
+                z = _rowperm(tl.load(z_ptr + rows_in * NB + groups), LW).to(tl.float32)
+                cz = (z + 128.0).to(tl.bfloat16)  # [BN, GPI], exact
+            for g in tl.static_range(GPI):
+                b = b0 + g
+                q = tl.load(w_ptr + rows_in * (K // 8) + b * 16 + tl.arange(0, 16)[None, :],
+                            eviction_policy="evict_first")
+                q = _rowperm(q, LW)
+                if SYMMETRIC:
+                    wa = _fragment(q, tl.full((1, 1, 1, 1, 1), 136.0, tl.float32).to(tl.bfloat16), COMPILED)
+                else:
+                    wa = _fragment(q, _column(cz, g, GPI)[:, :, None, None, None], COMPILED)
+                xt = tl.load(a_ptr + arow[None, :] * K + b * _GROUP + tl.arange(0, _GROUP)[:, None])  # [128, MP]
+                if COMPILED:
+                    d = tl.dot(wa, xt)
+                else:  # the interpreter's dot reads bf16 operands as their bits
+                    d = tl.dot(wa, xt.to(tl.float32))
+                acc += d * _column(scales, g, GPI)
+        rows_out = _rowperm(rows[:, None], LW)  # [BN, 1]: the tile row of each accumulator row
+        orow = (0 if STAGE == 0 else blk * _MP) + m  # [MP]: the output row of each column
+        if S == 1:
+            _store(out_ptr, acc, orow, rows_out, N, R, STAGE, HAS_LIMIT, LIMIT, COMPILED)
+        else:
+            offs = orow[None, :] * N + rows_out  # [BN, MP] into the partials' [R, N]
+            live = (orow[None, :] < R) & (rows_out < N)
+            tl.store(part_ptr + split * R * N + offs, acc, mask=live)
+            tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
+            ticket = tl.atomic_add(ticket_ptr + blk * tl.num_programs(1) + tile, 1, sem="acq_rel", scope="gpu")
+            if ticket == S - 1:  # the tile's last program: sum the partials in split order
+                total = tl.zeros((BN, _MP), tl.float32)
+                for sp in range(S):
+                    total += tl.load(part_ptr + sp * R * N + offs, mask=live, other=0.0, cache_modifier=".cg")
+                _store(out_ptr, total, orow, rows_out, N, R, STAGE, HAS_LIMIT, LIMIT, COMPILED)

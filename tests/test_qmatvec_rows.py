@@ -1,7 +1,10 @@
-"""The row layout's tensor-core matvec (pallas_kernels/triton_qmatvec.py) against dequantise-then-
-multiply (float64): its kernel run by Triton's interpreter in a side environment (the CPU suite;
-triton must not enter the main one), compiled through jax_triton on a GPU (`-m gpu`)."""
+"""The row layout's tensor-core kernel (pallas_kernels/triton_qmatvec.py) against float64: the
+matvec against dequantise-then-multiply, a MoE's experts (fused_moe's up and down GEMMs in blocks
+of 16 pairs, the combine) against the experts' float64 sums; run by Triton's interpreter in a
+side environment (the CPU suite; triton must not enter the main one), compiled through jax_triton
+on a GPU (`-m gpu`)."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -10,8 +13,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moe_inputs import E, expert_weights, routing
+from pallas_kernels import fused_moe as fm
+from pallas_kernels.experts import quantize_experts
 from pallas_kernels.qmatvec import qmatvec
 from pallas_kernels.quant import dequantize, quantize
+from pallas_kernels.rows_plan import RowsPlan, moe_rows_plans
+from test_fused_moe import _check as fused_moe_check
+
+
+def check_moe(y, x, ids, w, w13, w2, limit):
+    """test_fused_moe's bound; a skipped pair (id E) counts as weight 0."""
+    live = ids < E
+    fused_moe_check(y, x, jnp.where(live, ids, 0), jnp.where(live, w, 0.0), w13, w2, limit)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIDE_ENV = os.path.join(os.path.expanduser("~"), ".cache", "ling-serve", "triton-interpreter")
@@ -61,8 +75,47 @@ def _side_python() -> str:
     return python
 
 
+# (M, k, symmetric, routing, limit, (up plan, down plan) or None for moe_rows_plans): M = 1 direct
+# (block j = pair j) with split K; aligned blocks (ragged, skewed, every token on one expert);
+# a skipped pair (id E); asymmetric zeros; the SwiGLU limit.
+MOE_CASES = [
+    (1, 4, True, "random", None, None),
+    (1, 2, False, "random", 0.5, ((64, 2, 1, 4), (64, 1, 1, 4))),
+    (5, 3, True, "skewed", None, ((128, 1, 2, 4), (64, 1, 1, 4))),
+    (6, 2, True, "one", 1.0, None),
+    (4, 4, False, "random", None, ((64, 2, 1, 4), (128, 1, 1, 4))),
+]
+
+
+def _moe_problem(m, k, symmetric, kind, seed):
+    rng = np.random.default_rng(seed)
+    w13, w2 = expert_weights(rng, None)
+    q = quantize_experts(w13, w2, symmetric=symmetric, layout="rows")
+    ids, w = routing(rng, m, k, kind)
+    if m == 4:  # a skipped pair (expert parallelism marks other ranks' pairs so): it adds nothing
+        ids = ids.at[1, 0].set(E)
+    x = jnp.asarray(rng.standard_normal((m, q.w13.shape[1])), jnp.bfloat16)
+    return x, ids, w, q.w13, q.w2
+
+
 def test_interpreted_kernel_matches_dequantize_then_matmul(tmp_path):
     problems, arrays = {}, {}
+    for i, (m, k, symmetric, kind, limit, plans) in enumerate(MOE_CASES):
+        x, ids, w, w13, w2 = problems[f"moe{i}"] = _moe_problem(m, k, symmetric, kind, seed=40 + i)
+        route = fm.rows_route(ids, E, backend="reference")
+        up, down = [RowsPlan(*p) for p in plans] if plans else moe_rows_plans(route.n_blocks, w2.shape[1], w13.shape[1])
+        arrays.update({f"moe{i}/x": np.asarray(x).view(np.uint16), f"moe{i}/topk": np.asarray(ids),
+                       f"moe{i}/expert": np.asarray(route.expert), f"moe{i}/n_blocks": np.array(route.n_blocks),
+                       f"moe{i}/limit": np.array([] if limit is None else [limit], np.float32),
+                       f"moe{i}/up_plan": np.array(dataclasses.astuple(up)),
+                       f"moe{i}/down_plan": np.array(dataclasses.astuple(down))})
+        if not route.direct:
+            arrays[f"moe{i}/pairs"] = np.asarray(route.pairs)
+        for name, qw in (("up", w13), ("down", w2)):
+            arrays[f"moe{i}/{name}_words"] = np.asarray(qw.words)
+            arrays[f"moe{i}/{name}_scales"] = np.asarray(qw.scales).view(np.uint16)
+            if not symmetric:
+                arrays[f"moe{i}/{name}_zeros"] = np.asarray(qw.zeros).view(np.uint16)
     for i, (m, n, k, symmetric, plan) in enumerate(CASES):
         x, qw = _problem(m, n, k, symmetric, seed=i)
         problems[f"c{i}"] = (x, qw)
@@ -78,21 +131,34 @@ def test_interpreted_kernel_matches_dequantize_then_matmul(tmp_path):
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     got = np.load(out)
-    for name, (x, qw) in problems.items():
-        _check(got[name], x, qw)
+    for name, problem in problems.items():
+        if name.startswith("moe"):
+            x, ids, w, w13, w2 = problem
+            route = fm.rows_route(ids, E, backend="reference")
+            y = fm.rows_combine(jnp.asarray(got[name + "/out"]), route, ids, w, E).astype(x.dtype)
+            check_moe(y, x, ids, w, w13, w2, MOE_CASES[int(name[3:])][4])
+        else:
+            _check(got[name], *problem)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,symmetric,plan", CASES + [(1, 157184, 2560, True, None), (6, 12352, 2560, True, None)])
 def test_compiled_kernel_matches_dequantize_then_matmul(m, n, k, symmetric, plan):
-    from pallas_kernels.triton_qmatvec import RowsPlan
-
     x, qw = _problem(m, n, k, symmetric, seed=m + n)
     y = qmatvec(x, qw, backend="pallas", plan=None if plan is None else RowsPlan(*plan))
     assert y.dtype == jnp.bfloat16
     _check(y.astype(jnp.float32), x, qw)
     again = qmatvec(x, qw, backend="pallas", plan=None if plan is None else RowsPlan(*plan))
     assert jnp.array_equal(y, again)  # the split-K sum is in a fixed order
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,symmetric,kind,limit,plans", MOE_CASES)
+def test_compiled_moe_matches_the_experts(m, k, symmetric, kind, limit, plans):
+    x, ids, w, w13, w2 = _moe_problem(m, k, symmetric, kind, seed=m * 10 + k)
+    plan = None if plans is None else tuple(RowsPlan(*p) for p in plans)
+    y = fm.fused_moe(x, ids, w, w13, w2, swiglu_limit=limit, backend="pallas", plan=plan)
+    check_moe(y, x, ids, w, w13, w2, limit)
 
 
 def test_reference_and_errors():
@@ -102,3 +168,7 @@ def test_reference_and_errors():
         qmatvec(x, qw, backend="interpret")
     with pytest.raises(ValueError, match="tiles"):
         qmatvec(x, qw, tiles=jnp.array([0], jnp.int32), backend="reference")
+    x, ids, w, w13, w2 = _moe_problem(3, 2, True, "random", seed=1)
+    check_moe(fm.fused_moe(x, ids, w, w13, w2, backend="reference"), x, ids, w, w13, w2, None)
+    with pytest.raises(ValueError, match="interpret"):
+        fm.fused_moe(x, ids, w, w13, w2, backend="interpret")

@@ -161,20 +161,24 @@ def test_quantised_experts_errors_are_named():
 
 
 def test_row_layout_serves_the_tile_layouts_model(tmp_path):
-    """int4 in the row layout (the tensor-core matvec's): quantised at load, or re-laid out from a
-    checkpoint converted in the tile layout, the same weights and so the same logits."""
+    """int4 in the row layout (the tensor-core kernels'): projections, lm_head, dense MLP and
+    experts, quantised at load or re-laid out from a checkpoint converted in the tile layout: the
+    same weights, and so the same logits."""
     from ling.convert import main as convert_main
 
-    hf = oracle.build(oracle.random_bailing_config(0, hidden_size=128, moe_intermediate_size=32), 0)
-    hub = oracle.save(hf, str(tmp_path / "hub"))
+    cfg = oracle.random_bailing_config(0, hidden_size=128, intermediate_size=128, moe_intermediate_size=128)
+    hub = oracle.save(oracle.build(cfg, 0), str(tmp_path / "hub"))
     out = str(tmp_path / "q")
-    assert convert_main(["--hf", hub, "--out", out, "--quantize", "int4", "--quantize-lm-head"]) == 0
+    assert convert_main(["--hf", hub, "--out", out, "--quantize", "int4", "--quantize-lm-head",
+                         "--quantize-experts"]) == 0
     tokens = TOKENS % 90
-    tiles = ling.forward(ling.load(hub, quantize="int4", quantize_lm_head=True, progress=False), tokens)
-    for model in (ling.load(hub, quantize="int4", quantize_lm_head=True, quantize_layout="rows", progress=False),
-                  ling.load(out, quantize="int4", quantize_lm_head=True, quantize_layout="rows", progress=False)):
-        proj = model.layers[0].attention.in_proj
+    kw = dict(quantize="int4", quantize_lm_head=True, quantize_experts=True, progress=False)
+    tiles = ling.forward(ling.load(hub, **kw), tokens)
+    for model in (ling.load(hub, quantize_layout="rows", **kw), ling.load(out, quantize_layout="rows", **kw)):
+        proj, moe = model.layers[0].attention.in_proj, model.layers[1].mlp
         assert isinstance(proj, QLinear) and proj.weight.layout == "rows" and model.lm_head.weight.layout == "rows"
+        assert isinstance(moe.w13, QExperts) and moe.w13.weight.layout == "rows"
+        assert moe.shared_experts.w2.weight.layout == "rows" and model.layers[0].mlp.w13.weight.layout == "rows"
         np.testing.assert_array_equal(ling.forward(model, tokens), tiles)
     with pytest.raises(ValueError, match="row layout"):
         ling.load(hub, quantize="int8", quantize_layout="rows", progress=False)

@@ -2,10 +2,13 @@
 
     python tests/triton_interpret.py CASES.npz OUT.npz
 
-Each case in CASES.npz is a set of arrays named "<case>/<name>": x (bf16 bits as uint16
-[M, K]), words (uint32 [N, K/8]), scales and zeros (bf16 bits as uint16 [N, K/128]; zeros
-absent when symmetric) and plan (int64 [BN, S, GPI, num_warps]). OUT.npz gets "<case>" = y as
-float32 [M, N]. It needs triton and torch (the interpreter takes torch tensors), which the main
+Each case in CASES.npz is a set of arrays named "<case>/<name>". A matvec: x (bf16 bits as
+uint16 [M, K]), words (uint32 [N, K/8]), scales and zeros (bf16 bits as uint16 [N, K/128];
+zeros absent when symmetric) and plan (int64 [BN, S, GPI, num_warps]); OUT.npz gets "<case>" =
+y as float32 [M, N]. A MoE (its arrays prefixed "up_" and "down_" for the two weights, stacked
+on E): x, topk ([M, k], only its shape is read), expert, pairs (fused_moe.RowsRoute's; pairs
+absent when direct), limit ([] or [L]), up_plan, down_plan; OUT.npz gets "<case>/h" and
+"<case>/out" as float32. It needs triton and torch (the interpreter takes torch tensors), which the main
 test environment must not have; tests/test_qmatvec_rows.py makes a side environment and calls it.
 """
 
@@ -26,23 +29,55 @@ def _bf16(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a.astype(np.int16)).view(torch.bfloat16)
 
 
-def run(arrays: dict) -> np.ndarray:
-    x, words = arrays["x"], arrays["words"]
-    bn, s, gpi, warps = (int(v) for v in arrays["plan"])
-    m, k = x.shape
-    n = words.shape[0]
-    scales = _bf16(arrays["scales"])
-    symmetric = "zeros" not in arrays
-    zeros = scales if symmetric else _bf16(arrays["zeros"])
+def launch(stage, a, words, scales, zeros, out, *, m, plan, r, n_blocks=1, expert=None, pairs=None,
+           topk=1, direct=False, limit=None):
+    bn, s, gpi, warps = (int(v) for v in plan)
+    e, n = (words.shape[0], words.shape[1]) if words.dim() == 3 else (1, words.shape[0])
+    k = words.shape[-1] * 8
     tiles = math.ceil(n / bn)
-    y = torch.zeros((m, n), dtype=torch.bfloat16)
-    part = torch.zeros((s, m, n), dtype=torch.float32)
-    tickets = torch.zeros((tiles,), dtype=torch.int32)
-    w = torch.from_numpy(words.astype(np.int64)).to(torch.int32).view(torch.uint32)
-    tq.qmatvec_rows_kernel[(tiles * s,)](
-        _bf16(x), w, scales, zeros, y, part, tickets,
-        M=m, N=n, K=k, BN=bn, S=s, GPI=gpi, LW=int(math.log2(warps)), SYMMETRIC=symmetric, COMPILED=False)
-    assert not tickets.any() or s == 1 or bool((tickets == s).all()), tickets
+    part = torch.zeros((s, r, n), dtype=torch.float32)
+    tickets = torch.zeros((n_blocks * tiles,), dtype=torch.int32)
+    dummy = torch.zeros((1,), dtype=torch.int32)
+    tq.rows_kernel[(n_blocks, tiles, s)](
+        a, words, scales, zeros, dummy if expert is None else expert, dummy if pairs is None else pairs,
+        out, part, tickets, M=m, N=n, K=k, R=r, E=e, TOPK=topk, STAGE=stage, DIRECT=direct,
+        HAS_LIMIT=limit is not None, LIMIT=0.0 if limit is None else limit,
+        BN=bn, S=s, GPI=gpi, LW=int(math.log2(warps)), SYMMETRIC=zeros is scales, COMPILED=False)
+    return out
+
+
+def _weight(arrays, prefix=""):
+    w = torch.from_numpy(arrays[prefix + "words"].astype(np.int64)).to(torch.int32).view(torch.uint32)
+    scales = _bf16(arrays[prefix + "scales"])
+    zeros = scales if prefix + "zeros" not in arrays else _bf16(arrays[prefix + "zeros"])
+    return w, scales, zeros
+
+
+def run_moe(arrays: dict) -> dict:
+    x = _bf16(arrays["x"])
+    m, topk = arrays["topk"].shape
+    expert = torch.from_numpy(arrays["expert"].astype(np.int32))
+    direct = "pairs" not in arrays
+    pairs = None if direct else torch.from_numpy(arrays["pairs"].astype(np.int32))
+    n_blocks = expert.shape[0] if direct else int(arrays["n_blocks"])
+    limit = float(arrays["limit"][0]) if arrays["limit"].size else None
+    up, down = _weight(arrays, "up_"), _weight(arrays, "down_")
+    inter, d = up[0].shape[1] // 2, down[0].shape[1]
+    rows = n_blocks * 16
+    common = dict(m=m, r=rows, n_blocks=n_blocks, expert=expert, topk=topk, direct=direct)
+    h = launch(1, x, *up, torch.zeros((rows, inter), dtype=torch.bfloat16), plan=arrays["up_plan"],
+               pairs=pairs, limit=limit, **common)
+    out = launch(2, h, *down, torch.zeros((rows, d), dtype=torch.float32), plan=arrays["down_plan"], **common)
+    return {"h": h.float().numpy(), "out": out.numpy()}
+
+
+def run(arrays: dict):
+    if "topk" in arrays:
+        return run_moe(arrays)
+    x = _bf16(arrays["x"])
+    w, scales, zeros = _weight(arrays)
+    m, n = x.shape[0], w.shape[0]
+    y = launch(0, x, w, scales, zeros, torch.zeros((m, n), dtype=torch.bfloat16), m=m, plan=arrays["plan"], r=m)
     return y.float().numpy()
 
 
@@ -52,7 +87,11 @@ def main(cases_path: str, out_path: str) -> None:
     out = {}
     for name in names:
         arrays = {key.split("/", 1)[1]: cases[key] for key in cases.files if key.startswith(name + "/")}
-        out[name] = run(arrays)
+        result = run(arrays)
+        if isinstance(result, dict):
+            out.update({f"{name}/{key}": v for key, v in result.items()})
+        else:
+            out[name] = result
     np.savez(out_path, **out)
 
 
