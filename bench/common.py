@@ -130,15 +130,15 @@ def time_torch_graph(calls) -> float:
 
 def random_experts(fmt: str, key, *, e: int, d: int, inter: int, group: int, block_n: int, abstract: bool = False):
     """(w13 [E, D, 2I], w2 [E, I, D]) of random bf16 experts (std chosen so h and y stay O(1)), or,
-    fmt "int4", a valid grouped-int4 pair of `QuantizedWeight`s with random codes and scales.
-    abstract: ShapeDtypeStructs (lowering only)."""
+    fmt "int4" ("int4r": in the row layout), a valid grouped-int4 pair of `QuantizedWeight`s with
+    random codes and scales. abstract: ShapeDtypeStructs (lowering only)."""
     import jax
     import jax.numpy as jnp
 
     from pallas_kernels.quant import QuantizedWeight
 
     sds = jax.ShapeDtypeStruct
-    k1, k2, k3, k4 = jax.random.split(jax.random.fold_in(key, fmt == "int4"), 4)
+    k1, k2, k3, k4 = jax.random.split(jax.random.fold_in(key, fmt != "bf16"), 4)
     if fmt == "bf16":
         if abstract:
             return sds((e, d, 2 * inter), jnp.bfloat16), sds((e, inter, d), jnp.bfloat16)
@@ -146,13 +146,16 @@ def random_experts(fmt: str, key, *, e: int, d: int, inter: int, group: int, blo
                 jax.random.normal(k2, (e, inter, d), jnp.bfloat16) * 0.05)
 
     def q(ka, kb, n, k):
-        shapes = (e, n // block_n, k // 8, block_n), (e, n // block_n, k // group, block_n)
+        if fmt == "int4r":
+            shapes = (e, n, k // 8), (e, n, k // group)
+        else:
+            shapes = (e, n // block_n, k // 8, block_n), (e, n // block_n, k // group, block_n)
         if abstract:
             words, scales = sds(shapes[0], jnp.uint32), sds(shapes[1], jnp.bfloat16)
         else:
             words = jax.random.bits(ka, shapes[0], jnp.uint32)
             scales = (jax.random.uniform(kb, shapes[1]) * 0.01 + 1e-3).astype(jnp.bfloat16)
-        return QuantizedWeight(words, scales, None, 4, group, True, (n, k))
+        return QuantizedWeight(words, scales, None, 4, group, True, (n, k), "rows" if fmt == "int4r" else "tiles")
 
     return q(k1, k2, 2 * inter, d), q(k3, k4, d, inter)
 

@@ -3,6 +3,8 @@
 Run on the GPU machine from the repository root:
     python -m bench.fused_moe [--budget 160]          (log and JSON under $OUT, else ./bench_out)
     python -m bench.fused_moe --fmts int4 --ms 1,6    (a subset of the weight formats and token counts)
+    python -m bench.fused_moe --fmts int4,int4r       (int4r: the row layout's tensor-core Triton kernel,
+                                                       needs jax_triton; default plans only)
     python -m bench.fused_moe --ab                    (default and sweep plans in interleaved rounds)
     python -m bench.fused_moe --align-only            (the align alone, M > 1)
     python -m bench.fused_moe --smoke                 (CPU, interpret mode, tiny shapes: the script runs)
@@ -132,7 +134,7 @@ def run(args):
             distinct.append(len(set(map(int, i.reshape(-1)))))
         return x, ids, ws, sum(distinct) / r
 
-    def expert_bytes(fmt):
+    def expert_bytes(fmt):  # int4r: the same bytes in the row layout
         if fmt == "bf16":
             return 3 * D * I * 2
         return 3 * D * I // 2 + 3 * D * I // G * 2  # int4 codes + bf16 scales
@@ -188,8 +190,8 @@ def run(args):
     fmts = tuple(args.fmts.split(","))
     if args.align_only:  # the align alone takes any M (prefill sizes included)
         reps.update({m: 2 for m in ms if m not in reps})
-    if set(fmts) - {"bf16", "int4"} or not set(ms) <= set(reps):
-        raise SystemExit(f"--fmts takes bf16,int4 and --ms a subset of {MS}: got {args.fmts!r} / {args.ms!r}")
+    if set(fmts) - {"bf16", "int4", "int4r"} or not set(ms) <= set(reps):
+        raise SystemExit(f"--fmts takes bf16,int4,int4r and --ms a subset of {MS}: got {args.fmts!r} / {args.ms!r}")
     sweep = fused_moe_sweep(D, I, G)
     wts = {fmt: weights(fmt) for fmt in fmts}
     rows = {(fmt, m): dict(fmt=fmt, m=m) for fmt in fmts for m in ms}
@@ -205,8 +207,8 @@ def run(args):
         x, ids, ws, u = routing(m)
         nbytes = u * expert_bytes(fmt) + 2 * m * D * 2
         row = rows[(fmt, m)]
-        plan = fm.plan_for(m, K, fmt == "int4", (D // G, I // G))
-        row.update(distinct=u, mbytes=nbytes / 1e6, plan=str(plan))
+        plan = None if fmt == "int4r" else fm.plan_for(m, K, fmt == "int4", (D // G, I // G))
+        row.update(distinct=u, mbytes=nbytes / 1e6, plan=str(plan or "rows_plan.moe_rows_plans"))
         us, ys = timed(ours(None), wts[fmt], x, ids, ws, f"{fmt}_m{m}_default", plan)
         row.update(err=check(fmt, m, wts[fmt], x, ids, ws, ys, "default"), us=us)
         log(f"ours {fmt} M={m}: {us:.1f} µs, {u:.1f} experts, {nbytes / 1e6:.1f} MB, "
@@ -230,6 +232,7 @@ def run(args):
     if bf16 and not args.lower:
         tasks += [(peer, (name, m)) for m in (1, 6) for name in peers]
     tasks += [(default, ("int4", m)) for m in ms if int4]
+    tasks += [(default, ("int4r", m)) for m in ms if "int4r" in fmts and not (args.lower or args.smoke)]
     tasks += [(align, ("align", m)) for m in ms if m > 1 and not args.lower]
     tasks += [(variants, (fmt, 1)) for fmt in fmts]
     if bf16 and not args.lower:
