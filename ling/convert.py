@@ -27,11 +27,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quantize-lm-head", action="store_true", help="quantise the lm_head too")
     ap.add_argument("--quantize-experts", action="store_true", help="quantise the routed experts too "
                     "(int4 / int8, in the fused MoE kernel's format)")
+    ap.add_argument("--quantize-layout", choices=["tiles", "rows"], default="tiles",
+                    help="int4 in groups of 128: store in the row layout that the tensor-core kernels read "
+                         "(rows) or the tile layout (default); `ling.load` re-lays out either way when asked")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
         model = load(args.hf, dtype=args.dtype, quantize=args.quantize, group_size=args.group_size,
-                     quantize_lm_head=args.quantize_lm_head, quantize_experts=args.quantize_experts)
+                     quantize_lm_head=args.quantize_lm_head, quantize_experts=args.quantize_experts,
+                     quantize_layout=args.quantize_layout)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -39,7 +43,8 @@ def main(argv=None) -> int:
     print(f"wrote {args.out} ({model.cfg.model_type}, {model.cfg.num_hidden_layers} layers"
           f"{', NEXTN' if model.nextn is not None else ''}"
           f"{f', {args.quantize} g{args.group_size}' if args.quantize else ''}"
-          f"{', routed experts too' if args.quantize_experts else ''}) in {time.perf_counter() - t0:.1f}s")
+          f"{', routed experts too' if args.quantize_experts else ''}"
+          f"{', row layout' if args.quantize and args.quantize_layout == 'rows' else ''}) in {time.perf_counter() - t0:.1f}s")
     return 0
 
 

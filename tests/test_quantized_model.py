@@ -174,7 +174,11 @@ def test_row_layout_serves_the_tile_layouts_model(tmp_path):
     tokens = TOKENS % 90
     kw = dict(quantize="int4", quantize_lm_head=True, quantize_experts=True, progress=False)
     tiles = ling.forward(ling.load(hub, **kw), tokens)
-    for model in (ling.load(hub, quantize_layout="rows", **kw), ling.load(out, quantize_layout="rows", **kw)):
+    rows_out = str(tmp_path / "rows")
+    assert convert_main(["--hf", hub, "--out", rows_out, "--quantize", "int4", "--quantize-lm-head",
+                         "--quantize-experts", "--quantize-layout", "rows"]) == 0
+    for model in (ling.load(hub, quantize_layout="rows", **kw), ling.load(out, quantize_layout="rows", **kw),
+                  ling.load(rows_out, progress=False)):
         proj, moe = model.layers[0].attention.in_proj, model.layers[1].mlp
         assert isinstance(proj, QLinear) and proj.weight.layout == "rows" and model.lm_head.weight.layout == "rows"
         assert isinstance(moe.w13, QExperts) and moe.w13.weight.layout == "rows"
