@@ -33,14 +33,14 @@ SHAPES = [  # (name, N, K): the projections of Ling-3.0-flash's decode step and 
     ("20480 x 2560", 20480, 2560),
     ("4096 x 2560", 4096, 2560),
 ]
-CORE = ("LOP3", "SHF", "HADD2", "HGMMA", "FFMA")  # the dequantise-and-multiply instructions
+CORE = ("LOP3", "SHF", "HADD2", "HFMA2", "HGMMA", "FFMA")  # the dequantise-and-multiply instructions
 
 
 MOE = dict(d=2560, inter=768, experts=512, topk=8)
 
 
 def compile_sm90(plan: RowsPlan, m: int, n: int, k: int, symmetric: bool = True, stage: int = 0,
-                 blocks: int = 1) -> dict:
+                 blocks: int = 1, bits: int = 4) -> dict:
     """Compile the kernel for one call's constants; returns sass text, registers, spills, smem.
     stage 1 / 2: a MoE's up / down GEMM over `blocks` blocks (M = 1: direct)."""
     import triton
@@ -56,7 +56,7 @@ def compile_sm90(plan: RowsPlan, m: int, n: int, k: int, symmetric: bool = True,
     consts = dict(M=m, N=n, K=k, R=blocks * MP if moe else m, E=MOE["experts"] if moe else 1,
                   TOPK=MOE["topk"] if moe else 1, STAGE=stage, DIRECT=moe and m == 1, HAS_LIMIT=False, LIMIT=0.0,
                   BN=plan.block_n, S=plan.split, GPI=plan.groups_per_iter,
-                  LW=plan.num_warps.bit_length() - 1, SYMMETRIC=symmetric, COMPILED=True)
+                  LW=plan.num_warps.bit_length() - 1, SYMMETRIC=symmetric, BITS=bits, COMPILED=True)
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
     src = ASTSource(fn=tq.rows_kernel, signature=sig, constexprs=consts, attrs=attrs)
     kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -109,7 +109,7 @@ def main_loop(sass: str) -> collections.Counter:
     return collections.Counter(best)
 
 
-def report(m: int, out: str | None, log=print) -> list[dict]:
+def report(m: int, out: str | None, log=print, bits: int = 4) -> list[dict]:
     rows = []
     d, inter, topk = MOE["d"], MOE["inter"], MOE["topk"]
     blocks = m * topk  # M = 1: one pair a block; verify sizes: at most one block a pair
@@ -117,7 +117,7 @@ def report(m: int, out: str | None, log=print) -> list[dict]:
     moe = [(f"MoE up ({blocks} blocks)", 2 * inter, d, 1, blocks, up),
            (f"MoE down ({blocks} blocks)", d, inter, 2, blocks, down)]
     for name, n, k, stage, nblk, plan in [(nm, n, k, 0, 1, rows_plan_for(m, n, k)) for nm, n, k in SHAPES] + moe:
-        rec = compile_sm90(plan, m, n, k, stage=stage, blocks=nblk)
+        rec = compile_sm90(plan, m, n, k, stage=stage, blocks=nblk, bits=bits)
         ops, every = main_loop(rec["sass"]), opcodes(rec["sass"])
         weights = plan.block_n * 128 * plan.groups_per_iter / (32 * plan.num_warps)
         iters = k // 128 // plan.split // plan.groups_per_iter
@@ -130,7 +130,7 @@ def report(m: int, out: str | None, log=print) -> list[dict]:
                          core_per_weight=core / weights, ops=dict((ops or every).most_common(12))))
         if out:
             os.makedirs(out, exist_ok=True)
-            stem = os.path.join(out, f"qmatvec_rows_m{m}_{n}x{k}")
+            stem = os.path.join(out, f"rows_int{bits}_m{m}_{n}x{k}_stage{stage}")
             with open(stem + ".sass", "w") as f:
                 f.write(rec["sass"])
             with open(stem + ".ttgir", "w") as f:
@@ -138,7 +138,7 @@ def report(m: int, out: str | None, log=print) -> list[dict]:
         log(f"M={m} {name} ({n}x{k}) {plan}: {rec['regs']} regs, spill {rec['spill']} B, smem {rec['smem']} B; "
             f"loop {total} instructions / {weights:.0f} weights a thread, {iters} iterations; "
             f"{dict((ops or every).most_common(12))}")
-    log("\n| shape | M | plan (BN, S, GPI, warps) | instructions / weight: loop, program | of which "
+    log(f"\nint{bits}:\n| shape | M | plan (BN, S, GPI, warps) | instructions / weight: loop, program | of which "
         "unpack + mma + scale | regs |")
     log("|---|---|---|---|---|---|")
     for r in rows:
@@ -153,9 +153,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, nargs="+", default=[1, 6], help="rows of x (tokens)")
     ap.add_argument("--out", default=None, help="directory for each kernel's SASS and TTGIR")
+    ap.add_argument("--bits", type=int, nargs="+", default=[4, 8], choices=[4, 8])
     args = ap.parse_args()
-    for m in args.m:
-        report(m, args.out)
+    for bits in args.bits:
+        for m in args.m:
+            report(m, args.out, bits=bits)
 
 
 if __name__ == "__main__":

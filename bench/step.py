@@ -88,7 +88,7 @@ def main():
                     help="low-bit projections and lm_head (ling.quantize)")
     ap.add_argument("--quantize-experts", action="store_true", help="the routed experts too")
     ap.add_argument("--quantize-layout", choices=["tiles", "rows"], default="tiles",
-                    help="int4 projections and lm_head: rows (tensor-core Triton matvec) or tiles (Pallas)")
+                    help="low-bit weights' layout: rows (tensor-core Triton kernels) or tiles (Pallas)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling of every slot (0: greedy)")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "bench_out")

@@ -37,8 +37,8 @@ def load(path_or_preset: str | os.PathLike, *, dtype="bfloat16", seed: int = 0, 
     quantize ("int8", "int4", "int2") stores the projections grouped low-bit (`ling.quantize`),
     and with quantize_experts (int4 / int8) the routed experts in the fused MoE kernel's format;
     a converted directory that was quantised at conversion is served as stored (its projections
-    re-laid out if quantize_layout asks another layout: "rows", int4 in groups of 128, for the
-    tensor-core matvec; "tiles", the Pallas one).
+    re-laid out if quantize_layout asks another layout: "rows", int4 or int8 in groups of 128,
+    for the tensor-core Triton kernels; "tiles", the Pallas ones).
     ep_size > 1 shards the routed experts over that many devices (`moe.parallel`).
     kernels: the kernel backend the model runs (`pallas_kernels.backend`; "auto": Pallas on a GPU,
     the plain-jnp references elsewhere, or LING_KERNELS where set), fixed when the model is built.

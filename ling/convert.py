@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quantize-experts", action="store_true", help="quantise the routed experts too "
                     "(int4 / int8, in the fused MoE kernel's format)")
     ap.add_argument("--quantize-layout", choices=["tiles", "rows"], default="tiles",
-                    help="int4 in groups of 128: store in the row layout that the tensor-core kernels read "
+                    help="int4 or int8 in groups of 128: store in the row layout that the tensor-core kernels read "
                          "(rows) or the tile layout (default); `ling.load` re-lays out either way when asked")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()

@@ -2,8 +2,8 @@
 
 `quantize_model(model, bits=4)` replaces every projection (`moe.nn.Linear`: the KDA and MLA
 projections) and optionally the lm_head with a `QLinear` holding the weight in
-`pallas_kernels.quant`'s tile-transposed layout (or its row layout, `layout="rows"`: int4 in groups
-of 128, which the tensor-core Triton kernel reads); the dense MLPs and the shared experts (one
+`pallas_kernels.quant`'s tile-transposed layout (or its row layout, `layout="rows"`: int4 or int8
+in groups of 128, which the tensor-core Triton kernels read); the dense MLPs and the shared experts (one
 expert each, `moe.block.SwiGLUMLP`) take the fused MoE kernel's format below (int4 and int8; at
 other widths, or sizes that format does not divide, they stay in full precision). What stays in
 full precision, and why:
@@ -78,8 +78,8 @@ def bits_of(scheme: str) -> int:
 class Quantization:
     """How a model's weights are stored: the projections, dense MLPs and shared experts at `bits`
     with one scale per `group_size` input columns; the lm_head and the routed experts too when
-    asked. layout: the projections' and lm_head's (`pallas_kernels.quant`): "tiles" (the Pallas
-    matvec) or "rows" (int4, groups of 128: the tensor-core Triton matvec)."""
+    asked. layout (`pallas_kernels.quant`): "tiles" (the Pallas kernels) or "rows" (int4 or int8,
+    groups of 128: the tensor-core Triton kernels), for the projections, lm_head, MLPs and experts."""
 
     bits: int
     group_size: int = 128
@@ -197,7 +197,7 @@ def quantize_model(model, *, bits: int, group_size: int = 128, lm_head: bool = F
     """Quantises the model's projections in place (see the module docstring); returns the model.
     Linears whose input size the group does not divide stay in full precision. experts: the
     routed experts too (int4 / int8; the group must divide D and I, and 64 divide 2I and D).
-    layout: the projections' and lm_head's ("rows": int4, groups of 128)."""
+    layout: "rows" (int4 or int8, groups of 128) or "tiles", for projections, lm_head, MLPs and experts."""
     q = Quantization(bits, group_size, lm_head, experts, layout)
     q.check(model.cfg)
     quantize_module(model, q)

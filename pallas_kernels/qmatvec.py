@@ -305,7 +305,7 @@ def rows_launch(stage: str, a, qw: QuantizedWeight, *, out, m: int, plan, expert
         M=m, N=n, K=k, R=rows, E=e, TOPK=topk, STAGE=STAGES[stage], DIRECT=direct,
         HAS_LIMIT=limit is not None, LIMIT=0.0 if limit is None else float(limit),
         BN=plan.block_n, S=plan.split, GPI=plan.groups_per_iter, LW=plan.num_warps.bit_length() - 1,
-        SYMMETRIC=qw.symmetric, COMPILED=True)
+        SYMMETRIC=qw.symmetric, BITS=qw.bits, COMPILED=True)
     return res
 
 

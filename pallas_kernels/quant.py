@@ -15,16 +15,19 @@ the packed rows are stored as words [n_tiles, WPR, B_N] (WPR = K*b/32 words per 
 zeros as [n_tiles, K/G, B_N]: the B_N words of one column-group index are adjacent, so a tile's
 read is unit-stride and a skipped tile is simply never addressed.
 
-Row layout (int4, G = 128; `layout="rows"`). The tensor-core matvec (pallas_kernels.triton_qmatvec)
-reads each row's words in place: words [N, WPR], scales and zeros [N, K/G], no padding. Inside a
-block of 128 columns (a group) word m (0..15) holds in lane j (bits [4j, 4j+4)) the column
+Row layout (int4 or int8, G = 128; `layout="rows"`). The tensor-core kernels
+(pallas_kernels.triton_qmatvec) read each row's words in place: words [N, K*b/32], scales and zeros
+[N, K/G], no padding. Inside a group of 128 columns, word m holds in lane j (bits [bj, bj + b))
+the column ROW_ORDERS[b][m, j]:
 
-    ROW_ORDER[m, j] = 16*(2*(j % 4) + (m % 4) // 2) + 8*(m % 2) + 2*(m // 4) + j // 4,
+    int4 (16 words of 8):  16*(2*(j % 4) + (m % 4) // 2) + 8*(m % 2) + 2*(m // 4) + j // 4
+    int8 (32 words of 4):  16*(4*(m // 16) + m % 4) + 8*(j % 2) + 2*((m % 16) // 4) + j // 2
 
-the column order of a wgmma A fragment: a thread that loads words 4t..4t+3 of a row with one
-128-bit load and unpacks lanes (j, j + 4) of each word into one bf16x2 register holds exactly
-the columns {16b + 8h + 2t + p} the tensor core expects from it, so no shuffle and no
-permutation of x is needed.
+the column order of a wgmma A fragment: thread t of a quad loads words 4t..4t+3 of a row (int8:
+also 16 + 4t..16 + 4t + 3), 128 bits at a time, and its magic-number unpack of one word's nibbles
+at shifts 0, 4, 8, 12 gives bf16x2 registers whose halves are exactly the columns
+{16b + 8h + 2t + p} the tensor core expects from it (int8: a byte's two nibbles, combined), so no
+shuffle and no permutation of x is needed.
 
 Cost per weight: b + 16/G bits (symmetric), b + 32/G (asymmetric); 4.125 bits for int4, G = 128.
 
@@ -50,16 +53,20 @@ import numpy as np
 
 BITS = (2, 4, 8)
 LAYOUTS = ("tiles", "rows")
-ROW_BLOCK = 128  # columns of one row-layout group: 16 words of 8 int4 codes
+ROW_BLOCK = 128  # columns of one row-layout group
+ROW_BITS = (4, 8)
 
 
-def _row_order() -> np.ndarray:
-    m, j = np.arange(16)[:, None], np.arange(8)[None, :]
-    return 16 * (2 * (j % 4) + (m % 4) // 2) + 8 * (m % 2) + 2 * (m // 4) + j // 4
+def _row_order(bits: int) -> np.ndarray:
+    if bits == 4:
+        m, j = np.arange(16)[:, None], np.arange(8)[None, :]
+        return 16 * (2 * (j % 4) + (m % 4) // 2) + 8 * (m % 2) + 2 * (m // 4) + j // 4
+    m, j = np.arange(32)[:, None], np.arange(4)[None, :]
+    return 16 * (4 * (m // 16) + m % 4) + 8 * (j % 2) + 2 * ((m % 16) // 4) + j // 2
 
 
-ROW_ORDER = _row_order()  # [word, lane] -> column in the group (the module docstring's formula)
-ROW_INVERSE = np.argsort(ROW_ORDER.ravel())  # column -> word * 8 + lane
+ROW_ORDERS = {b: _row_order(b) for b in ROW_BITS}  # [word, lane] -> column in the group
+ROW_INVERSES = {b: np.argsort(o.ravel()) for b, o in ROW_ORDERS.items()}  # column -> word * lanes + lane
 
 
 @functools.partial(
@@ -105,8 +112,8 @@ def check_config(k: int, bits: int, group_size: int, block_n: int, layout: str =
     invalid (block_n is not used by the row layout)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "rows" and (bits != 4 or group_size != ROW_BLOCK):
-        raise ValueError(f"the row layout holds int4 in groups of {ROW_BLOCK}: got bits={bits}, "
+    if layout == "rows" and (bits not in ROW_BITS or group_size != ROW_BLOCK):
+        raise ValueError(f"the row layout holds int4 or int8 in groups of {ROW_BLOCK}: got bits={bits}, "
                          f"group_size={group_size}")
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
@@ -157,7 +164,7 @@ def _pack(u, s, z, *, bits, group_size, block_n, layout):
     vpw = 32 // bits
     u = u.astype(jnp.uint32)
     if layout == "rows":
-        lanes = u.reshape(n, k // ROW_BLOCK, ROW_BLOCK)[..., ROW_ORDER]  # [N, NB, word, lane]
+        lanes = u.reshape(n, k // ROW_BLOCK, ROW_BLOCK)[..., ROW_ORDERS[bits]]  # [N, NB, word, lane]
         shifts = jnp.arange(vpw, dtype=jnp.uint32) * bits  # [lane]
         words = jnp.sum(lanes << shifts, axis=3, dtype=jnp.uint32).reshape(n, k * bits // 32)
 
@@ -189,7 +196,7 @@ def quantize(w, *, bits=4, group_size=128, symmetric=True, block_n=128, layout="
     """Quantise w [N, K] (out, in) into groups of `group_size` input columns.
 
     Returns a QuantizedWeight whose words are uint32 [ceil(N / block_n), K*bits/32, block_n]
-    (layout "tiles") or [N, K*bits/32] (layout "rows": int4, groups of 128).
+    (layout "tiles") or [N, K*bits/32] (layout "rows": int4 or int8, groups of 128).
     Raises ValueError naming the argument when bits, group_size, block_n, layout or w's shape is
     invalid.
     """
@@ -211,9 +218,9 @@ def codes(qw: QuantizedWeight) -> jax.Array:
     vpw = 32 // qw.bits
     mask = jnp.uint32(2**qw.bits - 1)
     if qw.layout == "rows":
-        words = qw.words.reshape(n, k // ROW_BLOCK, 16, 1)  # [N, NB, word, 1]
+        words = qw.words.reshape(n, k // ROW_BLOCK, ROW_BLOCK // vpw, 1)  # [N, NB, word, 1]
         lanes = (words >> (jnp.arange(vpw, dtype=jnp.uint32) * qw.bits)) & mask  # [N, NB, word, lane]
-        return lanes.reshape(n, k // ROW_BLOCK, ROW_BLOCK)[..., ROW_INVERSE].reshape(n, k)
+        return lanes.reshape(n, k // ROW_BLOCK, ROW_BLOCK)[..., ROW_INVERSES[qw.bits]].reshape(n, k)
     t, _, bn = qw.words.shape
     words = qw.words.transpose(0, 2, 1).reshape(t * bn, k // qw.group_size, 1, -1)  # [Np, NG, 1, WPG]
     shifts = (jnp.arange(vpw, dtype=jnp.uint32) * qw.bits)[:, None]  # [lane, 1]
@@ -237,7 +244,7 @@ def group_params(qw: QuantizedWeight) -> tuple[jax.Array, jax.Array]:
 
 @functools.partial(jax.jit, static_argnames=("layout", "block_n"))
 def relayout(qw: QuantizedWeight, layout: str, block_n: int = 128) -> QuantizedWeight:
-    """The same codes, scales and zeros in another layout (exact; "rows" needs int4, G = 128)."""
+    """The same codes, scales and zeros in another layout (exact; "rows" needs int4 or int8, G = 128)."""
     check_config(qw.shape[1], qw.bits, qw.group_size, block_n, layout)
     n, k = qw.shape
     u = codes(qw)

@@ -111,6 +111,35 @@ def _fragment(q, c, COMPILED: tl.constexpr):
 
 
 @triton.jit
+def _bytes(q, c_lo, c_hi, COMPILED: tl.constexpr):
+    """Half a group of int8 codes: words q uint32 [BN, 16] -> u - z [BN, 16, 2 (p), 2 (h)], byte
+    j = 2p + h of each word (bf16; float32 when not COMPILED). A byte's nibbles come from the
+    int4 unpack (shifts 0, 4: bytes 0, 2; shifts 8, 12: bytes 1, 3) and combine exactly as
+    16 (hi - c_hi) + (lo - c_lo), c_hi = 128 + z // 16, c_lo = 128 + z % 16 (each below 256, so
+    exact in bf16, as every partial result is)."""
+    o0, o1, o2, o3, o4, o5, o6, o7 = _unpack(q, COMPILED)
+    lo = tl.join(tl.join(o0, o1), tl.join(o4, o5))  # [n, m, p, h]
+    hi = tl.join(tl.join(o2, o3), tl.join(o6, o7))
+    if COMPILED:
+        return (hi - c_hi) * 16.0 + (lo - c_lo)
+    else:  # the interpreter's bf16 arithmetic is wrong: float32, also exact
+        return (hi.to(tl.float32) - c_hi.to(tl.float32)) * 16.0 + (lo.to(tl.float32) - c_lo.to(tl.float32))
+
+
+@triton.jit
+def _fragment8(q0, q1, c_lo, c_hi, COMPILED: tl.constexpr):
+    """One group of int8 codes: words q0, q1 uint32 [BN, 16] (the group's words 0..15, 16..31) ->
+    u - z [BN, 128] in column order; c_lo, c_hi bf16 [BN or 1, 1, 1, 1] (`_bytes`). Word
+    m = 16 half + 4t + e, byte j = 2p + h: the column is 16(4 half + e) + 8h + 2t + p
+    (quant.ROW_ORDERS[8])."""
+    BN: tl.constexpr = q0.shape[0]
+    v = tl.join(_bytes(q0, c_lo, c_hi, COMPILED), _bytes(q1, c_lo, c_hi, COMPILED))  # [n, m, p, h, half]
+    v = v.reshape(BN, 4, 4, 2, 2, 2)  # [n, t, e, p, h, half]
+    v = tl.permute(v, (0, 5, 2, 4, 1, 3))  # [n, half, e, h, t, p]
+    return v.reshape(BN, _GROUP)
+
+
+@triton.jit
 def _to_bf16(v, COMPILED: tl.constexpr):
     """float32 -> bf16, rounding to nearest even (the interpreter's own conversion truncates)."""
     if COMPILED:
@@ -198,7 +227,7 @@ def rows_kernel(a_ptr, w_ptr, s_ptr, z_ptr, expert_ptr, pair_ptr, out_ptr, part_
                 M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
                 TOPK: tl.constexpr, STAGE: tl.constexpr, DIRECT: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
                 BN: tl.constexpr, S: tl.constexpr, GPI: tl.constexpr, LW: tl.constexpr,
-                SYMMETRIC: tl.constexpr, COMPILED: tl.constexpr):
+                SYMMETRIC: tl.constexpr, BITS: tl.constexpr, COMPILED: tl.constexpr):
     """One launch; grid (NBLK, ceil(N / BN), S): program (b, t, s) multiplies block b's MP rows of
     a by tile t's weight rows over K split s (module docstring). STAGE:
       0  matvec: a = x [M, K]; NBLK = 1; W [N, K/8]; out = y [M, N] bf16.
@@ -213,8 +242,11 @@ def rows_kernel(a_ptr, w_ptr, s_ptr, z_ptr, expert_ptr, pair_ptr, out_ptr, part_
     [0, E) does nothing. z_ptr is read only when not SYMMETRIC,
     pair_ptr only by STAGE 1 not DIRECT, part_ptr and ticket_ptr only when S > 1 (partials
     [S, R, N], tickets [NBLK * tiles]). LW = log2(num_warps); BN a multiple of 16 << LW.
-    COMPILED: False under Triton's interpreter (no inline PTX there)."""
+    BITS: 4 or 8 (W's words [.., K*BITS/32]). COMPILED: False under Triton's interpreter (no inline
+    PTX there)."""
     NB: tl.constexpr = K // _GROUP
+    WPG: tl.constexpr = 4 * BITS  # words a group
+    WPR: tl.constexpr = K * BITS // 32  # words a row
     NBP: tl.constexpr = NB // S
     blk = tl.program_id(0)
     tile = tl.program_id(1)
@@ -233,7 +265,7 @@ def rows_kernel(a_ptr, w_ptr, s_ptr, z_ptr, expert_ptr, pair_ptr, out_ptr, part_
             pair = tl.load(pair_ptr + blk * _MP + m)  # P marks padding: it reads the last token
             arow = tl.minimum(pair, M * TOPK - 1) // TOPK
     if (expert >= 0) & (expert < E):
-        w_ptr += expert.to(tl.int64) * (N * (K // 8))
+        w_ptr += expert.to(tl.int64) * (N * WPR)
         s_ptr += expert.to(tl.int64) * (N * NB)
         z_ptr += expert.to(tl.int64) * (N * NB)
         i = tl.arange(0, BN)
@@ -243,18 +275,33 @@ def rows_kernel(a_ptr, w_ptr, s_ptr, z_ptr, expert_ptr, pair_ptr, out_ptr, part_
         for b0 in range(split * NBP, split * NBP + NBP, GPI):
             groups = b0 + tl.arange(0, GPI)[None, :]
             scales = _rowperm(tl.load(s_ptr + rows_in * NB + groups), LW).to(tl.float32)  # [BN, GPI]
-            if not SYMMETRIC:
+            if not SYMMETRIC:  # c = 128 + z (int4); int8: 128 + z % 16 and 128 + z // 16
                 z = _rowperm(tl.load(z_ptr + rows_in * NB + groups), LW).to(tl.float32)
-                cz = (z + 128.0).to(tl.bfloat16)  # [BN, GPI], exact
+                if BITS == 4:
+                    cz = (z + 128.0).to(tl.bfloat16)  # [BN, GPI], exact
+                else:
+                    z_hi = tl.floor(z * 0.0625)
+                    cz = (z - 16.0 * z_hi + 128.0).to(tl.bfloat16)
+                    cz_hi = (z_hi + 128.0).to(tl.bfloat16)
             for g in tl.static_range(GPI):
                 b = b0 + g
-                q = tl.load(w_ptr + rows_in * (K // 8) + b * 16 + tl.arange(0, 16)[None, :],
-                            eviction_policy="evict_first")
-                q = _rowperm(q, LW)
-                if SYMMETRIC:
-                    wa = _fragment(q, tl.full((1, 1, 1, 1, 1), 136.0, tl.float32).to(tl.bfloat16), COMPILED)
+                words = w_ptr + rows_in * WPR + b * WPG + tl.arange(0, 16)[None, :]
+                q = _rowperm(tl.load(words, eviction_policy="evict_first"), LW)
+                if BITS == 4:
+                    if SYMMETRIC:  # z = 8
+                        c = tl.full((1, 1, 1, 1, 1), 136.0, tl.float32).to(tl.bfloat16)
+                    else:
+                        c = _column(cz, g, GPI)[:, :, None, None, None]
+                    wa = _fragment(q, c, COMPILED)
                 else:
-                    wa = _fragment(q, _column(cz, g, GPI)[:, :, None, None, None], COMPILED)
+                    if SYMMETRIC:  # z = 128: 16 * 8 + 0
+                        c_lo = tl.full((1, 1, 1, 1), 128.0, tl.float32).to(tl.bfloat16)
+                        c_hi = tl.full((1, 1, 1, 1), 136.0, tl.float32).to(tl.bfloat16)
+                    else:
+                        c_lo = _column(cz, g, GPI)[:, :, None, None]
+                        c_hi = _column(cz_hi, g, GPI)[:, :, None, None]
+                    q1 = _rowperm(tl.load(words + 16, eviction_policy="evict_first"), LW)
+                    wa = _fragment8(q, q1, c_lo, c_hi, COMPILED)
                 xt = tl.load(a_ptr + arow[None, :] * K + b * _GROUP + tl.arange(0, _GROUP)[:, None])  # [128, MP]
                 if COMPILED:
                     d = tl.dot(wa, xt)

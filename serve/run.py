@@ -119,9 +119,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--mem-fraction", type=float, default=0.92, help="share of each GPU's memory JAX takes for "
                     "weights, slots and workspace (XLA_PYTHON_CLIENT_MEM_FRACTION, which wins when set; default 0.92)")
     ap.add_argument("--quantize-lm-head", action="store_true", help="with --quantize: the lm_head too")
-    ap.add_argument("--quantize-layout", default="tiles", choices=["tiles", "rows"], help="with --quantize int4 "
-                    "(groups of 128): the projections' and lm_head's layout; rows: the tensor-core matvec in "
-                    "Triton (needs jax-triton, the gpu extra); tiles: the Pallas matvec (default)")
+    ap.add_argument("--quantize-layout", default="tiles", choices=["tiles", "rows"], help="with --quantize int4|int8 "
+                    "(groups of 128): the layout of the projections, lm_head, MLPs and experts; rows: the "
+                    "tensor-core kernels in Triton (needs jax-triton, the gpu extra); tiles: the Pallas kernels "
+                    "(default)")
     ap.add_argument("--ep-size", type=int, default=1, help="shard the routed experts over this many devices")
     ap.add_argument("--coordinator-address", default=None, help="multi-host: JAX coordinator host:port")
     ap.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
@@ -160,8 +161,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--tile-model and --tpot-slo-ms go together")
     if (args.quantize_experts or args.quantize_lm_head) and args.quantize is None:
         ap.error("--quantize-experts and --quantize-lm-head take the bits of --quantize (int4 or int8)")
-    if args.quantize_layout == "rows" and (args.quantize != "int4" or args.group_size != 128):
-        ap.error("--quantize-layout rows holds int4 in groups of 128: use --quantize int4 --group-size 128")
+    if args.quantize_layout == "rows" and (args.quantize not in ("int4", "int8") or args.group_size != 128):
+        ap.error("--quantize-layout rows holds int4 or int8 in groups of 128: use --quantize int4|int8 --group-size 128")
     if args.batch_buckets not in ("auto", "off"):
         try:
             sizes = sorted({int(x) for x in args.batch_buckets.split(",")})

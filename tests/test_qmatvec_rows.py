@@ -31,23 +31,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SIDE_ENV = os.path.join(os.path.expanduser("~"), ".cache", "ling-serve", "triton-interpreter")
 SIDE_PACKAGES = ["triton==3.6.0", "torch==2.13.0", "numpy<2.4"]  # numpy 2.4 breaks the interpreter
 
-# (M, N, K, symmetric, plan (BN, S, GPI, warps)): one program a tile; split K with the tickets'
-# in-launch sum (S 2 and 4); 1, 2 and 4 groups an iteration; BN 64 and 128; a ragged last tile;
-# every M from 1 to 16 (x's rows padded by repeating the last); asymmetric zeros.
+# (M, N, K, symmetric, plan (BN, S, GPI, warps), bits): one program a tile; split K with the
+# tickets' in-launch sum (S 2 and 4); 1, 2 and 4 groups an iteration; BN 64 and 128; a ragged last
+# tile; every M from 1 to 16 (x's rows padded by repeating the last); asymmetric zeros; int8.
 CASES = [
-    (1, 100, 512, True, (64, 1, 4, 4)),
-    (3, 130, 512, False, (64, 2, 2, 4)),
-    (16, 64, 512, True, (64, 4, 1, 4)),
-    (6, 200, 1024, True, (128, 2, 4, 4)),
-    (1, 256, 256, False, (128, 1, 2, 4)),
+    (1, 100, 512, True, (64, 1, 4, 4), 4),
+    (3, 130, 512, False, (64, 2, 2, 4), 4),
+    (16, 64, 512, True, (64, 4, 1, 4), 4),
+    (6, 200, 1024, True, (128, 2, 4, 4), 4),
+    (1, 256, 256, False, (128, 1, 2, 4), 4),
+    (1, 100, 512, True, (64, 2, 2, 4), 8),
+    (5, 64, 256, False, (64, 1, 1, 4), 8),
 ]
 
 
-def _problem(m, n, k, symmetric, seed):
+def _problem(m, n, k, symmetric, seed, bits=4):
     rng = np.random.default_rng(seed)
     w = jnp.asarray(rng.standard_normal((n, k)) * rng.uniform(0.05, 2.0, (n, 1)), jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    return x, quantize(w, symmetric=symmetric, layout="rows")
+    return x, quantize(w, bits=bits, symmetric=symmetric, layout="rows")
 
 
 def _check(y, x, qw):
@@ -75,22 +77,23 @@ def _side_python() -> str:
     return python
 
 
-# (M, k, symmetric, routing, limit, (up plan, down plan) or None for moe_rows_plans): M = 1 direct
-# (block j = pair j) with split K; aligned blocks (ragged, skewed, every token on one expert);
-# a skipped pair (id E); asymmetric zeros; the SwiGLU limit.
+# (M, k, symmetric, routing, limit, (up plan, down plan) or None for moe_rows_plans, bits): M = 1
+# direct (block j = pair j) with split K; aligned blocks (ragged, skewed, every token on one
+# expert); a skipped pair (id E); asymmetric zeros; the SwiGLU limit; int8.
 MOE_CASES = [
-    (1, 4, True, "random", None, None),
-    (1, 2, False, "random", 0.5, ((64, 2, 1, 4), (64, 1, 1, 4))),
-    (5, 3, True, "skewed", None, ((128, 1, 2, 4), (64, 1, 1, 4))),
-    (6, 2, True, "one", 1.0, None),
-    (4, 4, False, "random", None, ((64, 2, 1, 4), (128, 1, 1, 4))),
+    (1, 4, True, "random", None, None, 4),
+    (1, 2, False, "random", 0.5, ((64, 2, 1, 4), (64, 1, 1, 4)), 4),
+    (5, 3, True, "skewed", None, ((128, 1, 2, 4), (64, 1, 1, 4)), 4),
+    (6, 2, True, "one", 1.0, None, 4),
+    (4, 4, False, "random", None, ((64, 2, 1, 4), (128, 1, 1, 4)), 4),
+    (3, 2, False, "random", None, None, 8),
 ]
 
 
-def _moe_problem(m, k, symmetric, kind, seed):
+def _moe_problem(m, k, symmetric, kind, seed, bits=4):
     rng = np.random.default_rng(seed)
     w13, w2 = expert_weights(rng, None)
-    q = quantize_experts(w13, w2, symmetric=symmetric, layout="rows")
+    q = quantize_experts(w13, w2, bits=bits, symmetric=symmetric, layout="rows")
     ids, w = routing(rng, m, k, kind)
     if m == 4:  # a skipped pair (expert parallelism marks other ranks' pairs so): it adds nothing
         ids = ids.at[1, 0].set(E)
@@ -100,8 +103,8 @@ def _moe_problem(m, k, symmetric, kind, seed):
 
 def test_interpreted_kernel_matches_dequantize_then_matmul(tmp_path):
     problems, arrays = {}, {}
-    for i, (m, k, symmetric, kind, limit, plans) in enumerate(MOE_CASES):
-        x, ids, w, w13, w2 = problems[f"moe{i}"] = _moe_problem(m, k, symmetric, kind, seed=40 + i)
+    for i, (m, k, symmetric, kind, limit, plans, bits) in enumerate(MOE_CASES):
+        x, ids, w, w13, w2 = problems[f"moe{i}"] = _moe_problem(m, k, symmetric, kind, seed=40 + i, bits=bits)
         route = fm.rows_route(ids, E, backend="reference")
         up, down = [RowsPlan(*p) for p in plans] if plans else moe_rows_plans(route.n_blocks, w2.shape[1], w13.shape[1])
         arrays.update({f"moe{i}/x": np.asarray(x).view(np.uint16), f"moe{i}/topk": np.asarray(ids),
@@ -116,8 +119,8 @@ def test_interpreted_kernel_matches_dequantize_then_matmul(tmp_path):
             arrays[f"moe{i}/{name}_scales"] = np.asarray(qw.scales).view(np.uint16)
             if not symmetric:
                 arrays[f"moe{i}/{name}_zeros"] = np.asarray(qw.zeros).view(np.uint16)
-    for i, (m, n, k, symmetric, plan) in enumerate(CASES):
-        x, qw = _problem(m, n, k, symmetric, seed=i)
+    for i, (m, n, k, symmetric, plan, bits) in enumerate(CASES):
+        x, qw = _problem(m, n, k, symmetric, seed=i, bits=bits)
         problems[f"c{i}"] = (x, qw)
         arrays[f"c{i}/x"] = np.asarray(x).view(np.uint16)
         arrays[f"c{i}/words"] = np.asarray(qw.words)
@@ -142,9 +145,11 @@ def test_interpreted_kernel_matches_dequantize_then_matmul(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,symmetric,plan", CASES + [(1, 157184, 2560, True, None), (6, 12352, 2560, True, None)])
-def test_compiled_kernel_matches_dequantize_then_matmul(m, n, k, symmetric, plan):
-    x, qw = _problem(m, n, k, symmetric, seed=m + n)
+@pytest.mark.parametrize("m,n,k,symmetric,plan,bits", CASES + [(1, 157184, 2560, True, None, 4),
+                                                               (6, 12352, 2560, True, None, 4),
+                                                               (1, 20480, 2560, True, None, 8)])
+def test_compiled_kernel_matches_dequantize_then_matmul(m, n, k, symmetric, plan, bits):
+    x, qw = _problem(m, n, k, symmetric, seed=m + n, bits=bits)
     y = qmatvec(x, qw, backend="pallas", plan=None if plan is None else RowsPlan(*plan))
     assert y.dtype == jnp.bfloat16
     _check(y.astype(jnp.float32), x, qw)
@@ -153,9 +158,9 @@ def test_compiled_kernel_matches_dequantize_then_matmul(m, n, k, symmetric, plan
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,symmetric,kind,limit,plans", MOE_CASES)
-def test_compiled_moe_matches_the_experts(m, k, symmetric, kind, limit, plans):
-    x, ids, w, w13, w2 = _moe_problem(m, k, symmetric, kind, seed=m * 10 + k)
+@pytest.mark.parametrize("m,k,symmetric,kind,limit,plans,bits", MOE_CASES)
+def test_compiled_moe_matches_the_experts(m, k, symmetric, kind, limit, plans, bits):
+    x, ids, w, w13, w2 = _moe_problem(m, k, symmetric, kind, seed=m * 10 + k, bits=bits)
     plan = None if plans is None else tuple(RowsPlan(*p) for p in plans)
     y = fm.fused_moe(x, ids, w, w13, w2, swiglu_limit=limit, backend="pallas", plan=plan)
     check_moe(y, x, ids, w, w13, w2, limit)

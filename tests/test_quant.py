@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.quant import ROW_ORDER, QuantizedWeight, codes, dequantize, group_params, quantize, relayout
+from pallas_kernels.quant import ROW_ORDERS, QuantizedWeight, codes, dequantize, group_params, quantize, relayout
 
 CONFIGS = [(b, g, sym) for b in (2, 4, 8) for g in (32, 128) for sym in (True, False)]
 # Every bit width and both modes, each with one of the group sizes (keeps compile time down).
@@ -123,34 +123,35 @@ def test_errors_name_the_argument(kwargs, shape, name):
         quantize(jnp.ones(shape, jnp.bfloat16), **kwargs)
 
 
-@pytest.mark.parametrize("symmetric", [True, False])
-def test_row_layout(symmetric):
-    """The row layout holds the tile layout's codes and parameters, word by word as ROW_ORDER says,
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True), (8, False)])
+def test_row_layout(bits, symmetric):
+    """The row layout holds the tile layout's codes and parameters, word by word as ROW_ORDERS says,
     and relayout converts either way exactly (the tile layout's padded rows included)."""
     rng = np.random.default_rng(3)
     n, k = 70, 384
     w = _weights(rng, n, k, offset=0.0 if symmetric else 0.5)
-    tiles = quantize(w, symmetric=symmetric, block_n=32)
-    rows = quantize(w, symmetric=symmetric, layout="rows")
+    tiles = quantize(w, bits=bits, symmetric=symmetric, block_n=32)
+    rows = quantize(w, bits=bits, symmetric=symmetric, layout="rows")
     assert rows.layout == "rows" and tiles.layout == "tiles"
-    assert rows.words.shape == (n, k // 8) and rows.scales.shape == (n, k // 128)
+    assert rows.words.shape == (n, k * bits // 32) and rows.scales.shape == (n, k // 128)
     assert (rows.zeros is None) == symmetric
     u = np.asarray(codes(tiles))
     np.testing.assert_array_equal(np.asarray(codes(rows)), u)
     np.testing.assert_array_equal(np.asarray(dequantize(rows)), np.asarray(dequantize(tiles)))
-    words = np.asarray(rows.words)
+    words, order = np.asarray(rows.words), ROW_ORDERS[bits]
+    wpg, vpw = order.shape
     for row in (0, 41, n - 1):
         for block in range(k // 128):
-            for m in range(16):
-                for j in range(8):
-                    code = (int(words[row, block * 16 + m]) >> (4 * j)) & 15
-                    assert code == u[row, block * 128 + ROW_ORDER[m, j]], (row, block, m, j)
+            for m in range(wpg):
+                for j in range(vpw):
+                    code = (int(words[row, block * wpg + m]) >> (bits * j)) & (2**bits - 1)
+                    assert code == u[row, block * 128 + order[m, j]], (row, block, m, j)
     for got, want in ((relayout(rows, "tiles", 32), tiles), (relayout(tiles, "rows"), rows)):
         for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("kwargs,name", [(dict(bits=8), "bits"), (dict(group_size=64), "group_size"),
+@pytest.mark.parametrize("kwargs,name", [(dict(bits=2), "bits"), (dict(group_size=64), "group_size"),
                                          (dict(layout="columns"), "layout")])
 def test_row_layout_errors_name_the_argument(kwargs, name):
     w = jnp.ones((8, 256), jnp.bfloat16)

@@ -185,4 +185,4 @@ def test_row_layout_serves_the_tile_layouts_model(tmp_path):
         assert moe.shared_experts.w2.weight.layout == "rows" and model.layers[0].mlp.w13.weight.layout == "rows"
         np.testing.assert_array_equal(ling.forward(model, tokens), tiles)
     with pytest.raises(ValueError, match="row layout"):
-        ling.load(hub, quantize="int8", quantize_layout="rows", progress=False)
+        ling.load(hub, quantize="int2", quantize_layout="rows", progress=False)

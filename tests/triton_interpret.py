@@ -3,7 +3,7 @@
     python tests/triton_interpret.py CASES.npz OUT.npz
 
 Each case in CASES.npz is a set of arrays named "<case>/<name>". A matvec: x (bf16 bits as
-uint16 [M, K]), words (uint32 [N, K/8]), scales and zeros (bf16 bits as uint16 [N, K/128];
+uint16 [M, K]), words (uint32 [N, K*b/32], b = 4 or 8), scales and zeros (bf16 bits as uint16 [N, K/128];
 zeros absent when symmetric) and plan (int64 [BN, S, GPI, num_warps]); OUT.npz gets "<case>" =
 y as float32 [M, N]. A MoE (its arrays prefixed "up_" and "down_" for the two weights, stacked
 on E): x, topk ([M, k], only its shape is read), expert, pairs (fused_moe.RowsRoute's; pairs
@@ -33,7 +33,8 @@ def launch(stage, a, words, scales, zeros, out, *, m, plan, r, n_blocks=1, exper
            topk=1, direct=False, limit=None):
     bn, s, gpi, warps = (int(v) for v in plan)
     e, n = (words.shape[0], words.shape[1]) if words.dim() == 3 else (1, words.shape[0])
-    k = words.shape[-1] * 8
+    k = scales.shape[-1] * 128
+    bits = 32 * words.shape[-1] // k
     tiles = math.ceil(n / bn)
     part = torch.zeros((s, r, n), dtype=torch.float32)
     tickets = torch.zeros((n_blocks * tiles,), dtype=torch.int32)
@@ -42,7 +43,7 @@ def launch(stage, a, words, scales, zeros, out, *, m, plan, r, n_blocks=1, exper
         a, words, scales, zeros, dummy if expert is None else expert, dummy if pairs is None else pairs,
         out, part, tickets, M=m, N=n, K=k, R=r, E=e, TOPK=topk, STAGE=stage, DIRECT=direct,
         HAS_LIMIT=limit is not None, LIMIT=0.0 if limit is None else limit,
-        BN=bn, S=s, GPI=gpi, LW=int(math.log2(warps)), SYMMETRIC=zeros is scales, COMPILED=False)
+        BN=bn, S=s, GPI=gpi, LW=int(math.log2(warps)), SYMMETRIC=zeros is scales, BITS=bits, COMPILED=False)
     return out
 
 
