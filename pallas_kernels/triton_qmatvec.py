@@ -1,9 +1,9 @@
 """The row layout's dequantising kernels on the tensor cores, in Triton: the matvec  y = x @ W^T
 and the two GEMMs of a MoE's experts at decode and verify sizes, one kernel (`rows_kernel`).
 
-W: int4 in `pallas_kernels.quant`'s row layout (groups of 128 columns): words uint32 [N, K/8],
-scales (and zeros) bf16 [N, K/128] (stacked experts: a leading E axis). x: bf16 [M, K], M = 1..16
-for the matvec. `qmatvec` and `fused_moe` call it (through jax_triton) for weights in the row
+W: int4 or int8 in `pallas_kernels.quant`'s row layout (groups of 128 columns): words uint32
+[N, K*b/32], scales (and zeros) bf16 [N, K/128] (stacked experts: a leading E axis). x: bf16
+[M, K], M = 1..16 for the matvec. `qmatvec` and `fused_moe` call it (through jax_triton) for weights in the row
 layout; this module imports only triton, so Triton's interpreter can run it on a CPU
 (tests/triton_interpret.py).
 
@@ -11,6 +11,8 @@ Dequantisation, per 32-bit word of 8 codes (inline PTX, 7 integer instructions):
 sit in bits [4j, 4j + 4) and [16 + 4j, 20 + 4j), so `lop3((w >> 4j) & 0x000F000F | 0x43004300)`
 is the bf16x2 pair (128 + u_j, 128 + u_{j+4}) exactly (0x4300 is bf16 128.0; the code fills the
 low mantissa bits). One bf16x2 subtraction of 128 + z makes the exact integers u - z (|u - z| < 16).
+int8 takes a byte's two nibbles from the same unpack and combines them, 16 (hi - c_hi) +
+(lo - c_lo), exact too (|u - z| < 256; `_bytes`).
 
 Tensor cores at M <= 16 ("swap AB"): the dequantised tile is wgmma's A operand [BN, 128] straight
 from registers, x^T its B operand [128, MP] (M padded to MP = 16 by repeating row M - 1), one
@@ -18,9 +20,9 @@ group's product D [BN, MP] float32; the group's scale multiplies D's rows into t
 accumulator (one FMA per element), so the weights reach the tensor core as exact integers and the
 only rounding of a product is fp32's.
 
-No shuffles: the row layout's ROW_ORDER puts in words 4t..4t+3 of a row (one 128-bit load) the
-columns {16b + 8h + 2t + p} that thread t of a quad holds in wgmma's A fragment, with the lane
-pairs (j, j + 4) as the (p = 0, 1) halves of one register. Rows are relabelled (`_rowperm`)
+No shuffles: the row layout's ROW_ORDERS put in words 4t..4t+3 of a row (one 128-bit load; int8
+also words 16 + 4t..) the columns {16b + 8h + 2t + p} that thread t of a quad holds in wgmma's A
+fragment, with the lane pairs (j, j + 4) as the (p = 0, 1) halves of one register. Rows are relabelled (`_rowperm`)
 between Triton's coalesced load layout (row +8 across warps) and wgmma's (row +8 in registers);
 scales, zeros and the stored rows take the same relabelling.
 
@@ -34,7 +36,7 @@ launch); the program that draws ticket S - 1 sums the S partials in split order 
 every run) and stores the result (through the SwiGLU for a MoE's up GEMM: gate and up rows are
 read into one thread), so one GEMM is one launch.
 
-Bytes moved: the words and scales once a block (K/2 + K/64 bytes a row), x (M*K*2, from L2
+Bytes moved: the words and scales once a block (K*b/8 + K/64 bytes a row), x (M*K*2, from L2
 after the first programs), the output, and with S > 1 the partials (S*R*N*4, twice).
 """
 
@@ -43,7 +45,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-GROUP = 128  # columns a group: 16 words of 8 codes
+GROUP = 128  # columns a group: 16 words of 8 int4 codes, 32 of 4 int8 codes
 MP = 16  # x rows a tensor-core tile holds (tl.dot needs N >= 16)
 _GROUP, _MP = tl.constexpr(GROUP), tl.constexpr(MP)  # the same, as the kernels read them
 
@@ -96,7 +98,7 @@ def _fragment(q, c, COMPILED: tl.constexpr):
 
     c: 128 + z, bf16 [BN, 1, 1, 1, 1] ([1, 1, 1, 1, 1] of 136 when symmetric). Word m = 4t + 2e + h
     (t: the thread of a quad, e, h: the word within its 128-bit load), lane j = j' + 4p: the
-    column is 16(2j' + e) + 8h + 2t + p (quant.ROW_ORDER)."""
+    column is 16(2j' + e) + 8h + 2t + p (quant.ROW_ORDERS[4])."""
     BN: tl.constexpr = q.shape[0]
     o0, o1, o2, o3, o4, o5, o6, o7 = _unpack(q, COMPILED)
     v = tl.join(tl.join(tl.join(o0, o1), tl.join(o2, o3)),
