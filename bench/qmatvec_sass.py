@@ -40,9 +40,9 @@ MOE = dict(d=2560, inter=768, experts=512, topk=8)
 
 
 def compile_sm90(plan: RowsPlan, m: int, n: int, k: int, symmetric: bool = True, stage: int = 0,
-                 blocks: int = 1, bits: int = 4) -> dict:
+                 blocks: int = 1, bits: int = 4, block_m: int = MP) -> dict:
     """Compile the kernel for one call's constants; returns sass text, registers, spills, smem.
-    stage 1 / 2: a MoE's up / down GEMM over `blocks` blocks (M = 1: direct)."""
+    stage 1 / 2: a MoE's up / down GEMM over `blocks` blocks of block_m pairs (M = 1: direct)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -53,10 +53,10 @@ def compile_sm90(plan: RowsPlan, m: int, n: int, k: int, symmetric: bool = True,
            "pair_ptr": "*i32", "out_ptr": "*fp32" if stage == 2 else "*bf16", "part_ptr": "*fp32",
            "ticket_ptr": "*i32"}
     moe = stage > 0
-    consts = dict(M=m, N=n, K=k, R=blocks * MP if moe else m, E=MOE["experts"] if moe else 1,
+    consts = dict(M=m, N=n, K=k, R=blocks * block_m if moe else m, E=MOE["experts"] if moe else 1,
                   TOPK=MOE["topk"] if moe else 1, STAGE=stage, DIRECT=moe and m == 1, HAS_LIMIT=False, LIMIT=0.0,
                   BN=plan.block_n, S=plan.split, GPI=plan.groups_per_iter,
-                  LW=plan.num_warps.bit_length() - 1, SYMMETRIC=symmetric, BITS=bits, COMPILED=True)
+                  LW=plan.num_warps.bit_length() - 1, SYMMETRIC=symmetric, BITS=bits, MP=block_m, COMPILED=True)
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
     src = ASTSource(fn=tq.rows_kernel, signature=sig, constexprs=consts, attrs=attrs)
     kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -114,10 +114,17 @@ def report(m: int, out: str | None, log=print, bits: int = 4) -> list[dict]:
     d, inter, topk = MOE["d"], MOE["inter"], MOE["topk"]
     blocks = m * topk  # M = 1: one pair a block; verify sizes: at most one block a pair
     up, down = moe_rows_plans(blocks, inter, d)
-    moe = [(f"MoE up ({blocks} blocks)", 2 * inter, d, 1, blocks, up),
-           (f"MoE down ({blocks} blocks)", d, inter, 2, blocks, down)]
-    for name, n, k, stage, nblk, plan in [(nm, n, k, 0, 1, rows_plan_for(m, n, k)) for nm, n, k in SHAPES] + moe:
-        rec = compile_sm90(plan, m, n, k, stage=stage, blocks=nblk, bits=bits)
+    moe = [(f"MoE up ({blocks} blocks)", 2 * inter, d, 1, blocks, up, MP),
+           (f"MoE down ({blocks} blocks)", d, inter, 2, blocks, down, MP)]
+    if m == 1:  # and a 4096-token prefill chunk's experts, in blocks of 64 pairs (<= P/64 + E blocks)
+        pre = 4096 * topk // 64 + MOE["experts"]
+        pup, pdown = moe_rows_plans(pre, inter, d, 64)
+        moe += [(f"MoE up, prefill ({pre} blocks of 64)", 2 * inter, d, 1, pre, pup, 64),
+                (f"MoE down, prefill ({pre} blocks of 64)", d, inter, 2, pre, pdown, 64)]
+    calls = [(nm, n, k, 0, 1, rows_plan_for(m, n, k), MP) for nm, n, k in SHAPES] + moe
+    for name, n, k, stage, nblk, plan, block_m in calls:
+        rec = compile_sm90(plan, 4096 if block_m > MP else m, n, k, stage=stage, blocks=nblk, bits=bits,
+                           block_m=block_m)
         ops, every = main_loop(rec["sass"]), opcodes(rec["sass"])
         weights = plan.block_n * 128 * plan.groups_per_iter / (32 * plan.num_warps)
         iters = k // 128 // plan.split // plan.groups_per_iter

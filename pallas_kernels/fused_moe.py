@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import resolve
-from pallas_kernels.experts import check_args, expert_dims, k_groups, reference, rows_layout, swiglu
+from pallas_kernels.experts import GATHER_MAX_PAIRS, check_args, expert_dims, k_groups, reference, rows_layout, swiglu
 from pallas_kernels.moe_align import align_sizes, moe_align
 from pallas_kernels.qmatvec import H200_SMS, MMA_ROWS, lanes, rows_launch
 from pallas_kernels.quant import QuantizedWeight
@@ -436,17 +436,22 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
     return y.astype(x.dtype), h, out
 
 
+ROWS_PREFILL_BLOCK = 64  # pairs a block of the row layout's kernel past GATHER_MAX_PAIRS pairs
+
+
 @dataclasses.dataclass(frozen=True)
 class RowsRoute:
-    """Where the row layout's kernel finds a routing's pairs: blocks of MMA_ROWS pairs of one
-    expert. direct (M = 1): block j is pair j, expert = the flat top-k ids; else the align's
-    sorted pairs [S] and block_expert. slot [P]: each pair's row in the down GEMM's output."""
+    """Where the row layout's kernel finds a routing's pairs: blocks of block_m pairs of one
+    expert (MMA_ROWS up to GATHER_MAX_PAIRS pairs, ROWS_PREFILL_BLOCK beyond: a prefill's experts
+    read once a block). direct (M = 1): block j is pair j, expert = the flat top-k ids; else the
+    align's sorted pairs [S] and block_expert. slot [P]: each pair's row in the down GEMM's output."""
 
     direct: bool
     expert: jax.Array
     pairs: jax.Array | None
     n_blocks: int
     slot: jax.Array
+    block_m: int
 
 
 def rows_route(topk_ids, n_experts: int, *, backend="auto") -> RowsRoute:
@@ -454,10 +459,11 @@ def rows_route(topk_ids, n_experts: int, *, backend="auto") -> RowsRoute:
     p = m * k
     ids = topk_ids.reshape(-1).astype(jnp.int32)
     if m == 1:
-        return RowsRoute(True, ids, None, p, jnp.arange(p, dtype=jnp.int32) * MMA_ROWS)
-    pairs, expert = moe_align(ids, n_experts, MMA_ROWS, backend=backend)
+        return RowsRoute(True, ids, None, p, jnp.arange(p, dtype=jnp.int32) * MMA_ROWS, MMA_ROWS)
+    bm = MMA_ROWS if p <= GATHER_MAX_PAIRS else ROWS_PREFILL_BLOCK
+    pairs, expert = moe_align(ids, n_experts, bm, backend=backend)
     slot = jnp.zeros((p,), jnp.int32).at[pairs].set(jnp.arange(pairs.shape[0], dtype=jnp.int32), mode="drop")
-    return RowsRoute(False, expert, pairs, align_sizes(p, n_experts, MMA_ROWS).nb, slot)
+    return RowsRoute(False, expert, pairs, align_sizes(p, n_experts, bm).nb, slot, bm)
 
 
 def rows_combine(out, route: RowsRoute, topk_ids, topk_weights, n_experts: int):
@@ -471,16 +477,17 @@ def rows_combine(out, route: RowsRoute, topk_ids, topk_weights, n_experts: int):
 
 def _run_rows(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan=None):
     """Experts in the row layout: the tensor-core kernel's up and down GEMMs (two launches, each
-    with its split-K sum) over blocks of MMA_ROWS (token, slot) pairs of one expert, then the
-    combine. plan: (up, down) `rows_plan.RowsPlan`s. Returns (y, h, out)."""
+    with its split-K sum) over blocks of (token, slot) pairs of one expert (`rows_route`), then
+    the combine. plan: (up, down) `rows_plan.RowsPlan`s. Returns (y, h, out)."""
     from pallas_kernels.rows_plan import moe_rows_plans
 
     m, k = topk_ids.shape
     e, d, i = expert_dims(w13, w2)
     route = rows_route(topk_ids, e, backend=backend)
-    up, down = plan or moe_rows_plans(route.n_blocks, i, d)
-    rows = route.n_blocks * MMA_ROWS
-    common = dict(m=m, expert=route.expert, n_blocks=route.n_blocks, topk=k, direct=route.direct)
+    up, down = plan or moe_rows_plans(route.n_blocks, i, d, route.block_m)
+    rows = route.n_blocks * route.block_m
+    common = dict(m=m, expert=route.expert, n_blocks=route.n_blocks, topk=k, direct=route.direct,
+                  block_m=route.block_m)
     h = rows_launch("up", x.astype(jnp.bfloat16), w13, out=jax.ShapeDtypeStruct((rows, i), jnp.bfloat16),
                     plan=up, pairs=route.pairs, limit=swiglu_limit, **common)
     out = rows_launch("down", h, w2, out=jax.ShapeDtypeStruct((rows, d), jnp.float32), plan=down, **common)

@@ -280,16 +280,20 @@ STAGES = {"matvec": 0, "up": 1, "down": 2}
 
 
 def rows_launch(stage: str, a, qw: QuantizedWeight, *, out, m: int, plan, expert=None, pairs=None,
-                n_blocks: int = 1, topk: int = 1, direct: bool = False, limit=None):
+                n_blocks: int = 1, topk: int = 1, direct: bool = False, limit=None, block_m: int = MMA_ROWS):
     """One launch of the row layout's tensor-core kernel (`triton_qmatvec.rows_kernel`, through
     jax_triton), its split-K sum included. stage "matvec": a = x [M, K] -> y [M, N] bf16;
-    "up" / "down": a MoE's GEMMs over n_blocks blocks of MP rows (`fused_moe`). out: the result's
-    jax.ShapeDtypeStruct; expert, pairs: int32 arrays as the kernel reads them (see there)."""
+    "up" / "down": a MoE's GEMMs over n_blocks blocks of block_m rows (`fused_moe`). out: the
+    result's jax.ShapeDtypeStruct; expert, pairs: int32 arrays as the kernel reads them (see there)."""
+    n, k = qw.shape
+    groups = k // qw.group_size
+    if groups % plan.split or (groups // plan.split) % plan.groups_per_iter:
+        raise ValueError(f"plan {plan}: split must divide the {groups} groups of K and groups_per_iter "
+                         "the groups a split")
     import jax_triton as jt
 
     from pallas_kernels import triton_qmatvec as tq
 
-    n, k = qw.shape
     e = qw.words.shape[0] if qw.words.ndim == 3 else 1
     tiles = -(-n // plan.block_n)
     rows = out.shape[0]
@@ -305,7 +309,7 @@ def rows_launch(stage: str, a, qw: QuantizedWeight, *, out, m: int, plan, expert
         M=m, N=n, K=k, R=rows, E=e, TOPK=topk, STAGE=STAGES[stage], DIRECT=direct,
         HAS_LIMIT=limit is not None, LIMIT=0.0 if limit is None else float(limit),
         BN=plan.block_n, S=plan.split, GPI=plan.groups_per_iter, LW=plan.num_warps.bit_length() - 1,
-        SYMMETRIC=qw.symmetric, BITS=qw.bits, COMPILED=True)
+        SYMMETRIC=qw.symmetric, BITS=qw.bits, MP=block_m, COMPILED=True)
     return res
 
 

@@ -18,10 +18,10 @@ class RowsPlan:
     num_warps: int = 4
 
 
-def rows_plan_for(m: int, n: int, k: int, sms: int = 132, blocks: int = 1) -> RowsPlan:
+def rows_plan_for(m: int, n: int, k: int, sms: int = 132, blocks: int = 1, max_gpi: int = 4) -> RowsPlan:
     """Launch heuristics for `blocks` blocks of rows times an [n, k] weight: at least two programs
-    an SM, as few splits as give them, and whole iterations of 4 groups where a split allows (the
-    loads of 4 groups in flight at once).
+    an SM, as few splits as give them, and whole iterations of up to max_gpi groups where a split
+    allows (the loads of that many groups in flight at once).
 
     BN 128 unless its tiles need a split that leaves a program fewer than 4 groups; then 64."""
     del m  # one tile of x rows (MP = 16) serves every M
@@ -30,13 +30,18 @@ def rows_plan_for(m: int, n: int, k: int, sms: int = 132, blocks: int = 1) -> Ro
     for bn in (128, 64):
         tiles = -(-n // bn) * blocks
         fits = [s for s in divisors if tiles * s >= 2 * sms] or [nb]
-        split = next((s for g in (4, 2, 1) for s in fits if (nb // s) % g == 0), fits[0])
+        gpis = [g for g in (4, 2, 1) if g <= max_gpi]
+        split = next((s for g in gpis for s in fits if (nb // s) % g == 0), fits[0])
         if nb // split >= 4:
             break
-    gpi = next(g for g in (4, 2, 1) if (nb // split) % g == 0)
+    gpi = next(g for g in gpis if (nb // split) % g == 0)
     return RowsPlan(bn, split, gpi)
 
 
-def moe_rows_plans(blocks: int, inter: int, d: int) -> tuple[RowsPlan, RowsPlan]:
-    """(up, down) plans of a MoE's two GEMMs over `blocks` blocks: up [2I, D], down [D, I]."""
-    return rows_plan_for(MP, 2 * inter, d, blocks=blocks), rows_plan_for(MP, d, inter, blocks=blocks)
+def moe_rows_plans(blocks: int, inter: int, d: int, block_m: int = MP) -> tuple[RowsPlan, RowsPlan]:
+    """(up, down) plans of a MoE's two GEMMs over `blocks` blocks of block_m rows: up [2I, D],
+    down [D, I]. Blocks of 64 rows hold a [BN, 64] accumulator: 2 groups an iteration at most
+    (4 spill at BN 128, compiled offline for sm_90a)."""
+    gpi = 4 if block_m <= MP else 2
+    return (rows_plan_for(block_m, 2 * inter, d, blocks=blocks, max_gpi=gpi),
+            rows_plan_for(block_m, d, inter, blocks=blocks, max_gpi=gpi))

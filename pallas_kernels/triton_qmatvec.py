@@ -15,8 +15,8 @@ int8 takes a byte's two nibbles from the same unpack and combines them, 16 (hi -
 (lo - c_lo), exact too (|u - z| < 256; `_bytes`).
 
 Tensor cores at M <= 16 ("swap AB"): the dequantised tile is wgmma's A operand [BN, 128] straight
-from registers, x^T its B operand [128, MP] (M padded to MP = 16 by repeating row M - 1), one
-group's product D [BN, MP] float32; the group's scale multiplies D's rows into the float32
+from registers, x^T its B operand [128, MP] (MP = 16: M padded by repeating row M - 1; a MoE's
+prefill takes blocks of MP = 64 pairs), one group's product D [BN, MP] float32; the group's scale multiplies D's rows into the float32
 accumulator (one FMA per element), so the weights reach the tensor core as exact integers and the
 only rounding of a product is fp32's.
 
@@ -46,8 +46,7 @@ import triton
 import triton.language as tl
 
 GROUP = 128  # columns a group: 16 words of 8 int4 codes, 32 of 4 int8 codes
-MP = 16  # x rows a tensor-core tile holds (tl.dot needs N >= 16)
-_GROUP, _MP = tl.constexpr(GROUP), tl.constexpr(MP)  # the same, as the kernels read them
+_GROUP = tl.constexpr(GROUP)  # the same, as the kernels read it
 
 # $0..$7: bf16 (128 + u) of lanes 0, 4, 1, 5, 2, 6, 3, 7 of the word $8.
 UNPACK_PTX = tl.constexpr("""{
@@ -229,7 +228,7 @@ def rows_kernel(a_ptr, w_ptr, s_ptr, z_ptr, expert_ptr, pair_ptr, out_ptr, part_
                 M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
                 TOPK: tl.constexpr, STAGE: tl.constexpr, DIRECT: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
                 BN: tl.constexpr, S: tl.constexpr, GPI: tl.constexpr, LW: tl.constexpr,
-                SYMMETRIC: tl.constexpr, BITS: tl.constexpr, COMPILED: tl.constexpr):
+                SYMMETRIC: tl.constexpr, BITS: tl.constexpr, MP: tl.constexpr, COMPILED: tl.constexpr):
     """One launch; grid (NBLK, ceil(N / BN), S): program (b, t, s) multiplies block b's MP rows of
     a by tile t's weight rows over K split s (module docstring). STAGE:
       0  matvec: a = x [M, K]; NBLK = 1; W [N, K/8]; out = y [M, N] bf16.
@@ -244,7 +243,8 @@ def rows_kernel(a_ptr, w_ptr, s_ptr, z_ptr, expert_ptr, pair_ptr, out_ptr, part_
     [0, E) does nothing. z_ptr is read only when not SYMMETRIC,
     pair_ptr only by STAGE 1 not DIRECT, part_ptr and ticket_ptr only when S > 1 (partials
     [S, R, N], tickets [NBLK * tiles]). LW = log2(num_warps); BN a multiple of 16 << LW.
-    BITS: 4 or 8 (W's words [.., K*BITS/32]). COMPILED: False under Triton's interpreter (no inline
+    BITS: 4 or 8 (W's words [.., K*BITS/32]). MP: rows a block (the B operand's N: 16 at decode and
+    verify sizes, 64 for a prefill's MoE; the matvec: 16). COMPILED: False under Triton's interpreter (no inline
     PTX there)."""
     NB: tl.constexpr = K // _GROUP
     WPG: tl.constexpr = 4 * BITS  # words a group
@@ -253,18 +253,18 @@ def rows_kernel(a_ptr, w_ptr, s_ptr, z_ptr, expert_ptr, pair_ptr, out_ptr, part_
     blk = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)
-    m = tl.arange(0, _MP)
+    m = tl.arange(0, MP)
     if STAGE == 0:
         expert = 0
         arow = tl.minimum(m, M - 1)  # x's rows, the padding repeating row M - 1
     else:
         expert = tl.load(expert_ptr + blk)
         if STAGE == 2:
-            arow = blk * _MP + m  # h's rows of this block
+            arow = blk * MP + m  # h's rows of this block
         elif DIRECT:
-            arow = tl.zeros((_MP,), tl.int32) + blk // TOPK  # pair blk's token, in every row
+            arow = tl.zeros((MP,), tl.int32) + blk // TOPK  # pair blk's token, in every row
         else:
-            pair = tl.load(pair_ptr + blk * _MP + m)  # P marks padding: it reads the last token
+            pair = tl.load(pair_ptr + blk * MP + m)  # P marks padding: it reads the last token
             arow = tl.minimum(pair, M * TOPK - 1) // TOPK
     if (expert >= 0) & (expert < E):
         w_ptr += expert.to(tl.int64) * (N * WPR)
@@ -273,7 +273,7 @@ def rows_kernel(a_ptr, w_ptr, s_ptr, z_ptr, expert_ptr, pair_ptr, out_ptr, part_
         i = tl.arange(0, BN)
         rows = tile * BN + (_paired(i, LW) if STAGE == 1 else i)  # the tile rows each load row reads
         rows_in = tl.minimum(rows, N - 1)[:, None]  # [BN, 1]: rows past N re-read row N - 1
-        acc = tl.zeros((BN, _MP), tl.float32)
+        acc = tl.zeros((BN, MP), tl.float32)
         for b0 in range(split * NBP, split * NBP + NBP, GPI):
             groups = b0 + tl.arange(0, GPI)[None, :]
             scales = _rowperm(tl.load(s_ptr + rows_in * NB + groups), LW).to(tl.float32)  # [BN, GPI]
@@ -311,7 +311,7 @@ def rows_kernel(a_ptr, w_ptr, s_ptr, z_ptr, expert_ptr, pair_ptr, out_ptr, part_
                     d = tl.dot(wa, xt.to(tl.float32))
                 acc += d * _column(scales, g, GPI)
         rows_out = _rowperm(rows[:, None], LW)  # [BN, 1]: the tile row of each accumulator row
-        orow = (0 if STAGE == 0 else blk * _MP) + m  # [MP]: the output row of each column
+        orow = (0 if STAGE == 0 else blk * MP) + m  # [MP]: the output row of each column
         if S == 1:
             _store(out_ptr, acc, orow, rows_out, N, R, STAGE, HAS_LIMIT, LIMIT, COMPILED)
         else:
@@ -321,7 +321,7 @@ def rows_kernel(a_ptr, w_ptr, s_ptr, z_ptr, expert_ptr, pair_ptr, out_ptr, part_
             tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
             ticket = tl.atomic_add(ticket_ptr + blk * tl.num_programs(1) + tile, 1, sem="acq_rel", scope="gpu")
             if ticket == S - 1:  # the tile's last program: sum the partials in split order
-                total = tl.zeros((BN, _MP), tl.float32)
+                total = tl.zeros((BN, MP), tl.float32)
                 for sp in range(S):
                     total += tl.load(part_ptr + sp * R * N + offs, mask=live, other=0.0, cache_modifier=".cg")
                 _store(out_ptr, total, orow, rows_out, N, R, STAGE, HAS_LIMIT, LIMIT, COMPILED)

@@ -87,6 +87,7 @@ MOE_CASES = [
     (6, 2, True, "one", 1.0, None, 4),
     (4, 4, False, "random", None, ((64, 2, 1, 4), (128, 1, 1, 4)), 4),
     (3, 2, False, "random", None, None, 8),
+    (20, 4, True, "skewed", None, ((64, 2, 1, 4), (64, 1, 1, 4)), 4),  # 80 pairs: blocks of 64 (prefill)
 ]
 
 
@@ -106,9 +107,11 @@ def test_interpreted_kernel_matches_dequantize_then_matmul(tmp_path):
     for i, (m, k, symmetric, kind, limit, plans, bits) in enumerate(MOE_CASES):
         x, ids, w, w13, w2 = problems[f"moe{i}"] = _moe_problem(m, k, symmetric, kind, seed=40 + i, bits=bits)
         route = fm.rows_route(ids, E, backend="reference")
-        up, down = [RowsPlan(*p) for p in plans] if plans else moe_rows_plans(route.n_blocks, w2.shape[1], w13.shape[1])
+        up, down = [RowsPlan(*p) for p in plans] if plans else moe_rows_plans(route.n_blocks, w2.shape[1], w13.shape[1],
+                                                                                 route.block_m)
         arrays.update({f"moe{i}/x": np.asarray(x).view(np.uint16), f"moe{i}/topk": np.asarray(ids),
                        f"moe{i}/expert": np.asarray(route.expert), f"moe{i}/n_blocks": np.array(route.n_blocks),
+                       f"moe{i}/block_m": np.array(route.block_m),
                        f"moe{i}/limit": np.array([] if limit is None else [limit], np.float32),
                        f"moe{i}/up_plan": np.array(dataclasses.astuple(up)),
                        f"moe{i}/down_plan": np.array(dataclasses.astuple(down))})
@@ -173,6 +176,8 @@ def test_reference_and_errors():
         qmatvec(x, qw, backend="interpret")
     with pytest.raises(ValueError, match="tiles"):
         qmatvec(x, qw, tiles=jnp.array([0], jnp.int32), backend="reference")
+    with pytest.raises(ValueError, match="split"):
+        qmatvec(x, qw, backend="pallas", plan=RowsPlan(64, 4, 1))  # 2 groups cannot split 4 ways
     x, ids, w, w13, w2 = _moe_problem(3, 2, True, "random", seed=1)
     check_moe(fm.fused_moe(x, ids, w, w13, w2, backend="reference"), x, ids, w, w13, w2, None)
     with pytest.raises(ValueError, match="interpret"):

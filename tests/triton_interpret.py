@@ -6,8 +6,8 @@ Each case in CASES.npz is a set of arrays named "<case>/<name>". A matvec: x (bf
 uint16 [M, K]), words (uint32 [N, K*b/32], b = 4 or 8), scales and zeros (bf16 bits as uint16 [N, K/128];
 zeros absent when symmetric) and plan (int64 [BN, S, GPI, num_warps]); OUT.npz gets "<case>" =
 y as float32 [M, N]. A MoE (its arrays prefixed "up_" and "down_" for the two weights, stacked
-on E): x, topk ([M, k], only its shape is read), expert, pairs (fused_moe.RowsRoute's; pairs
-absent when direct), limit ([] or [L]), up_plan, down_plan; OUT.npz gets "<case>/h" and
+on E): x, topk ([M, k], only its shape is read), expert, pairs, n_blocks, block_m
+(fused_moe.RowsRoute's; pairs absent when direct), limit ([] or [L]), up_plan, down_plan; OUT.npz gets "<case>/h" and
 "<case>/out" as float32. It needs triton and torch (the interpreter takes torch tensors), which the main
 test environment must not have; tests/test_qmatvec_rows.py makes a side environment and calls it.
 """
@@ -30,7 +30,7 @@ def _bf16(a: np.ndarray) -> torch.Tensor:
 
 
 def launch(stage, a, words, scales, zeros, out, *, m, plan, r, n_blocks=1, expert=None, pairs=None,
-           topk=1, direct=False, limit=None):
+           topk=1, direct=False, limit=None, mp=16):
     bn, s, gpi, warps = (int(v) for v in plan)
     e, n = (words.shape[0], words.shape[1]) if words.dim() == 3 else (1, words.shape[0])
     k = scales.shape[-1] * 128
@@ -43,7 +43,7 @@ def launch(stage, a, words, scales, zeros, out, *, m, plan, r, n_blocks=1, exper
         a, words, scales, zeros, dummy if expert is None else expert, dummy if pairs is None else pairs,
         out, part, tickets, M=m, N=n, K=k, R=r, E=e, TOPK=topk, STAGE=stage, DIRECT=direct,
         HAS_LIMIT=limit is not None, LIMIT=0.0 if limit is None else limit,
-        BN=bn, S=s, GPI=gpi, LW=int(math.log2(warps)), SYMMETRIC=zeros is scales, BITS=bits, COMPILED=False)
+        BN=bn, S=s, GPI=gpi, LW=int(math.log2(warps)), SYMMETRIC=zeros is scales, BITS=bits, MP=mp, COMPILED=False)
     return out
 
 
@@ -64,8 +64,9 @@ def run_moe(arrays: dict) -> dict:
     limit = float(arrays["limit"][0]) if arrays["limit"].size else None
     up, down = _weight(arrays, "up_"), _weight(arrays, "down_")
     inter, d = up[0].shape[1] // 2, down[0].shape[1]
-    rows = n_blocks * 16
-    common = dict(m=m, r=rows, n_blocks=n_blocks, expert=expert, topk=topk, direct=direct)
+    mp = int(arrays["block_m"]) if "block_m" in arrays else 16
+    rows = n_blocks * mp
+    common = dict(m=m, r=rows, n_blocks=n_blocks, expert=expert, topk=topk, direct=direct, mp=mp)
     h = launch(1, x, *up, torch.zeros((rows, inter), dtype=torch.bfloat16), plan=arrays["up_plan"],
                pairs=pairs, limit=limit, **common)
     out = launch(2, h, *down, torch.zeros((rows, d), dtype=torch.float32), plan=arrays["down_plan"], **common)
