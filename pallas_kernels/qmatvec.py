@@ -1,8 +1,9 @@
 """Fused dequantising matvec  y = x @ W^T  for grouped low-bit weights (decode and verify, M <= 16).
 
-One entry, `qmatvec`, for both layouts of pallas_kernels/quant.py: the row layout (int4) runs the
-tensor-core Triton kernel of pallas_kernels/triton_qmatvec.py through jax_triton; the
-tile-transposed layout runs the Pallas kernel below.
+One entry, `qmatvec`, for both layouts of pallas_kernels/quant.py: the row layout (int4, int8)
+runs the tensor-core Triton kernel of pallas_kernels/triton_qmatvec.py through jax_triton
+(`rows_launch`, which the fused MoE's row-layout GEMMs share); the tile-transposed layout runs
+the Pallas kernel below.
 
 Layout (pallas_kernels/quant.py, tiles): words uint32 [T, WPR, B_N], scales (and zeros) bf16
 [T, K/G, B_N]; inside a group of G columns, lane i of word w is column w + i*WPG (WPG = G*b/32).
