@@ -294,6 +294,9 @@ def rows_launch(stage: str, a, qw: QuantizedWeight, *, out, m: int, plan, expert
     import jax_triton as jt
 
     from pallas_kernels import triton_qmatvec as tq
+    from pallas_kernels.triton_ffi import use_ffi_target
+
+    use_ffi_target()  # the custom call XLA's command buffers (CUDA graphs) capture
 
     e = qw.words.shape[0] if qw.words.ndim == 3 else 1
     tiles = -(-n // plan.block_n)

@@ -155,6 +155,11 @@ def test_compiled_kernel_matches_dequantize_then_matmul(m, n, k, symmetric, plan
     x, qw = _problem(m, n, k, symmetric, seed=m + n, bits=bits)
     y = qmatvec(x, qw, backend="pallas", plan=None if plan is None else RowsPlan(*plan))
     assert y.dtype == jnp.bfloat16
+    import jax
+
+    from pallas_kernels.triton_ffi import FFI_TARGET  # the call XLA's CUDA graphs capture
+
+    assert f"@{FFI_TARGET}" in jax.jit(lambda x: qmatvec(x, qw, backend="pallas")).lower(x).as_text()
     _check(y.astype(jnp.float32), x, qw)
     again = qmatvec(x, qw, backend="pallas", plan=None if plan is None else RowsPlan(*plan))
     assert jnp.array_equal(y, again)  # the split-K sum is in a fixed order
@@ -167,6 +172,26 @@ def test_compiled_moe_matches_the_experts(m, k, symmetric, kind, limit, plans, b
     plan = None if plans is None else tuple(RowsPlan(*p) for p in plans)
     y = fm.fused_moe(x, ids, w, w13, w2, swiglu_limit=limit, backend="pallas", plan=plan)
     check_moe(y, x, ids, w, w13, w2, limit)
+
+
+def test_ffi_adapter_lowers_to_the_command_buffer_target():
+    """jax-triton 0.3's legacy custom call, as the adapter lowers it: jaxlib's FFI target, API
+    version 4, the proto as its `opaque` attribute (checked in StableHLO on CPU: lowering only)."""
+    import jax
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    from pallas_kernels.triton_ffi import FFI_TARGET, FfiAdapter, applies
+
+    prim = Primitive("legacy_triton_call_for_test")
+    prim.def_abstract_eval(lambda x: x)
+    mlir.register_lowering(prim, lambda ctx, x: FfiAdapter(jax.ffi).ffi_lowering(
+        "triton_kernel_call", api_version=2, backend_config=b"the-proto", operand_output_aliases={})(ctx, x))
+    text = jax.jit(prim.bind).lower(jnp.ones((4,), jnp.float32)).as_text()
+    call = next(line for line in text.splitlines() if "custom_call" in line)
+    # API version 4 (typed FFI): the attributes are a dictionary, mhlo.backend_config
+    assert f"@{FFI_TARGET}" in call and 'mhlo.backend_config = {opaque = "the-proto"}' in call, call
+    assert applies("0.3.1", (0, 11, 2)) and not applies("0.4.0", (0, 11, 2)) and not applies("0.3.1", (0, 10, 2))
 
 
 def test_reference_and_errors():
