@@ -291,7 +291,11 @@ def rows_launch(stage: str, a, qw: QuantizedWeight, *, out, m: int, plan, expert
     if groups % plan.split or (groups // plan.split) % plan.groups_per_iter:
         raise ValueError(f"plan {plan}: split must divide the {groups} groups of K and groups_per_iter "
                          "the groups a split")
-    import jax_triton as jt
+    try:
+        import jax_triton as jt
+    except ImportError as e:
+        raise ImportError("weights in the row layout run Triton kernels through jax-triton, which is not installed: "
+                          "pip install 'ling-serve[gpu]', or quantise with --quantize-layout tiles") from e
 
     from pallas_kernels import triton_qmatvec as tq
     from pallas_kernels.triton_ffi import use_ffi_target
