@@ -5,6 +5,7 @@ side environment (the CPU suite; triton must not enter the main one), compiled t
 on a GPU (`-m gpu`)."""
 
 import dataclasses
+import importlib.util
 import os
 import subprocess
 import sys
@@ -203,6 +204,9 @@ def test_reference_and_errors():
         qmatvec(x, qw, tiles=jnp.array([0], jnp.int32), backend="reference")
     with pytest.raises(ValueError, match="split"):
         qmatvec(x, qw, backend="pallas", plan=RowsPlan(64, 4, 1))  # 2 groups cannot split 4 ways
+    if importlib.util.find_spec("jax_triton") is None:  # the CPU suite's environment
+        with pytest.raises(ImportError, match="jax-triton"):
+            qmatvec(x, qw, backend="pallas")
     x, ids, w, w13, w2 = _moe_problem(3, 2, True, "random", seed=1)
     check_moe(fm.fused_moe(x, ids, w, w13, w2, backend="reference"), x, ids, w, w13, w2, None)
     with pytest.raises(ValueError, match="interpret"):
