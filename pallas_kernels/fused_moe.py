@@ -506,9 +506,10 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend=
     backend: "pallas" | "interpret" | "reference" | "auto" (pallas_kernels.backend.resolve).
     M <= 64 runs block 16 (bf16) or one pair per block (quantised, M <= 16); M = 1 without an
     align launch; larger M the same kernels with block 64 (a grouped GEMM) and the blocked
-    align. Experts in the row layout (int4, int8) run the tensor-core Triton kernel instead, any
-    M, in blocks of 16 pairs of one expert (64 past GATHER_MAX_PAIRS pairs; `_run_rows`). plan overrides the launch heuristics
-    (`plan_for`; for the row layout a pair of `rows_plan.RowsPlan`s).
+    align. Experts in the row layout (int4, int8) run the tensor-core Triton kernel instead,
+    any M, in blocks of 16 pairs of one expert (64 past GATHER_MAX_PAIRS pairs; `_run_rows`).
+    plan overrides the launch heuristics (`plan_for`; for the row layout a pair of
+    `rows_plan.RowsPlan`s).
     """
     backend = resolve(backend)
     check_args(x, topk_ids, topk_weights, w13, w2)

@@ -16,9 +16,9 @@ int8 takes a byte's two nibbles from the same unpack and combines them, 16 (hi -
 
 Tensor cores at M <= 16 ("swap AB"): the dequantised tile is wgmma's A operand [BN, 128] straight
 from registers, x^T its B operand [128, MP] (MP = 16: M padded by repeating row M - 1; a MoE's
-prefill takes blocks of MP = 64 pairs), one group's product D [BN, MP] float32; the group's scale multiplies D's rows into the float32
-accumulator (one FMA per element), so the weights reach the tensor core as exact integers and the
-only rounding of a product is fp32's.
+prefill takes blocks of MP = 64 pairs), one group's product D [BN, MP] float32; the group's
+scale multiplies D's rows into the float32 accumulator (one FMA per element), so the weights
+reach the tensor core as exact integers and the only rounding of a product is fp32's.
 
 No shuffles: the row layout's ROW_ORDERS put in words 4t..4t+3 of a row (one 128-bit load; int8
 also words 16 + 4t..) the columns {16b + 8h + 2t + p} that thread t of a quad holds in wgmma's A
@@ -226,26 +226,26 @@ def _store(out_ptr, acc, orow, rows_out, N: tl.constexpr, R: tl.constexpr, STAGE
 @triton.jit
 def rows_kernel(a_ptr, w_ptr, s_ptr, z_ptr, expert_ptr, pair_ptr, out_ptr, part_ptr, ticket_ptr,
                 M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
-                TOPK: tl.constexpr, STAGE: tl.constexpr, DIRECT: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
-                BN: tl.constexpr, S: tl.constexpr, GPI: tl.constexpr, LW: tl.constexpr,
+                TOPK: tl.constexpr, STAGE: tl.constexpr, DIRECT: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                LIMIT: tl.constexpr, BN: tl.constexpr, S: tl.constexpr, GPI: tl.constexpr, LW: tl.constexpr,
                 SYMMETRIC: tl.constexpr, BITS: tl.constexpr, MP: tl.constexpr, COMPILED: tl.constexpr):
     """One launch; grid (NBLK, ceil(N / BN), S): program (b, t, s) multiplies block b's MP rows of
     a by tile t's weight rows over K split s (module docstring). STAGE:
-      0  matvec: a = x [M, K]; NBLK = 1; W [N, K/8]; out = y [M, N] bf16.
+      0  matvec: a = x [M, K]; NBLK = 1; W [N, K*BITS/32]; out = y [M, N] bf16.
       1  a MoE's up GEMM: a = x [M, K]; block b's expert from expert_ptr (DIRECT: the flat top-k
          ids [P], block b = pair b, M = 1; else the align's block_expert [NBLK], -1 past the
          used blocks) and its rows' tokens pair // TOPK (DIRECT: b // TOPK; else pair_ptr, the
-         align's sorted pairs [NBLK * MP], P marking padding); W [E, N = 2I, D/8] with rows 2j, 2j + 1
-         gate j and up j; out = h [NBLK * MP, I] bf16 after the SwiGLU (LIMIT where HAS_LIMIT).
+         align's sorted pairs [NBLK * MP], P marking padding); W [E, N = 2I, ..] with rows 2j and
+         2j + 1 gate j and up j; out = h [NBLK * MP, I] bf16 after the SwiGLU (LIMIT where
+         HAS_LIMIT).
       2  a MoE's down GEMM: a = h; block b's rows are h's rows b*MP .. b*MP + MP - 1; W [E, N = D,
-         I/8]; out [NBLK * MP, D] float32.
+         ..]; out [NBLK * MP, D] float32.
     R: the output's rows (M; NBLK * MP for the MoE stages). A block whose expert is outside
-    [0, E) does nothing. z_ptr is read only when not SYMMETRIC,
-    pair_ptr only by STAGE 1 not DIRECT, part_ptr and ticket_ptr only when S > 1 (partials
-    [S, R, N], tickets [NBLK * tiles]). LW = log2(num_warps); BN a multiple of 16 << LW.
-    BITS: 4 or 8 (W's words [.., K*BITS/32]). MP: rows a block (the B operand's N: 16 at decode and
-    verify sizes, 64 for a prefill's MoE; the matvec: 16). COMPILED: False under Triton's interpreter (no inline
-    PTX there)."""
+    [0, E) does nothing. z_ptr is read only when not SYMMETRIC, pair_ptr only by STAGE 1 not
+    DIRECT, part_ptr and ticket_ptr only when S > 1 (partials [S, R, N], tickets
+    [NBLK * tiles]). LW = log2(num_warps); BN a multiple of 16 << LW. BITS: 4 or 8. MP: rows a
+    block, the B operand's N (16 at decode and verify sizes, 64 for a prefill's MoE). COMPILED:
+    False under Triton's interpreter (no inline PTX there)."""
     NB: tl.constexpr = K // _GROUP
     WPG: tl.constexpr = 4 * BITS  # words a group
     WPR: tl.constexpr = K * BITS // 32  # words a row
@@ -319,9 +319,11 @@ def rows_kernel(a_ptr, w_ptr, s_ptr, z_ptr, expert_ptr, pair_ptr, out_ptr, part_
             live = (orow[None, :] < R) & (rows_out < N)
             tl.store(part_ptr + split * R * N + offs, acc, mask=live)
             tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
-            ticket = tl.atomic_add(ticket_ptr + blk * tl.num_programs(1) + tile, 1, sem="acq_rel", scope="gpu")
+            counter = ticket_ptr + blk * tl.num_programs(1) + tile
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == S - 1:  # the tile's last program: sum the partials in split order
                 total = tl.zeros((BN, MP), tl.float32)
                 for sp in range(S):
-                    total += tl.load(part_ptr + sp * R * N + offs, mask=live, other=0.0, cache_modifier=".cg")
+                    total += tl.load(part_ptr + sp * R * N + offs, mask=live, other=0.0,
+                                     cache_modifier=".cg")
                 _store(out_ptr, total, orow, rows_out, N, R, STAGE, HAS_LIMIT, LIMIT, COMPILED)

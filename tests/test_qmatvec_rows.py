@@ -108,8 +108,10 @@ def test_interpreted_kernel_matches_dequantize_then_matmul(tmp_path):
     for i, (m, k, symmetric, kind, limit, plans, bits) in enumerate(MOE_CASES):
         x, ids, w, w13, w2 = problems[f"moe{i}"] = _moe_problem(m, k, symmetric, kind, seed=40 + i, bits=bits)
         route = fm.rows_route(ids, E, backend="reference")
-        up, down = [RowsPlan(*p) for p in plans] if plans else moe_rows_plans(route.n_blocks, w2.shape[1], w13.shape[1],
-                                                                                 route.block_m)
+        if plans:
+            up, down = (RowsPlan(*p) for p in plans)
+        else:
+            up, down = moe_rows_plans(route.n_blocks, w2.shape[1], w13.shape[1], route.block_m)
         arrays.update({f"moe{i}/x": np.asarray(x).view(np.uint16), f"moe{i}/topk": np.asarray(ids),
                        f"moe{i}/expert": np.asarray(route.expert), f"moe{i}/n_blocks": np.array(route.n_blocks),
                        f"moe{i}/block_m": np.array(route.block_m),
