@@ -4,6 +4,8 @@ whole speculative step; beside each, what the device did (JAX profiler), and the
 
     python -m bench.step --preset ling-3-flash --layers 16 [--context 512] [--steps 32]
     python -m bench.step --layers 16 --quantize int4 --quantize-experts      # + lm_head in int4
+    python -m bench.step --layers 16 --quantize int4 --quantize-experts --quantize-layout rows
+                                                      # the tensor-core Triton kernels (jax-triton)
 
 Random weights, batch 1 (`--batch B`: B slots, all live), a prompt of --context tokens prefilled
 first. Per mode:
