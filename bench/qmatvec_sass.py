@@ -6,6 +6,7 @@ direct). No GPU needed:
 
     pip install triton==3.6.0   # in an environment of its own (it breaks the CPU oracle)
     python -m bench.qmatvec_sass [--out DIR]
+    pip install jax==0.10.2 && python -m bench.qmatvec_sass --pallas   # + the Pallas kernel, same run
 
 Per weight, two counts: the main loop's SASS (between a backward branch and its target) over a
 thread's share of an iteration (BN * 128 * GPI / (32 * num_warps) weights), and the whole
@@ -82,9 +83,10 @@ def opcodes(sass: str) -> collections.Counter:
     return collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", sass, re.M))
 
 
-def main_loop(sass: str) -> collections.Counter:
+def main_loop(sass: str, needs: str | None = "HGMMA") -> collections.Counter:
     """Opcode counts of the main loop: the longest loop (the SASS from a backward branch's target to
-    the branch) that runs the tensor cores; empty when the plan unrolls it (one iteration)."""
+    the branch) that holds `needs` (the tensor cores' opcode); empty when the plan unrolls it (one
+    iteration)."""
     pat = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)(.*)$")
     labels, pending, body = {}, [], []
     for line in sass.splitlines():
@@ -104,7 +106,7 @@ def main_loop(sass: str) -> collections.Counter:
         target = re.search(r"`\((\.L_x_\d+)\)", rest)
         if op == "BRA" and target and labels.get(target.group(1), addr) < addr:
             loop = [o for a, o, _ in body if labels[target.group(1)] <= a <= addr]
-            if "HGMMA" in loop:
+            if needs is None or needs in loop:
                 best = max(best, loop, key=len)
     return collections.Counter(best)
 
@@ -156,12 +158,58 @@ def report(m: int, out: str | None, log=print, bits: int = 4) -> list[dict]:
     return rows
 
 
+def pallas_report(log=print) -> None:
+    """The tile layout's Pallas qmatvec (int4, its `plan_for` plans), lowered to Triton IR here and
+    compiled the same way: its main loop per weight (one group of one 128-row tile an iteration)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from bench.sass import capture_triton
+    from pallas_kernels.qmatvec import plan_for, qmatvec
+    from pallas_kernels.quant import QuantizedWeight
+
+    captured: list = []
+    capture_triton(captured)
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for m, (name, n, k) in [(1, SHAPES[2]), (1, SHAPES[3]), (6, SHAPES[2])]:
+        t = n // 128
+        qw = QuantizedWeight(jax.ShapeDtypeStruct((t, k // 8, 128), jnp.uint32),
+                             jax.ShapeDtypeStruct((t, k // 128, 128), jnp.bfloat16), None, 4, 128, True, (n, k))
+        plan = plan_for(m, qw, t)
+        captured.clear()
+        jax.jit(lambda x, w: qmatvec(x, w, backend="pallas", plan=plan)).trace(
+            jax.ShapeDtypeStruct((m, k), jnp.bfloat16), qw).lower(lowering_platforms=("cuda",))
+        with tempfile.TemporaryDirectory() as tmp:
+            ttir, cubin = os.path.join(tmp, "k.ttir"), os.path.join(tmp, "k.cubin")
+            with open(ttir, "w") as f:
+                f.write(captured[0])
+            kern = triton.compile(ttir, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=plan.num_warps, num_stages=plan.num_stages))
+            with open(cubin, "wb") as f:
+                f.write(kern.asm["cubin"])
+            sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", cubin], capture_output=True,
+                                  text=True, check=True).stdout
+        ops = main_loop(sass, needs=None)
+        weights = 128 * 128 / (32 * plan.num_warps)
+        log(f"| Pallas qmatvec (tiles) {name} {n}x{k} | {m} | {plan.path}, split {plan.split}, "
+            f"{plan.num_warps} warps | {sum(ops.values()) / weights:.2f} | {dict(ops.most_common(6))} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, nargs="+", default=[1, 6], help="rows of x (tokens)")
     ap.add_argument("--out", default=None, help="directory for each kernel's SASS and TTGIR")
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 8], choices=[4, 8])
+    ap.add_argument("--pallas", action="store_true", help="also the tile layout's Pallas qmatvec (needs jax)")
     args = ap.parse_args()
+    if args.pallas:
+        print("| kernel | M | plan | main loop, instructions a weight | top opcodes |\n|---|---|---|---|---|")
+        pallas_report()
     for bits in args.bits:
         for m in args.m:
             report(m, args.out, bits=bits)
