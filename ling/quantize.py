@@ -109,6 +109,20 @@ def _eligible(name, lin: Linear, group_size: int) -> bool:
     return True
 
 
+def _attributes(node, leaf):
+    """(parent, name, child) for every attribute under `node`, descending into modules and lists
+    (not into a child for which leaf(child) holds)."""
+    for name, child in list(vars(node).items()):
+        yield node, name, child
+        if leaf(child):
+            continue
+        if isinstance(child, nnx.List):
+            for item in child:
+                yield from _attributes(item, leaf)
+        elif isinstance(child, nnx.Module):
+            yield from _attributes(child, leaf)
+
+
 def quantize_module(module, q: Quantization) -> None:
     """Quantises, in place, the full-precision projections, MLPs and (q.experts) routed experts
     found under `module` (a model, a decoder layer); what is already low-bit is left as it is, so
@@ -116,23 +130,13 @@ def quantize_module(module, q: Quantization) -> None:
     kernel backend of `module` (its `kernels`; the default backend where it has none)."""
     kernels = getattr(module, "kernels", "auto")
     found, moes, mlps = [], [], []
-
-    def walk(node):
-        for name, child in list(vars(node).items()):
-            if isinstance(child, MoE) and not isinstance(child.w13, QExperts):
-                moes.append(child)
-            if isinstance(child, SwiGLUMLP) and not isinstance(child.w13, QExperts):
-                mlps.append(child)
-            if isinstance(child, Linear):
-                if _eligible(name, child, q.group_size):
-                    found.append((node, name, child))
-            elif isinstance(child, nnx.List):
-                for item in child:
-                    walk(item)
-            elif isinstance(child, nnx.Module):
-                walk(child)
-
-    walk(module)
+    for node, name, child in _attributes(module, leaf=lambda c: isinstance(c, Linear)):
+        if isinstance(child, MoE) and not isinstance(child.w13, QExperts):
+            moes.append(child)
+        if isinstance(child, SwiGLUMLP) and not isinstance(child.w13, QExperts):
+            mlps.append(child)
+        if isinstance(child, Linear) and _eligible(name, child, q.group_size):
+            found.append((node, name, child))
     for parent, name, lin in found:
         w = lin.kernel[...].T  # [N, K], the torch orientation the codec takes
         qw = quantize(w, bits=q.bits, group_size=q.group_size, layout=q.layout)
@@ -175,21 +179,12 @@ def relayout_module(module, layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
-    def walk(node):
-        for name, child in list(vars(node).items()):
-            if isinstance(child, QLinear):
-                if child.weight.layout != layout:
-                    setattr(node, name, QLinear(relayout(child.weight, layout), kernels=child.kernels))
-            elif isinstance(child, QExperts):
-                if child.weight.layout != layout:
-                    setattr(node, name, QExperts(_relayout_experts(child.weight, layout)))
-            elif isinstance(child, nnx.List):
-                for item in child:
-                    walk(item)
-            elif isinstance(child, nnx.Module):
-                walk(child)
-
-    walk(module)
+    low_bit = (QLinear, QExperts)
+    for node, name, child in list(_attributes(module, leaf=lambda c: isinstance(c, low_bit))):
+        if isinstance(child, QLinear) and child.weight.layout != layout:
+            setattr(node, name, QLinear(relayout(child.weight, layout), kernels=child.kernels))
+        elif isinstance(child, QExperts) and child.weight.layout != layout:
+            setattr(node, name, QExperts(_relayout_experts(child.weight, layout)))
 
 
 def quantize_model(model, *, bits: int, group_size: int = 128, lm_head: bool = False, experts: bool = False,

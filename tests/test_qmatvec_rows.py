@@ -18,9 +18,10 @@ from moe_inputs import E, expert_weights, routing
 from pallas_kernels import fused_moe as fm
 from pallas_kernels.experts import quantize_experts
 from pallas_kernels.qmatvec import qmatvec
-from pallas_kernels.quant import dequantize, quantize
+from pallas_kernels.quant import quantize
 from pallas_kernels.rows_plan import RowsPlan, moe_rows_plans
 from test_fused_moe import _check as fused_moe_check
+from test_qmatvec import _check
 
 
 def check_moe(y, x, ids, w, w13, w2, limit):
@@ -51,18 +52,6 @@ def _problem(m, n, k, symmetric, seed, bits=4):
     w = jnp.asarray(rng.standard_normal((n, k)) * rng.uniform(0.05, 2.0, (n, 1)), jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     return x, quantize(w, bits=bits, symmetric=symmetric, layout="rows")
-
-
-def _check(y, x, qw):
-    """y agrees with x @ W'^T up to its bf16 rounding plus float32 accumulation error."""
-    w = np.asarray(dequantize(qw), np.float64)
-    xf = np.asarray(x, np.float64)
-    exact = xf @ w.T
-    bound = 2.0**-8 * np.abs(exact) + 2.0**-20 * (np.abs(xf) @ np.abs(w).T)
-    y = np.asarray(y, np.float64)
-    assert y.shape == exact.shape
-    bad = np.abs(y - exact) > bound
-    assert not bad.any(), f"{bad.sum()} of {bad.size} outside the bound, first at {np.argwhere(bad)[0]}"
 
 
 def _side_python() -> str:
