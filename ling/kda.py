@@ -65,11 +65,11 @@ class KDAttention(nnx.Module):
     def __call__(self, x, conv_state, rec_state, valid, *, form: str):
         """x [B, T, D]; conv_state (q, k, v) each [B, W-1, C]; rec_state [B, H, K, V] fp32; valid [B]:
         tokens of each slot that are real (the rest is padding and must not touch the state).
-        form "chunked" (prefill) or "recurrent" (decode, verify). Returns (y [B, T, D], conv, rec):
-        for "chunked" the state after the valid tokens: conv states (q, k, v) each [B, W-1, C] and
-        the recurrent state [B, H, K, V]; for "recurrent" the conv windows (q, k, v) each
-        [B, W-1+T, C] and the recurrent state after each position [B, T, H, K, V], from which
-        `ling.state.commit` takes any prefix without recomputation."""
+        form "chunked" (prefill), "decode" or "recurrent" (verify). Returns (y [B, T, D], conv,
+        rec): for "chunked" and "decode" the state after the valid tokens: conv states (q, k, v)
+        each [B, W-1, C] and the recurrent state [B, H, K, V]; for "recurrent" the conv windows
+        (q, k, v) each [B, W-1+T, C] and the recurrent state after each position
+        [B, T, H, K, V], from which `ling.state.commit` takes any prefix without recomputation."""
         b, t, _ = x.shape
         h, kd = self.num_heads, self.head_dim
         inputs = self.inputs(x)
@@ -77,6 +77,11 @@ class KDAttention(nnx.Module):
                                         self.dt_bias[...], self.o_norm[...])
         state = kda_kernel.KdaState(*conv_state, rec_state)
         kernels = self.kernels
+        if form == "decode":  # committed in the kernel, the recurrent state written in place
+            o, new = kda_kernel.kda_decode(inputs, weights, state, valid, gate=self.gate_kind, eps=self.eps,
+                                           lower_bound=self.lower_bound,
+                                           backend=kernels if t <= kda_kernel.MAX_T else "reference")
+            return self.o_proj(o.reshape(b, t, h * kd)), (new.conv_q, new.conv_k, new.conv_v), new.recurrent
         if form == "recurrent":
             out = kda_kernel.kda_verify(inputs, weights, state, all_states=True, gate=self.gate_kind, eps=self.eps,
                                         lower_bound=self.lower_bound,

@@ -96,8 +96,8 @@ class DecoderLayer(nnx.Module):
     def _attention(self, h, positions, lengths, valid, cache, form: str):
         if self.kind == KDA:
             h, conv, rec = self.attention(h, cache.conv, cache.recurrent, valid,
-                                          form="chunked" if form == "prefill" else "recurrent")
-            if form == "prefill":  # the chunked form returns the state after the valid tokens: committed
+                                          form={"prefill": "chunked", "decode": "decode"}.get(form, "recurrent"))
+            if form != "verify":  # prefill and decode return the state after the valid tokens: committed
                 return h, KDAState(conv=conv, recurrent=rec)
             return h, KDAPending(window=conv, recurrent=rec, initial=cache.recurrent, conv_len=cache.conv[0].shape[1])
         h, latent, k_rope = self.attention(h, positions, cache.latent, cache.k_rope, lengths, valid=valid,

@@ -1,9 +1,10 @@
 """Fused KDA decode / verify step: conv update + gated delta rule + gated RMSNorm, T = 1..8 tokens.
 
 One call advances B sequences by T tokens through one KDA layer (between the projections and
-o_proj) and returns, besides the outputs, the recurrent state after *every* position and the raw
-conv inputs of the window, so that a speculative engine commits any accepted length n (1..T) by
-indexing (`commit`), with no recomputation.
+o_proj). `kda_verify` returns, besides the outputs, the recurrent state after *every* position and
+the raw conv inputs of the window, so that a speculative engine commits any accepted length n
+(1..T) by indexing (`commit`), with no recomputation. `kda_decode` commits in the kernel: the
+state after valid[b] tokens, written over the old one.
 
 Per head h (K = V = head dim), token t, all math in fp32 (inputs are upcast on load):
   q, k, v = SiLU(causal depthwise conv_W(x)) over the window [conv state (W-1 rows) | T new rows]
@@ -43,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import resolve
-from pallas_kernels.kda_reference import gated_norm, recurrent
+from pallas_kernels.kda_reference import conv_state_after, gated_norm, recurrent
 
 MAX_T = 8  # tokens per call: decode (1) and verify (draft steps + 1)
 
@@ -186,15 +187,21 @@ def reference(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "safe
 
 
 def _kda_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, gate_ref, csq_ref, csk_ref, csv_ref,
-                wq_ref, wk_ref, wv_ref, alog_ref, dtb_ref, wn_ref, s0_ref,
-                o_ref, st_ref, winq_ref, wink_ref, winv_ref,
-                *, t_len: int, n_taps: int, gate: str, lower_bound: float, eps: float,
-                fuse_norm: bool, all_states: bool):
+                wq_ref, wk_ref, wv_ref, alog_ref, dtb_ref, wn_ref, s0_ref, *refs,
+                t_len: int, n_taps: int, gate: str, lower_bound: float, eps: float,
+                fuse_norm: bool, all_states: bool, commit: bool):
     """One program = one (sequence b, head h, V-block j). Every tensor is [K], [BV] or [K, BV]:
-    the T loop is unrolled in Python, so no block ever needs a power-of-two T."""
+    the T loop is unrolled in Python, so no block ever needs a power-of-two T.
+
+    refs: (o, states, window q, k, v) outputs; with commit, (valid, o, state): the state after
+    the first valid[b] tokens (the initial one when valid[b] = 0), no windows."""
     f32 = jnp.float32
     kd = q_ref.shape[1]
     first_vblock = pl.program_id(2) == 0
+    if commit:
+        valid_ref, o_ref, st_ref = refs
+    else:
+        o_ref, st_ref, winq_ref, wink_ref, winv_ref = refs
 
     s = s0_ref[...].astype(f32)  # [K, BV]: the largest load, issued first
     # The window rows x[-(W-1)] .. x[T-1], loaded once, up front (independent loads in flight).
@@ -209,16 +216,17 @@ def _kda_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, gate_ref, csq_ref, csk_ref, c
     dtb = dtb_ref[...].astype(f32)  # [K]
     wn = wn_ref[...].astype(f32) if fuse_norm else None  # [V]
 
-    # The raw window is the engine's conv state source; q/k rows of head h are written once
-    # (by the first V-block), v rows by each V-block for its own channels.
-    @pl.when(first_vblock)
-    def _():
-        for i in range(t_len + n_taps - 1):
-            winq_ref[i, :] = xq[i]
-            wink_ref[i, :] = xk[i]
+    if not commit:
+        # The raw window is the engine's conv state source; q/k rows of head h are written once
+        # (by the first V-block), v rows by each V-block for its own channels.
+        @pl.when(first_vblock)
+        def _():
+            for i in range(t_len + n_taps - 1):
+                winq_ref[i, :] = xq[i]
+                wink_ref[i, :] = xk[i]
 
-    for i in range(t_len + n_taps - 1):
-        winv_ref[i, :] = xv[i]
+        for i in range(t_len + n_taps - 1):
+            winv_ref[i, :] = xv[i]
 
     def conv(rows, taps, i):
         y = taps[0] * rows[i].astype(f32)
@@ -240,6 +248,8 @@ def _kda_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, gate_ref, csq_ref, csk_ref, c
         if fuse_norm:
             gates.append(wn * jax.nn.sigmoid(gate_ref[i, :].astype(f32)))  # [V]
 
+    n = valid_ref[()] if commit else None
+    kept = s
     for i in range(t_len):
         s = s * gs[i][:, None]  # decay scales key rows
         kv = jnp.sum(s * ks[i][:, None], axis=0)  # S'ᵀ k̂  [BV]
@@ -248,18 +258,25 @@ def _kda_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, gate_ref, csq_ref, csk_ref, c
         if fuse_norm:  # BV == V: the whole row is here
             o = o * jax.lax.rsqrt(jnp.sum(o * o) / o.shape[0] + eps) * gates[i]
         o_ref[i, :] = o.astype(o_ref.dtype)
-        if all_states:
+        if commit:
+            kept = jnp.where(i < n, s, kept)
+        elif all_states:
             st_ref[i] = s
-    if not all_states:
+    if commit:
+        st_ref[...] = kept
+    elif not all_states:
         st_ref[...] = s
 
 
 @functools.partial(jax.jit, static_argnames=("dims", "starts", "gate", "eps", "lower_bound", "bv", "num_warps",
                                              "all_states", "interpret"))
-def _kda_pallas(xs: tuple, w: KdaWeights, state: KdaState, *, dims, starts, gate, eps, lower_bound, bv,
-                num_warps, all_states, interpret) -> KdaOut:
+def _kda_pallas(xs: tuple, w: KdaWeights, state: KdaState, valid=None, *, dims, starts, gate, eps, lower_bound,
+                bv, num_warps, all_states, interpret):
     """xs: q, k, v, g_in, b_in, gate_in, each a [B, T, N] array whose field starts at column
-    starts[i] (a `Columns`, or the field itself flattened to 3-D with start 0)."""
+    starts[i] (a `Columns`, or the field itself flattened to 3-D with start 0). Without valid:
+    a `KdaOut`. With valid [B] int32: (o, the recurrent state after valid[b] tokens), the state
+    written over state.recurrent's buffer (input_output_aliases)."""
+    commit = valid is not None
     b, t, h, kd, vd, nw = dims
     c = h * kd
     nv = vd // bv
@@ -291,42 +308,47 @@ def _kda_pallas(xs: tuple, w: KdaWeights, state: KdaState, *, dims, starts, gate
         blk((bv,), lambda i, j, l: (l,)),  # o_norm weight
         blk((None, None, kd, bv), lambda i, j, l: (i, j, 0, l)),  # recurrent state
     ]
-    if all_states:
+    state_spec = blk((None, None, kd, bv), lambda i, j, l: (i, j, 0, l))
+    if all_states and not commit:
         st_shape, st_spec = (b, t, h, kd, vd), blk((None, t, None, kd, bv), lambda i, j, l: (i, 0, j, 0, l))
     else:
-        st_shape, st_spec = (b, h, kd, vd), blk((None, None, kd, bv), lambda i, j, l: (i, j, 0, l))
-    out_specs = [
-        blk((None, t, None, bv), lambda i, j, l: (i, 0, j, l)),  # o
-        st_spec,
-        blk((None, tw, kd), lambda i, j, l: (i, 0, j)),  # window q
-        blk((None, tw, kd), lambda i, j, l: (i, 0, j)),  # window k
-        blk((None, tw, bv), lambda i, j, l: (i, 0, j * nv + l)),  # window v
-    ]
+        st_shape, st_spec = (b, h, kd, vd), state_spec
     o_dtype = act if fuse_norm else jnp.float32  # unfused: fp32 o feeds the norm epilogue
-    out_shape = [
-        jax.ShapeDtypeStruct((b, t, h, vd), o_dtype),
-        jax.ShapeDtypeStruct(st_shape, jnp.float32),
-        jax.ShapeDtypeStruct((b, tw, c), xs[0].dtype),
-        jax.ShapeDtypeStruct((b, tw, c), xs[1].dtype),
-        jax.ShapeDtypeStruct((b, tw, h * vd), xs[2].dtype),
-    ]
+    out_specs = [blk((None, t, None, bv), lambda i, j, l: (i, 0, j, l)), st_spec]  # o, state(s)
+    out_shape = [jax.ShapeDtypeStruct((b, t, h, vd), o_dtype), jax.ShapeDtypeStruct(st_shape, jnp.float32)]
+    if not commit:
+        out_specs += [
+            blk((None, tw, kd), lambda i, j, l: (i, 0, j)),  # window q
+            blk((None, tw, kd), lambda i, j, l: (i, 0, j)),  # window k
+            blk((None, tw, bv), lambda i, j, l: (i, 0, j * nv + l)),  # window v
+        ]
+        out_shape += [
+            jax.ShapeDtypeStruct((b, tw, c), xs[0].dtype),
+            jax.ShapeDtypeStruct((b, tw, c), xs[1].dtype),
+            jax.ShapeDtypeStruct((b, tw, h * vd), xs[2].dtype),
+        ]
+    args = [*xs, state.conv_q, state.conv_k, state.conv_v,
+            w.conv_q, w.conv_k, w.conv_v, w.A_log, w.dt_bias, w.o_norm, state.recurrent]
+    if commit:  # valid, and the state read and written by the same program, in place
+        in_specs.append(blk((None,), lambda i, j, l: (i,)))
+        args.append(valid)
     kernel = functools.partial(_kda_kernel, t_len=t, n_taps=nw, gate=gate, lower_bound=lower_bound,
-                               eps=eps, fuse_norm=fuse_norm, all_states=all_states)
-    o, states, wq, wk, wv = pl.pallas_call(
+                               eps=eps, fuse_norm=fuse_norm, all_states=all_states, commit=commit)
+    o, states, *windows = pl.pallas_call(
         kernel,
         grid=(b, h, nv),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases={len(args) - 2: 1} if commit else {},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name="kda_verify",
-    )(*xs, state.conv_q, state.conv_k, state.conv_v,
-      w.conv_q, w.conv_k, w.conv_v, w.A_log, w.dt_bias, w.o_norm, state.recurrent)
+        name="kda_decode" if commit else "kda_verify",
+    )(*args)
     if not fuse_norm:  # the norm needs the whole V row, spread over V-blocks: one XLA fusion
         gate_in = xs[5][..., sgate:sgate + h * vd].reshape(b, t, h, vd)
         o = gated_norm(o, gate_in, w.o_norm, eps).astype(act)
-    return KdaOut(o, states, wq, wk, wv)
+    return (o, states) if commit else KdaOut(o, states, *windows)
 
 
 class Dims(NamedTuple):
@@ -373,12 +395,53 @@ def kda_verify(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "saf
     window out). At Ling shapes (H 32, K = V 128) the state dominates: 2 MiB in, T·2 MiB out.
     """
     dims = check_args(x, w, state, gate)
-    t, kd, vd = dims.t, dims.k, dims.v
     backend = resolve(backend)
     if backend == "reference":  # any T
         return reference(x, w, state, gate=gate, eps=eps, lower_bound=lower_bound, all_states=all_states)
+    return _launch(x, w, state, None, dims, gate=gate, eps=eps, lower_bound=lower_bound, bv=bv,
+                   num_warps=num_warps, all_states=all_states, backend=backend)
+
+
+def kda_decode(x: KdaInputs, w: KdaWeights, state: KdaState, valid: jax.Array, *, gate: str = "safe",
+               eps: float = 1e-6, lower_bound: float = -5.0, bv: int | None = None, num_warps: int | None = None,
+               backend: str = "auto") -> tuple[jax.Array, KdaState]:
+    """KDA over T = 1..8 new tokens of B sequences, committed at once: (o [B, T, H, V], the state
+    after the first valid[b] ∈ 0..T tokens of sequence b; the initial state where valid[b] = 0).
+    o past valid[b] is computed as if those tokens were real.
+
+    The same kernel as `kda_verify`, which keeps the state it would otherwise store last
+    (`jnp.where(t < valid[b], S_t, kept)` in registers) and writes it over state.recurrent's
+    buffer (input_output_aliases: in place when the caller donates the state), with no window
+    outputs. The conv states are the window's rows valid[b] .. valid[b] + W-2, taken from the
+    old conv state and the new inputs by one small XLA fusion each (a program cannot write them
+    in place: every V-block of a head reads the q/k conv state). Bytes: `kda_verify`'s with
+    all_states=False, less the windows. Decode needs no later `commit`."""
+    dims = check_args(x, w, state, gate)
+    valid = jnp.asarray(valid, jnp.int32).reshape(dims.b)
+    backend = resolve(backend)
+    if backend == "reference":
+        out = reference(x, w, state, gate=gate, eps=eps, lower_bound=lower_bound, all_states=True)
+        return out.o, commit(out, valid, initial=state.recurrent)
+    o, rec = _launch(x, w, state, valid, dims, gate=gate, eps=eps, lower_bound=lower_bound, bv=bv,
+                     num_warps=num_warps, all_states=False, backend=backend)
+    conv = _conv_after(materialize(x), state, valid)
+    return o, KdaState(*conv, rec)
+
+
+def _conv_after(x: KdaInputs, state: KdaState, n) -> tuple:
+    """The conv states (q, k, v) after the first n[b] of x's tokens: rows n .. n + W-2 of
+    concat(conv state, new inputs)."""
+    nw1 = state.conv_q.shape[1]
+    return tuple(conv_state_after(jnp.concatenate([cs.astype(xs.dtype), xs], axis=1), n, nw1).astype(cs.dtype)
+                 for cs, xs in ((state.conv_q, x.q), (state.conv_k, x.k), (state.conv_v, x.v)))
+
+
+def _launch(x: KdaInputs, w: KdaWeights, state: KdaState, valid, dims: Dims, *, gate, eps, lower_bound, bv,
+            num_warps, all_states, backend):
+    """The Pallas kernel's plan checked and launched (`_kda_pallas`)."""
+    t, kd, vd = dims.t, dims.k, dims.v
     if not 1 <= t <= MAX_T:
-        raise ValueError(f"kda_verify takes T = 1..{MAX_T} tokens, got T={t}")
+        raise ValueError(f"the KDA kernel takes T = 1..{MAX_T} tokens, got T={t}")
     bv = default_bv(vd, t) if bv is None else bv
     if vd % bv or bv & (bv - 1) or kd & (kd - 1):
         raise ValueError(f"K={kd} and BV={bv} must be powers of two and BV must divide V={vd}")
@@ -388,17 +451,20 @@ def kda_verify(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "saf
     for name, start, block in zip(KdaInputs._fields, starts, (kd, kd, bv, kd, 1, bv)):
         if start % block:
             raise ValueError(f"{name} starts at column {start}, not a multiple of its block width {block}")
-    return _kda_pallas(tuple(a for a, _ in xs), w, state, dims=tuple(dims), starts=starts, gate=gate, eps=float(eps),
-                       lower_bound=float(lower_bound), bv=bv, num_warps=num_warps, all_states=all_states,
-                       interpret=backend == "interpret")
+    return _kda_pallas(tuple(a for a, _ in xs), w, state, valid, dims=tuple(dims), starts=starts, gate=gate,
+                       eps=float(eps), lower_bound=float(lower_bound), bv=bv, num_warps=num_warps,
+                       all_states=all_states, interpret=backend == "interpret")
 
 
-def commit(out: KdaOut, n_accepted: jax.Array) -> KdaState:
-    """The state after accepting n_accepted[b] ∈ 1..T tokens of each sequence: a gather, no
-    recomputation. Needs out from all_states=True."""
+def commit(out: KdaOut, n_accepted: jax.Array, initial: jax.Array | None = None) -> KdaState:
+    """The state after accepting n_accepted[b] ∈ 1..T tokens of each sequence (0..T given the
+    initial recurrent state [B, H, K, V]): a gather, no recomputation. Needs out from
+    all_states=True."""
     nw1 = out.window_q.shape[1] - out.states.shape[1]  # W-1
     n = n_accepted.astype(jnp.int32)
-    rec = jnp.take_along_axis(out.states, (n - 1)[:, None, None, None, None], axis=1)[:, 0]
+    rec = jnp.take_along_axis(out.states, jnp.maximum(n - 1, 0)[:, None, None, None, None], axis=1)[:, 0]
+    if initial is not None:
+        rec = jnp.where((n > 0)[:, None, None, None], rec, initial)
     idx = n[:, None] + jnp.arange(nw1)[None, :]  # [B, W-1]
 
     def conv(win):
