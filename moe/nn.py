@@ -10,6 +10,9 @@ vector), "conv" (conv taps).
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -22,9 +25,32 @@ def param(rngs: nnx.Rngs, shape, axes: tuple[str, ...], dtype, *, init: str = "n
     elif init == "zeros":
         value = jnp.zeros(shape, dtype)
     else:
-        # Drawn in fp32 and rounded, so a model is the same function whatever its dtype.
-        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+        value = normal(rngs.params(), tuple(shape), dtype, std)
     return nnx.Param(value, logical_axes=axes)
+
+
+DRAW_CHUNK = 1 << 24  # elements an array of random weights is drawn by at most
+
+
+def normal(key, shape: tuple, dtype, std: float):
+    """std * N(0, 1) [shape], drawn in fp32 and rounded to dtype, so a model is the same function
+    whatever its dtype. Past DRAW_CHUNK elements the array is drawn a block of leading-axis slices
+    at a time (slice i from fold_in(key, i)), so that the draw's fp32 temporaries (several times
+    the array's bytes at once) stay a block's: a routed-expert stack of 1.6 G weights draws in
+    ~0.3 GB, not ~20 GB."""
+    if math.prod(shape) <= DRAW_CHUNK or len(shape) < 2:
+        return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return _normal_blocks(key, shape, jnp.dtype(dtype), float(std))
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "std"))
+def _normal_blocks(key, shape, dtype, std):
+    rows = shape[0]
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(rows))
+    per = min(rows, max(1, DRAW_CHUNK // math.prod(shape[1:])))
+    block = next(b for b in range(per, 0, -1) if rows % b == 0)  # dividing rows: no remainder to stitch on
+    return jax.lax.map(lambda k: (std * jax.random.normal(k, shape[1:], jnp.float32)).astype(dtype), keys,
+                       batch_size=block)
 
 
 def dot(x, w):
