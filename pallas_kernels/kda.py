@@ -308,11 +308,10 @@ def _kda_pallas(xs: tuple, w: KdaWeights, state: KdaState, valid=None, *, dims, 
         blk((bv,), lambda i, j, l: (l,)),  # o_norm weight
         blk((None, None, kd, bv), lambda i, j, l: (i, j, 0, l)),  # recurrent state
     ]
-    state_spec = blk((None, None, kd, bv), lambda i, j, l: (i, j, 0, l))
     if all_states and not commit:
         st_shape, st_spec = (b, t, h, kd, vd), blk((None, t, None, kd, bv), lambda i, j, l: (i, 0, j, 0, l))
     else:
-        st_shape, st_spec = (b, h, kd, vd), state_spec
+        st_shape, st_spec = (b, h, kd, vd), blk((None, None, kd, bv), lambda i, j, l: (i, j, 0, l))
     o_dtype = act if fuse_norm else jnp.float32  # unfused: fp32 o feeds the norm epilogue
     out_specs = [blk((None, t, None, bv), lambda i, j, l: (i, 0, j, l)), st_spec]  # o, state(s)
     out_shape = [jax.ShapeDtypeStruct((b, t, h, vd), o_dtype), jax.ShapeDtypeStruct(st_shape, jnp.float32)]
