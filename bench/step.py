@@ -6,6 +6,7 @@ whole speculative step; beside each, what the device did (JAX profiler), and the
     python -m bench.step --layers 16 --quantize int4 --quantize-experts      # + lm_head in int4
     python -m bench.step --layers 16 --quantize int4 --quantize-experts --quantize-layout rows
                                                       # the tensor-core Triton kernels (jax-triton)
+    python -m bench.step --layers 42 --quantize int4 --quantize-experts   # the whole model (~73 GB built)
 
 Random weights, batch 1 (`--batch B`: B slots, all live), a prompt of --context tokens prefilled
 first. Per mode:
@@ -92,7 +93,13 @@ def main():
     ap.add_argument("--quantize-layout", choices=["tiles", "rows"], default="tiles",
                     help="low-bit weights' layout: rows (tensor-core Triton kernels) or tiles (Pallas)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling of every slot (0: greedy)")
+    ap.add_argument("--mem-fraction", type=float, default=0.92,
+                    help="share of the GPU's memory JAX takes, as serve.run's (XLA_PYTHON_CLIENT_MEM_FRACTION wins "
+                         "when set): the whole model in int4 needs ~73 GB while it is built")
     args = ap.parse_args()
+    if not 0 < args.mem_fraction <= 1:
+        ap.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(args.mem_fraction))  # read when JAX starts
     out_dir = os.environ.get("OUT", "bench_out")
     os.makedirs(out_dir, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="bench_step_")  # traces and the compilation cache: not results
