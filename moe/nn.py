@@ -35,20 +35,20 @@ DRAW_CHUNK = 1 << 24  # elements an array of random weights is drawn by at most
 def normal(key, shape: tuple, dtype, std: float):
     """std * N(0, 1) [shape], drawn in fp32 and rounded to dtype, so a model is the same function
     whatever its dtype. Past DRAW_CHUNK elements the array is drawn a block of leading-axis slices
-    at a time (slice i from fold_in(key, i)), so that the draw's fp32 temporaries (several times
-    the array's bytes at once) stay a block's: a routed-expert stack of 1.6 G weights draws in
-    ~0.3 GB, not ~20 GB."""
+    at a time (slice i from fold_in(key, i); a block is the most slices that divide shape[0] and
+    hold at most DRAW_CHUNK elements), so that the draw's fp32 temporaries, several times the
+    bytes drawn at once, are a block's and not the whole array's."""
     if math.prod(shape) <= DRAW_CHUNK or len(shape) < 2:
         return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-    return _normal_blocks(key, shape, jnp.dtype(dtype), float(std))
-
-
-@functools.partial(jax.jit, static_argnames=("shape", "dtype", "std"))
-def _normal_blocks(key, shape, dtype, std):
     rows = shape[0]
-    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(rows))
     per = min(rows, max(1, DRAW_CHUNK // math.prod(shape[1:])))
     block = next(b for b in range(per, 0, -1) if rows % b == 0)  # dividing rows: no remainder to stitch on
+    return _normal_blocks(key, shape, jnp.dtype(dtype), float(std), block)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "std", "block"))
+def _normal_blocks(key, shape, dtype, std, block):
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(shape[0]))
     return jax.lax.map(lambda k: (std * jax.random.normal(k, shape[1:], jnp.float32)).astype(dtype), keys,
                        batch_size=block)
 
