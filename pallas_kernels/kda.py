@@ -404,9 +404,10 @@ def kda_verify(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "saf
 def kda_decode(x: KdaInputs, w: KdaWeights, state: KdaState, valid: jax.Array, *, gate: str = "safe",
                eps: float = 1e-6, lower_bound: float = -5.0, bv: int | None = None, num_warps: int | None = None,
                backend: str = "auto") -> tuple[jax.Array, KdaState]:
-    """KDA over T = 1..8 new tokens of B sequences, committed at once: (o [B, T, H, V], the state
-    after the first valid[b] ∈ 0..T tokens of sequence b; the initial state where valid[b] = 0).
-    o past valid[b] is computed as if those tokens were real.
+    """KDA over T = 1..8 new tokens of B sequences (any T on the reference backend), committed at
+    once: (o [B, T, H, V], the state after the first valid[b] ∈ 0..T tokens of sequence b; the
+    initial state where valid[b] = 0), the conv states in their own dtype. o past valid[b] is
+    computed as if those tokens were real.
 
     The same kernel as `kda_verify`, which keeps the state it would otherwise store last
     (`jnp.where(t < valid[b], S_t, kept)` in registers) and writes it over state.recurrent's
@@ -418,13 +419,13 @@ def kda_decode(x: KdaInputs, w: KdaWeights, state: KdaState, valid: jax.Array, *
     dims = check_args(x, w, state, gate)
     valid = jnp.asarray(valid, jnp.int32).reshape(dims.b)
     backend = resolve(backend)
-    if backend == "reference":
+    if backend == "reference":  # any T
         out = reference(x, w, state, gate=gate, eps=eps, lower_bound=lower_bound, all_states=True)
-        return out.o, commit(out, valid, initial=state.recurrent)
-    o, rec = _launch(x, w, state, valid, dims, gate=gate, eps=eps, lower_bound=lower_bound, bv=bv,
-                     num_warps=num_warps, all_states=False, backend=backend)
-    conv = _conv_after(materialize(x), state, valid)
-    return o, KdaState(*conv, rec)
+        o, rec = out.o, commit(out, valid, initial=state.recurrent).recurrent
+    else:
+        o, rec = _launch(x, w, state, valid, dims, gate=gate, eps=eps, lower_bound=lower_bound, bv=bv,
+                         num_warps=num_warps, all_states=False, backend=backend)
+    return o, KdaState(*_conv_after(materialize(x), state, valid), rec)
 
 
 def _conv_after(x: KdaInputs, state: KdaState, n) -> tuple:

@@ -151,7 +151,7 @@ def test_commit_equals_shorter_step(backend):
             np.testing.assert_array_equal(np.asarray(got_c[bi:bi + 1]), np.asarray(win[:, n:]))
 
 
-@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("backend", ["reference", *KERNELS])
 @pytest.mark.parametrize("t", [1, 3])
 def test_decode_commits_in_the_kernel(backend, t):
     """kda_decode's state after valid[b] ∈ 0..T tokens (the initial state at 0) equals a step over
@@ -178,9 +178,9 @@ def test_decode_commits_in_the_kernel(backend, t):
     step = jax.jit(lambda s, x, v: kda.kda_decode(x, w, s, v, bv=8, backend=backend), donate_argnums=0)
     before = s.recurrent.unsafe_buffer_pointer()
     _, again = step(s, x, jnp.asarray(valid))
-    if backend != "reference":  # the kernel aliases the state; XLA's own select may not
+    if backend != "reference":  # the kernel aliases the state; the reference's XLA select need not
         assert again.recurrent.unsafe_buffer_pointer() == before
-    _close(again.recurrent, new.recurrent, 0, f"donated, seed {seed}")
+    _close(again.recurrent, new.recurrent, 0 if backend != "reference" else 1e-6, f"donated, seed {seed}")
 
 
 @pytest.mark.parametrize("t", [1, 6, 16, 17, 40])
