@@ -76,16 +76,14 @@ def commit(pending: State, n) -> State:
     """Keeps the first n[b] tokens of the last forward in each slot: KDA conv and recurrent state
     taken at that position, MLA entries past it left behind the slot's length (masked, then
     overwritten), lengths advanced by n."""
-    from pallas_kernels.kda_reference import conv_state_after
+    from pallas_kernels.kda_reference import conv_state_after, state_after
 
     layers = []
     for c in pending.layers:
         if isinstance(c, KDAPending):
             rec = c.recurrent
             if rec.ndim == 5:  # per-position states: the one after token n[b], or the initial one
-                picked = rec[:, 0] if rec.shape[1] == 1 else \
-                    jnp.take_along_axis(rec, jnp.maximum(n - 1, 0)[:, None, None, None, None], axis=1)[:, 0]
-                rec = jnp.where((n > 0)[:, None, None, None], picked, c.initial)
+                rec = state_after(rec, n, c.initial)
             c = KDAState(conv=tuple(conv_state_after(w, n, c.conv_len) for w in c.window), recurrent=rec)
         layers.append(c)
     return pending.replace(layers=tuple(layers), lengths=pending.lengths + n)

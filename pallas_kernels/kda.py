@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import resolve
-from pallas_kernels.kda_reference import conv_state_after, gated_norm, recurrent
+from pallas_kernels.kda_reference import conv_state_after, gated_norm, recurrent, state_after
 
 MAX_T = 8  # tokens per call: decode (1) and verify (draft steps + 1)
 
@@ -421,7 +421,7 @@ def kda_decode(x: KdaInputs, w: KdaWeights, state: KdaState, valid: jax.Array, *
     backend = resolve(backend)
     if backend == "reference":  # any T
         out = reference(x, w, state, gate=gate, eps=eps, lower_bound=lower_bound, all_states=True)
-        o, rec = out.o, commit(out, valid, initial=state.recurrent).recurrent
+        o, rec = out.o, state_after(out.states, valid, state.recurrent)
     else:
         o, rec = _launch(x, w, state, valid, dims, gate=gate, eps=eps, lower_bound=lower_bound, bv=bv,
                          num_warps=num_warps, all_states=False, backend=backend)
@@ -456,15 +456,12 @@ def _launch(x: KdaInputs, w: KdaWeights, state: KdaState, valid, dims: Dims, *, 
                        all_states=all_states, interpret=backend == "interpret")
 
 
-def commit(out: KdaOut, n_accepted: jax.Array, initial: jax.Array | None = None) -> KdaState:
-    """The state after accepting n_accepted[b] ∈ 1..T tokens of each sequence (0..T given the
-    initial recurrent state [B, H, K, V]): a gather, no recomputation. Needs out from
-    all_states=True."""
+def commit(out: KdaOut, n_accepted: jax.Array) -> KdaState:
+    """The state after accepting n_accepted[b] ∈ 1..T tokens of each sequence: a gather, no
+    recomputation. Needs out from all_states=True."""
     nw1 = out.window_q.shape[1] - out.states.shape[1]  # W-1
     n = n_accepted.astype(jnp.int32)
-    rec = jnp.take_along_axis(out.states, jnp.maximum(n - 1, 0)[:, None, None, None, None], axis=1)[:, 0]
-    if initial is not None:
-        rec = jnp.where((n > 0)[:, None, None, None], rec, initial)
+    rec = jnp.take_along_axis(out.states, (n - 1)[:, None, None, None, None], axis=1)[:, 0]
     idx = n[:, None] + jnp.arange(nw1)[None, :]  # [B, W-1]
 
     def conv(win):

@@ -49,6 +49,15 @@ def conv_state_after(window, n, state_len: int):
     return out
 
 
+def state_after(states, n, initial):
+    """states [B, T, H, K, V] (the state after each position), n [B] tokens kept, 0..T, initial
+    [B, H, K, V] -> the state after token n[b] of each slot, the initial one where n[b] = 0."""
+    n = jnp.asarray(n)
+    picked = states[:, 0] if states.shape[1] == 1 else \
+        jnp.take_along_axis(states, jnp.maximum(n - 1, 0)[:, None, None, None, None], axis=1)[:, 0]
+    return jnp.where((n > 0)[:, None, None, None], picked, initial)
+
+
 def l2_normalize(x, eps: float = 1e-6):
     x = x.astype(jnp.float32)
     return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
