@@ -80,7 +80,8 @@ def jax_part(shapes, args, peers):
             tail = (block_n,) if block_n else ()
             words = jax.random.bits(k1, (t, k * bits // 32) + tail, jnp.uint32)
             scales = (jax.random.uniform(k2, (t, k // G) + tail) * 0.02 + 1e-3).astype(jnp.bfloat16)
-            out.append(QuantizedWeight(words, scales, None, bits, G, True, (n, k)))
+            out.append(QuantizedWeight(words, scales, None, bits, G, True, (n, k),
+                                       "tiles" if block_n else "rows"))
         return jax.block_until_ready(out)
 
     def time_calls(fn, x, bufs, iters=8):

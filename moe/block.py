@@ -23,7 +23,7 @@ from moe.nn import param, swiglu
 from moe.parallel import expert_parallel
 from moe.router import route
 from pallas_kernels.backend import resolve
-from pallas_kernels.experts import GATHER_MAX_PAIRS, num_experts, rows_layout
+from pallas_kernels.experts import GATHER_MAX_PAIRS, SharedExpert, num_experts, rows_layout, same_format
 from pallas_kernels.experts import reference as experts_reference
 from pallas_kernels.expert_tiles import supports as tiles_support
 from pallas_kernels.expert_tiles import tile_moe
@@ -34,7 +34,7 @@ from pallas_kernels.quant import QuantizedWeight, dequantize
 
 @jax.named_scope("experts")
 def routed_experts(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend="auto", skips=False,
-                   n_decode=None):
+                   n_decode=None, shared: SharedExpert | None = None):
     """The routed experts: unless the backend resolves to the reference, the fused Pallas kernels
     up to GATHER_MAX_PAIRS (token, slot) pairs and the grouped GEMM beyond, or, for a mixed
     iteration's tokens (n_decode not None: rows [0, n_decode) decode tokens, the rest a prefill
@@ -44,7 +44,9 @@ def routed_experts(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, bac
     parallelism marks the pairs of other ranks so). The grouped GEMM leaves such pairs out; up
     to GATHER_MAX_PAIRS a skipped pair borrows the expert of a live one with weight 0, adding a
     row to an expert read anyway rather than a read of another. Off by default: the masking is
-    a few small kernels a layer that the single-device decode step need not pay."""
+    a few small kernels a layer that the single-device decode step need not pay.
+    shared: a shared expert run in the fused MoE kernels' launches (`fused_moe`'s shared; the
+    caller checks that they take it: `MoE.shared_in_launch`)."""
     backend = resolve(backend)
     if skips:
         live = topk_ids < num_experts(w13)
@@ -58,9 +60,12 @@ def routed_experts(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, bac
                         backend=backend)
     if backend != "reference":
         # The row layout's experts: the tensor-core kernel at every size (the grouped GEMM reads tiles).
+        if shared is not None:
+            return fused_moe(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, backend=backend,
+                             shared=shared)
         kernel = fused_moe if topk_ids.size <= GATHER_MAX_PAIRS or rows_layout(w13) else grouped_moe
         return kernel(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, backend=backend)
-    return experts_reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit)
+    return experts_reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, shared=shared)
 
 
 
@@ -111,11 +116,15 @@ class SwiGLUMLP(nnx.Module):
         self.w2 = param(rngs, (1, inter, d), ("one", "mlp", "embed"), dtype)
         self.limit = limit
 
+    def expert_weights(self):
+        """(w13, w2): one expert [1, ...] as arrays, or stacked `QuantizedWeight`s."""
+        return expert_weights(self.w13, self.w2)
+
     @jax.named_scope("mlp")
     def __call__(self, x, n_decode=None):  # [..., D]; n_decode: as `MoE`'s (one expert: nothing to schedule)
         flat = x.reshape(-1, x.shape[-1])
         m = flat.shape[0]
-        w13, w2 = expert_weights(self.w13, self.w2)
+        w13, w2 = self.expert_weights()
         if m <= GATHER_MAX_PAIRS and self.kernels != "reference":
             y = routed_experts(flat, jnp.zeros((m, 1), jnp.int32), jnp.ones((m, 1), jnp.float32), w13, w2,
                                swiglu_limit=self.limit, backend=self.kernels)
@@ -149,10 +158,24 @@ class MoE(nnx.Module):
         """(w13, w2): arrays, or stacked `QuantizedWeight`s where `ling.quantize` made them `QExperts`."""
         return expert_weights(self.w13, self.w2)
 
+    def shared_in_launch(self, m: int, w13, w2) -> SharedExpert | None:
+        """The shared expert as the fused MoE kernels' extra pair of each of m tokens, where they
+        take it: one device, kernels, decode and verify sizes (m (k + 1) <= GATHER_MAX_PAIRS),
+        the tile layout or bf16, the routed experts' format; else None (its own launches)."""
+        if self.shared_experts is None or self.mesh is not None or self.kernels == "reference":
+            return None
+        s13, s2 = self.shared_experts.expert_weights()
+        if (m * (self.top_k + 1) > GATHER_MAX_PAIRS or rows_layout(w13)
+                or not (same_format(w13, s13) and same_format(w2, s2))):
+            return None
+        return SharedExpert(s13, s2, self.shared_experts.limit)
+
     def __call__(self, x, n_decode=None):
         """x [B, T, D]. n_decode (static): None, or the flattened rows [0, n_decode) are a mixed
         iteration's decode tokens and the rest a prefill chunk's (one tile-scheduled launch, decode
-        tiles first, on one device; expert parallelism runs them as any other tokens)."""
+        tiles first, on one device; expert parallelism runs them as any other tokens). At decode
+        and verify sizes the shared expert runs in the routed experts' launches
+        (`shared_in_launch`)."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         weights, ids = route(flat, self.gate_weight[...], self.expert_bias[...], top_k=self.top_k,
@@ -163,9 +186,11 @@ class MoE(nnx.Module):
         if self.mesh is not None:
             y = expert_parallel(flat, ids, weights, w13, w2, swiglu_limit=self.swiglu_limit, mesh=self.mesh,
                                 compute=functools.partial(routed_experts, backend=self.kernels))
+            shared = None
         else:
+            shared = None if n_decode is not None else self.shared_in_launch(flat.shape[0], w13, w2)
             y = routed_experts(flat, ids, weights, w13, w2, swiglu_limit=self.swiglu_limit, backend=self.kernels,
-                               n_decode=n_decode)
-        if self.shared_experts is not None:
+                               n_decode=n_decode, shared=shared)
+        if self.shared_experts is not None and shared is None:
             y = y + self.shared_experts(flat)
         return y.reshape(b, t, d)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -125,7 +126,36 @@ def swiglu(g, u, limit):
 GATHER_MAX_PAIRS = 64  # up to here the reference gathers each pair's expert; beyond, one grouped matmul
 
 
-def reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, form: str | None = None):
+class SharedExpert(NamedTuple):
+    """A shared expert that the routed experts' kernels run in their own launches: one expert in
+    their format (w13 [1, D, 2I], w2 [1, I, D], or quantised alike), which every token takes as
+    one more pair with weight 1 and its own SwiGLU limit."""
+
+    w13: Any
+    w2: Any
+    swiglu_limit: float | None = None
+
+
+def same_format(a, b) -> bool:
+    """Whether stacked experts a and b (either format) differ only in E: what one kernel's
+    launch needs to read both."""
+    if isinstance(a, QuantizedWeight) != isinstance(b, QuantizedWeight):
+        return False
+    if isinstance(a, QuantizedWeight):
+        facts = lambda w: (w.bits, w.group_size, w.symmetric, w.shape, w.layout, w.words.shape[1:])  # noqa: E731
+        return facts(a) == facts(b)
+    return a.dtype == b.dtype and a.shape[1:] == b.shape[1:]
+
+
+def check_shared(w13, w2, shared: SharedExpert) -> None:
+    """Raises ValueError unless shared is one expert in the routed experts' format."""
+    if num_experts(shared.w13) != 1 or not (same_format(w13, shared.w13) and same_format(w2, shared.w2)):
+        raise ValueError("shared: one expert (w13 [1, D, 2I], w2 [1, I, D]) in the routed experts' format "
+                         "(dtype, or bits, groups and layout) is needed to share their launches")
+
+
+def reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, form: str | None = None,
+              shared: SharedExpert | None = None):
     """The routed experts in plain jnp, any size: the specification the MoE kernels and the
     model's reference path share.
 
@@ -135,7 +165,19 @@ def reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, form: st
     rounded once to x's dtype. Pairs whose id is >= E are skipped (add nothing, read nothing).
     form "gathered": each pair gathers its expert ([P, K, N] float32); "grouped": the pairs are
     sorted by expert and run as one `lax.ragged_dot` over all E experts; None: gathered up to
-    GATHER_MAX_PAIRS pairs, grouped beyond. Both compute the same sums."""
+    GATHER_MAX_PAIRS pairs, grouped beyond. Both compute the same sums. shared: a `SharedExpert`
+    whose output joins the float32 sum before the one rounding."""
+    y = _sum(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, form=form)
+    if shared is not None:
+        check_shared(w13, w2, shared)
+        m = x.shape[0]
+        y = y + _sum(x, jnp.zeros((m, 1), jnp.int32), jnp.ones((m, 1), jnp.float32), shared.w13, shared.w2,
+                     swiglu_limit=shared.swiglu_limit, form=form)
+    return y.astype(x.dtype)
+
+
+def _sum(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, form):
+    """`reference`'s float32 sum, before its rounding."""
     m, k = topk_ids.shape
     e, d, _ = expert_dims(w13, w2)
     act = jnp.bfloat16 if isinstance(w13, QuantizedWeight) else w13.dtype
@@ -152,8 +194,7 @@ def reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, form: st
         h = jnp.einsum("pd,pdn->pn", rows, expert_matrices(w13, safe), precision=hi)  # [P, 2I]
         h = swiglu(h[:, 0::2], h[:, 1::2], swiglu_limit).astype(act).astype(jnp.float32)  # [P, I]
         out = jnp.einsum("pi,pid->pd", h, expert_matrices(w2, safe), precision=hi)  # [P, D]
-        y = jnp.sum((out * weights[:, None]).reshape(m, k, d), axis=1)
-        return y.astype(x.dtype)
+        return jnp.sum((out * weights[:, None]).reshape(m, k, d), axis=1)
     order = jnp.argsort(ids, stable=True)  # skipped pairs (id >= E) sort last, in no group
     tok = order // k
     sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
@@ -161,7 +202,7 @@ def reference(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, form: st
     h = swiglu(h[:, 0::2], h[:, 1::2], swiglu_limit).astype(act).astype(jnp.float32)  # [P, I]
     out = lax.ragged_dot(h, _all(w2), sizes, precision=hi, preferred_element_type=jnp.float32)  # [P, D]
     out = jnp.where(live[order, None], out * weights[order, None], 0.0)
-    return jnp.zeros((m, d), jnp.float32).at[tok].add(out).astype(x.dtype)
+    return jnp.zeros((m, d), jnp.float32).at[tok].add(out)
 
 
 def _all(w):

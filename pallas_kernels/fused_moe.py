@@ -29,6 +29,10 @@ sum them in a fixed order.
   path "fma": BM = 1 (one pair per block, never padded), CUDA-core multiply-adds into a [BK, BN]
         fp32 tile summed once (quantised: codes or-ed into magic floats, see `_acc_quant`).
 Combine (one XLA fusion): y = sum_k w * out[m*k + slot] in fp32, rounded once to x's dtype.
+Shared expert (`shared=`): each token's pair k (P = M (k + 1)), expert id E (the align has E + 1
+experts), weight 1; its blocks read the shared weights (inputs after the routed experts', one
+expert in their format, `pl.when` on the block's expert) and its SwiGLU limit. Its bytes join
+the routed experts' stream; its own launches, split-K sums, combine and add are gone.
 Shared with the tile-scheduled kernel (expert_tiles.py): `weight_operands` (either weight format as
 pallas_call inputs), `pop_weight_refs`, `expert_tile` (one block's rows times one weight tile) and
 `swiglu_columns` (the interleaved gate/up epilogue).
@@ -57,7 +61,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import resolve
-from pallas_kernels.experts import GATHER_MAX_PAIRS, check_args, expert_dims, k_groups, reference, rows_layout, swiglu
+from pallas_kernels.experts import (GATHER_MAX_PAIRS, SharedExpert, check_args, check_shared, expert_dims, k_groups,
+                                    reference, rows_layout, swiglu)
 from pallas_kernels.moe_align import align_sizes, moe_align
 from pallas_kernels.qmatvec import H200_SMS, MMA_ROWS, lanes, rows_launch
 from pallas_kernels.quant import QuantizedWeight
@@ -301,14 +306,16 @@ def swiglu_columns(acc, limit):
     return swiglu(g, u, limit)
 
 
-def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, limit, n_init):
+def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, limit, n_init, shared):
     """Program (j, t, s): block j's rows times expert e_j's weight tile t, over the s-th of split
-    shares of K; see the module doc."""
+    shares of K; see the module doc. shared: None, or (E, its SwiGLU limit): expert id E names
+    the shared expert, whose weights follow the routed experts' refs."""
     refs = list(refs)
     a_ref = refs.pop(0)  # up: x [M, D]; down: h [NB*BM, I]
     route_ref = refs.pop(0)  # direct: topk ids [P]; else block_expert [NBP]
     sorted_ref = None if direct else refs.pop(0)  # [S]
     wrefs = pop_weight_refs(refs, qm)
+    shared_wrefs = None if shared is None else pop_weight_refs(refs, qm)
     del refs[:n_init]  # aliased initial outputs (tests poison them): only the output ref is used
     out_ref = refs.pop(0)  # up: h [NB*BM, I], or (split) partials [S, NB*BM, 2I] f32; down: out [S, P + 1, D] f32
 
@@ -341,8 +348,7 @@ def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, li
             def a_load(k0, size):
                 return a_ref[pl.ds(j * bm, bm), pl.ds(k0, size)]
 
-    @pl.when(e >= 0)  # an unused block reads and writes nothing
-    def _():
+    def block(wrefs, e, limit):  # an unused block (e < 0) reads and writes nothing
         per = (n_k if qm is None else qm.n_groups) // split
         share = None if split == 1 else (s * per, per)
         acc = expert_tile(wrefs, qm, e, t, a_load, n_k=n_k, bk=bk, bn=bn, bm=bm, fma=fma, groups=share)
@@ -364,15 +370,27 @@ def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, li
             cols = (t * bn + jnp.arange(bn, dtype=jnp.int32))[None, :]
             pltriton.store(out_ref.at[s, rows, cols], acc, mask=valid[:, None])
 
+    if shared is None:
+        pl.when(e >= 0)(lambda: block(wrefs, e, limit))
+    else:
+        n_experts, shared_limit = shared
+        pl.when((e >= 0) & (e < n_experts))(lambda: block(wrefs, e, limit))
+        pl.when(e == n_experts)(lambda: block(shared_wrefs, jnp.zeros((), jnp.int32), shared_limit))
+
 
 def _gemm(stage, a, route, sorted_pairs, w, *, n_blocks, k, p, plan: Plan, gp: GemmPlan, out_shape,
-          limit, interpret, init=None):
+          limit, interpret, init=None, shared=None):
     """One expert-GEMM pallas_call (stage "up" or "down"), grid (n_blocks, N / BN, split).
 
     route: topk ids [P] when sorted_pairs is None (direct), else block_expert [NBP].
-    init: an initial output to alias (tests poison it)."""
-    ops = weight_operands(w, gp.block_k, gp.block_n, dot=plan.path == "dot", stage=stage)
+    init: an initial output to alias (tests poison it). shared: None, or (the shared expert's
+    weights for this GEMM, its SwiGLU limit): blocks of expert E = w's E read them."""
+    dot = plan.path == "dot"
+    ops = weight_operands(w, gp.block_k, gp.block_n, dot=dot, stage=stage)
     qm, bk, bn, n_k, n_tiles, w_inputs = ops.qm, ops.bk, ops.bn, ops.n_k, ops.n_tiles, ops.inputs
+    if shared is not None:
+        w_inputs = w_inputs + weight_operands(shared[0], gp.block_k, gp.block_n, dot=dot, stage=stage).inputs
+        shared = (w.words.shape[0] if qm else w.shape[0], shared[1])
     if (qm.n_groups if qm else n_k) % gp.split:
         raise ValueError(f"plan: split={gp.split} must divide the {stage} GEMM's "
                          + (f"groups of K ({qm.n_groups})" if qm else f"steps of K ({n_k} of {bk})"))
@@ -381,7 +399,8 @@ def _gemm(stage, a, route, sorted_pairs, w, *, n_blocks, k, p, plan: Plan, gp: G
     inits = [] if init is None else [init]
     kernel = functools.partial(
         _gemm_kernel, stage=stage, direct=direct, k=k, p=p, bm=plan.block_m,
-        fma=plan.path == "fma", n_k=n_k, bk=bk, bn=bn, qm=qm, split=gp.split, limit=limit, n_init=len(inits))
+        fma=plan.path == "fma", n_k=n_k, bk=bk, bn=bn, qm=qm, split=gp.split, limit=limit, n_init=len(inits),
+        shared=shared)
     bits = "" if qm is None else f"_int{qm.bits}"
     return pl.pallas_call(
         kernel,
@@ -395,13 +414,21 @@ def _gemm(stage, a, route, sorted_pairs, w, *, n_blocks, k, p, plan: Plan, gp: G
 
 
 # ---------------------------------------------------------------------------------- public
-def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poison=False):
+def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poison=False,
+         shared: SharedExpert | None = None):
     """The kernel path; returns (y, h, out). poison: start h and out as NaN (tests).
     h: [NB*BM, I], or the up GEMM's fp32 partials [S, NB*BM, 2I] when it is split; out: the down
-    GEMM's [S, P + 1, D] (S = 1 unless split)."""
+    GEMM's [S, P + 1, D] (S = 1 unless split). shared: each token takes the shared expert as
+    pair k (expert id E, weight 1), so P = M (k + 1)."""
+    e, d, i = expert_dims(w13, w2)
+    if shared is not None:
+        check_shared(w13, w2, shared)
+        column = jnp.full((topk_ids.shape[0], 1), e, jnp.int32)
+        topk_ids = jnp.concatenate([topk_ids.astype(jnp.int32), column], axis=1)
+        topk_weights = jnp.concatenate([topk_weights.astype(jnp.float32), jnp.ones(column.shape, jnp.float32)], 1)
     m, k = topk_ids.shape
     p = m * k
-    e, d, i = expert_dims(w13, w2)
+    buckets = e + (shared is not None)  # the align's experts: the shared expert is expert E
     quant = isinstance(w13, QuantizedWeight)
     act = jnp.bfloat16 if quant else w13.dtype
     default_plan = plan is None
@@ -413,8 +440,8 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
     if m == 1:  # direct: block j is pair j
         route, sorted_pairs, nb = ids, None, p
     else:
-        sorted_pairs, route = moe_align(ids, e, plan.block_m, backend=backend)
-        nb = align_sizes(p, e, plan.block_m).nb
+        sorted_pairs, route = moe_align(ids, buckets, plan.block_m, backend=backend)
+        nb = align_sizes(p, buckets, plan.block_m).nb
     if not quant and default_plan:  # bf16: split K where the grid would leave SMs idle
         plan = dataclasses.replace(plan, up=_fill(plan.up, w13, nb), down=_fill(plan.down, w2, nb))
     rows, su, sd = nb * plan.block_m, plan.up.split, plan.down.split
@@ -425,15 +452,31 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
         return jnp.full(s.shape, jnp.nan, s.dtype) if poison else None
 
     common = dict(n_blocks=nb, k=k, p=p, plan=plan, limit=swiglu_limit, interpret=interpret)
+    up_shared, down_shared = (None, None) if shared is None else ((shared.w13, shared.swiglu_limit), (shared.w2, None))
     h = _gemm("up", x.astype(act), route, sorted_pairs, w13, gp=plan.up, out_shape=h_shape,
-              init=nan(h_shape), **common)
+              init=nan(h_shape), shared=up_shared, **common)
     # A split up GEMM's partials: summed in a fixed order, SwiGLU, rounded (one XLA fusion).
-    h_in = swiglu_columns(jnp.sum(h, axis=0), swiglu_limit).astype(act) if su > 1 else h
+    if su > 1:
+        limit = swiglu_limit if shared is None else _row_limits(route[:nb], plan.block_m, e, swiglu_limit,
+                                                                 shared.swiglu_limit)
+        h_in = swiglu_columns(jnp.sum(h, axis=0), limit).astype(act)
+    else:
+        h_in = h
     out = _gemm("down", h_in, route, sorted_pairs, w2, gp=plan.down, out_shape=out_shape,
-                init=nan(out_shape), **common)
+                init=nan(out_shape), shared=down_shared, **common)
     w = topk_weights.astype(jnp.float32)[..., None]  # [M, k, 1]
     y = jnp.sum(jnp.sum(out[:, :p], axis=0).reshape(m, k, d) * w, axis=1)  # one XLA fusion, fp32
     return y.astype(x.dtype), h, out
+
+
+def _row_limits(route, block_m: int, e: int, limit, shared_limit):
+    """The SwiGLU limit of each of the up GEMM's rows [NB*BM, 1] (the shared expert's rows, in
+    blocks of expert E, take shared_limit; no limit is +inf), or None where neither has one."""
+    if limit is None and shared_limit is None:
+        return None
+    inf = float("inf")
+    rows_expert = jnp.repeat(route, block_m)[:, None]
+    return jnp.where(rows_expert == e, inf if shared_limit is None else shared_limit, inf if limit is None else limit)
 
 
 ROWS_PREFILL_BLOCK = 64  # pairs a block of the row layout's kernel past GATHER_MAX_PAIRS pairs
@@ -496,7 +539,7 @@ def _run_rows(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan
 
 
 def fused_moe(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend="auto",
-              plan: Plan | None = None):
+              plan: Plan | None = None, shared: SharedExpert | None = None):
     """y [M, D] = sum_k topk_weights * expert_{topk_ids}(x), fp32 accumulation, rounded once.
 
     x [M, D]; topk_ids [M, k] int (in [0, E)); topk_weights [M, k] (fp32 in the combine).
@@ -510,11 +553,17 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend=
     any M, in blocks of 16 pairs of one expert (64 past GATHER_MAX_PAIRS pairs; `_run_rows`).
     plan overrides the launch heuristics (`plan_for`; for the row layout a pair of
     `rows_plan.RowsPlan`s).
+    shared: an `experts.SharedExpert` added to y inside the same launches (each token's pair k,
+    weight 1, its own SwiGLU limit; the plan is chosen for k + 1 pairs a token): its weights
+    stream beside the routed experts' and its split-K sum, combine and add cost nothing extra.
+    Tile layout and bf16 only.
     """
     backend = resolve(backend)
     check_args(x, topk_ids, topk_weights, w13, w2)
     if backend == "reference":
-        return reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit)
+        return reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, shared=shared)
+    if shared is not None and rows_layout(w13):
+        raise ValueError("shared: experts in the row layout run the shared expert in its own launches")
     if rows_layout(w13):
         if backend == "interpret":
             raise ValueError("experts in the row layout run Triton's tensor-core kernel, which Pallas' interpret "
@@ -522,4 +571,4 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit=None, backend=
         return _run_rows(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, backend=backend,
                          plan=plan)[0]
     return _run(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, backend=backend,
-                plan=plan)[0]
+                plan=plan, shared=shared)[0]

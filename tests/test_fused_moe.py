@@ -4,6 +4,7 @@ Small shapes (D 256, I 128, E 13: not a power of two) keep Pallas' interpreter f
 draws fresh random inputs and starts the kernels' outputs as NaN, so a row left unwritten shows.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,20 +27,26 @@ DOT32 = fm.Plan("dot", 16, fm.GemmPlan(64, 32, 4, 2), fm.GemmPlan(128, 64, 4, 2)
 QDOT = fm.Plan("dot", 16, fm.GemmPlan(0, 0, 4, 2), fm.GemmPlan(0, 0, 4, 2))  # quantised: the dot path
 
 
-def _check(y, x, ids, w, w13, w2, limit):
+def _check(y, x, ids, w, w13, w2, limit, shared=None):
     """|y - exact| <= 2^-8 |exact| + 2^-7 S: y's bf16 rounding, and h's (one bf16 ulp of each
-    h element may differ with the fp32 summation order), S = sum_k |w| (|h| @ |W2|)."""
+    h element may differ with the fp32 summation order), S = sum_k |w| (|h| @ |W2|).
+    shared: an `experts.SharedExpert`, one more pair a token (weight 1, its own limit)."""
     x64 = np.asarray(x.astype(jnp.float32), np.float64)
     a, b = _dense64(w13), _dense64(w2)
     ids, w = np.asarray(ids), np.asarray(w, np.float64)
+    pairs = [(a, b, ids, w, limit)]
+    if shared is not None:
+        ones = np.ones((x.shape[0], 1))
+        pairs.append((_dense64(shared.w13), _dense64(shared.w2), 0 * ones.astype(int), ones, shared.swiglu_limit))
     exact = np.zeros((x.shape[0], D))
     s = np.zeros_like(exact)
-    for m in range(ids.shape[0]):
-        for j in range(ids.shape[1]):
-            hh = x64[m] @ a[ids[m, j]]
-            h = _swiglu64(hh[0::2], hh[1::2], limit)
-            exact[m] += w[m, j] * (h @ b[ids[m, j]])
-            s[m] += w[m, j] * (np.abs(h) @ np.abs(b[ids[m, j]]))
+    for a, b, ids, w, limit in pairs:
+        for m in range(ids.shape[0]):
+            for j in range(ids.shape[1]):
+                hh = x64[m] @ a[ids[m, j]]
+                h = _swiglu64(hh[0::2], hh[1::2], limit)
+                exact[m] += w[m, j] * (h @ b[ids[m, j]])
+                s[m] += w[m, j] * (np.abs(h) @ np.abs(b[ids[m, j]]))
     y = np.asarray(y.astype(jnp.float32), np.float64)
     assert y.shape == exact.shape and np.isfinite(y).all()
     err = np.abs(y - exact)
@@ -124,6 +131,50 @@ def test_bf16_split_k_on_small_grids(backend, m, k):
     assert out.shape[0] > 1 and h.ndim == 3 and h.shape[0] > 1  # both GEMMs were split
     assert np.isfinite(np.asarray(out)[:, : m * k]).all()
     _check(y, x, ids, w, w13, w2, None)
+
+
+# The shared expert in the routed experts' launches (pair k of each token, expert id E).
+# (M, k, weights bits or None, routing, routed limit, shared limit, plan)
+SHARED_CASES = [
+    (1, 8, 4, "random", None, 0.5, None),  # M = 1: direct, K split, per-row limits after the partials' sum
+    (1, 3, None, "random", 0.5, None, None),  # bf16 direct: `_fill` splits both GEMMs
+    (3, 4, 4, "skewed", 1.0, 0.5, None),  # the align over E + 1 experts, fma, limits in the epilogue
+    (6, 8, None, "random", None, None, DOT32),  # 54 pairs, block 16
+    (5, 3, 8, "one", 2.0, 1.0, QDOT),  # int8 asymmetric, the dot path
+]
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("m,k,bits,kind,limit,shared_limit,plan", SHARED_CASES)
+def test_shared_expert_in_the_routed_launches(backend, m, k, bits, kind, limit, shared_limit, plan):
+    rng = np.random.default_rng([m, k, bits or 16, 7])
+    group = 64 if bits else 128
+    w13, w2 = _weights(rng, bits, symmetric=bits != 8, group_size=group)
+    one = lambda w: jax.tree.map(lambda a: a[:1], w)  # noqa: E731  (expert 0 of another draw)
+    shared = experts.SharedExpert(*map(one, _weights(rng, bits, symmetric=bits != 8, group_size=group)), shared_limit)
+    x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
+    ids, w = _routing(rng, m, k, kind)
+    y, h, out = fm._run(x, ids, w, w13, w2, swiglu_limit=limit, backend=backend, plan=plan, poison=True,
+                        shared=shared)
+    out = np.asarray(out)  # [S, M (k + 1) + 1, D]
+    assert out.shape[1] == m * (k + 1) + 1 and np.isfinite(out[:, : m * (k + 1)]).all()
+    _check(y, x, ids, w, w13, w2, limit, shared)
+    # The public entry, and the reference with the shared expert, give the same sums.
+    want = experts.reference(x, ids, w, w13, w2, swiglu_limit=limit, shared=shared)
+    got = fm.fused_moe(x, ids, w, w13, w2, swiglu_limit=limit, backend=backend, plan=plan, shared=shared)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+    _check(want, x, ids, w, w13, w2, limit, shared)
+
+
+def test_shared_expert_must_match_the_routed_format():
+    rng = np.random.default_rng(8)
+    w13, w2 = _weights(rng, 4)
+    b13, b2 = _weights(rng, None)
+    x = jnp.zeros((1, D), jnp.bfloat16)
+    ids, w = _routing(rng, 1, 2, "random")
+    for shared in (experts.SharedExpert(b13[:1], b2[:1]), experts.SharedExpert(w13, w2)):  # bf16; 13 experts
+        with pytest.raises(ValueError, match="shared: one expert"):
+            fm.fused_moe(x, ids, w, w13, w2, backend="interpret", shared=shared)
 
 
 def test_split_must_divide_k():
