@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe.nn import param
+from pallas_kernels.rmsnorm import rms_norm
 
 
 def rms_normalize(x, eps: float):
@@ -16,14 +17,19 @@ def rms_normalize(x, eps: float):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, d: int, eps: float, *, dtype, rngs: nnx.Rngs, axis_name: str = "norm"):
+    """As transformers: normalise in fp32, round to the input dtype, then scale. With kernels, a
+    decode or verify step's rows run `pallas_kernels.rmsnorm` (one launch, the residual add in it)."""
+
+    def __init__(self, d: int, eps: float, *, dtype, rngs: nnx.Rngs, axis_name: str = "norm",
+                 kernels: str = "reference"):
         self.weight = param(rngs, (d,), (axis_name,), dtype, init="ones")
         self.eps = eps
+        self.kernels = kernels  # the kernel backend (pallas_kernels.backend)
 
     @jax.named_scope("norm")
-    def __call__(self, x):
-        # As transformers: normalise in fp32, round to the input dtype, then scale.
-        return self.weight[...].astype(x.dtype) * rms_normalize(x, self.eps).astype(x.dtype)
+    def __call__(self, x, residual=None):
+        """norm(x) [..., D], or with a residual (norm(x + residual), x + residual)."""
+        return rms_norm(x, self.weight[...], eps=self.eps, residual=residual, backend=self.kernels)
 
 
 def rope_angles(positions, dim: int, theta: float):

@@ -56,7 +56,8 @@ class MLAttention(nnx.Module):
         self.widths = (h * cfg.qk_head_dim, self.r + self.rope) + ((h,) if cfg.mla_output_gate else ())
         self.in_proj = Linear(d, sum(self.widths), ("embed", "heads"), dtype=dtype, rngs=rngs)
         # The latent norm's eps is 1e-6 in both families, whatever rms_norm_eps says (as transformers).
-        self.kv_a_layernorm = RMSNorm(self.r, LATENT_NORM_EPS, dtype=dtype, rngs=rngs, axis_name="kv_lora")
+        self.kv_a_layernorm = RMSNorm(self.r, LATENT_NORM_EPS, dtype=dtype, rngs=rngs, axis_name="kv_lora",
+                                      kernels=self.kernels)
         self.kv_b_proj = Linear(self.r, h * (self.nope + self.vd), ("kv_lora", "heads"), dtype=dtype, rngs=rngs)
         self.o_proj = Linear(h * self.vd, d, ("heads", "embed"), dtype=dtype, rngs=rngs)
         self.mesh = mesh  # the model's device mesh (its cuDNN prefill pins its inputs replicated on it)

@@ -51,8 +51,8 @@ class DecoderLayer(nnx.Module):
         self.kernels = kernels = resolve(kernels)
         self.kind = "mla" if nextn else cfg.layer_types[index]
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs, kernels=kernels)
+        self.post_attention_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs, kernels=kernels)
         self.attention = (KDAttention(cfg, dtype=dtype, rngs=rngs, kernels=kernels) if self.kind == KDA
                           else MLAttention(cfg, dtype=dtype, rngs=rngs, mesh=mesh, kernels=kernels))
         if not nextn and cfg.mlp_types[index] == DENSE:
@@ -77,14 +77,15 @@ class DecoderLayer(nnx.Module):
         state; the MLP runs once over every batch's tokens. Decode and verify batches placed
         before prefill ones give the MoE its decode rows first (`MoE`'s n_decode: the
         tile-scheduled launch runs their tiles before the prefill chunk's)."""
-        outs, new = [], []
+        attended, new = [], []
         for x, pos, ln, v, cache, form in zip(xs, positions, lengths, valids, caches, forms):
             h, cache = self._attention(self.input_layernorm(x), pos, ln, v, cache, form)
-            outs.append(x + h)
+            attended.append((x, h))
             new.append(cache)
-        if len(outs) == 1:
-            x = outs[0]
-            return [x + self.mlp(self.post_attention_layernorm(x))], new
+        if len(attended) == 1:
+            normed, x = self.post_attention_layernorm(*attended[0])  # the residual add in the norm's launch
+            return [x + self.mlp(normed)], new
+        outs = [x + h for x, h in attended]
         d = outs[0].shape[-1]
         flat = jnp.concatenate([self.post_attention_layernorm(x).reshape(-1, d) for x in outs])[None]  # [1, N, D]
         sizes = [x.shape[0] * x.shape[1] for x in outs]
@@ -113,11 +114,11 @@ class NextN(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh=None, kernels: str = "auto"):
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.kernels = kernels = resolve(kernels)
-        self.enorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
-        self.hnorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+        self.enorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs, kernels=kernels)
+        self.hnorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs, kernels=kernels)
         self.eh_proj = Linear(2 * d, d, ("embed", "embed"), dtype=dtype, rngs=rngs)
         self.layer = DecoderLayer(cfg, cfg.num_hidden_layers, dtype=dtype, rngs=rngs, mesh=mesh, kernels=kernels)
-        self.final_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+        self.final_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs, kernels=kernels)
 
     def __call__(self, hidden, next_embeds, cache: MLACache, lengths, *, form: str = "auto"):
         """hidden [B, T, D] (target final hidden states, after its norm) at positions lengths[b] + t;
@@ -188,7 +189,7 @@ class LingModel(nnx.Module):
         self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
         self.layers = nnx.List([finish(DecoderLayer(cfg, i, dtype=dtype, rngs=rngs, mesh=mesh, kernels=kernels))
                                 for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs, kernels=kernels)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype))
         with_nextn = cfg.num_nextn_layers > 0 if nextn is None else nextn
