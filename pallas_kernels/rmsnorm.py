@@ -55,7 +55,7 @@ def _kernel(*refs, d: int, c: int, eps: float, add: bool):
             h = (h.astype(jnp.float32) + r_ref[i, cols].astype(jnp.float32)).astype(h.dtype)
             h_ref[i, cols] = h
         rows.append(h.astype(jnp.float32))
-    ss = sum(jnp.sum(r * r) for r in rows)
+    ss = jnp.sum(sum(r * r for r in rows))  # the chunks added elementwise first: one block reduction
     inv = jax.lax.rsqrt(ss / d + eps)
     dtype = y_ref.dtype
     for cols, r in zip(parts, rows):
