@@ -320,7 +320,10 @@ def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, li
     out_ref = refs.pop(0)  # up: h [NB*BM, I], or (split) partials [S, NB*BM, 2I] f32; down: out [S, P + 1, D] f32
 
     j, t, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    e = route_ref[j]
+    if direct and shared is not None:  # the last pair is the shared expert's: route holds the p - 1 routed
+        e = jnp.where(j < p - 1, route_ref[jnp.minimum(j, p - 2)], shared[0])
+    else:
+        e = route_ref[j]
     r = jnp.arange(bm, dtype=jnp.int32)
     if fma:  # one pair per block: never padding
         pair = j if direct else sorted_ref[j]
@@ -419,7 +422,8 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
     """The kernel path; returns (y, h, out). poison: start h and out as NaN (tests).
     h: [NB*BM, I], or the up GEMM's fp32 partials [S, NB*BM, 2I] when it is split; out: the down
     GEMM's [S, P + 1, D] (S = 1 unless split). shared: each token takes the shared expert as
-    pair k (expert id E, weight 1), so P = M (k + 1)."""
+    pair k (expert id E, weight 1), so P = M (k + 1); at M = 1 the kernels know the shared pair
+    (the last) without reading its id, so the routed ids reach them as the router wrote them."""
     e, d, i = expert_dims(w13, w2)
     if shared is not None:
         check_shared(w13, w2, shared)
@@ -437,8 +441,8 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
         raise ValueError(f"plan: path 'fma' goes with block_m 1, 'dot' with block_m >= 16, got {plan}")
     interpret = backend == "interpret"
     ids = topk_ids.reshape(-1).astype(jnp.int32)
-    if m == 1:  # direct: block j is pair j
-        route, sorted_pairs, nb = ids, None, p
+    if m == 1:  # direct: block j is pair j; the shared pair (the last) is known to the kernel, not read
+        route, sorted_pairs, nb = ids[: p - 1] if shared is not None else ids, None, p
     else:
         sorted_pairs, route = moe_align(ids, buckets, plan.block_m, backend=backend)
         nb = align_sizes(p, buckets, plan.block_m).nb
@@ -457,8 +461,8 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
               init=nan(h_shape), shared=up_shared, **common)
     # A split up GEMM's partials: summed in a fixed order, SwiGLU, rounded (one XLA fusion).
     if su > 1:
-        limit = swiglu_limit if shared is None else _row_limits(route[:nb], plan.block_m, e, swiglu_limit,
-                                                                 shared.swiglu_limit)
+        limit = swiglu_limit if shared is None else _row_limits(ids if m == 1 else route[:nb], plan.block_m, e,
+                                                                 swiglu_limit, shared.swiglu_limit)
         h_in = swiglu_columns(jnp.sum(h, axis=0), limit).astype(act)
     else:
         h_in = h
