@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,26 @@ def pick_form(form: str, t: int) -> str:
     if form not in ("prefill", "decode", "verify"):
         raise ValueError(f"form must be 'auto', 'prefill', 'decode' or 'verify', got {form!r}")
     return form
+
+
+class Residual(NamedTuple):
+    """The residual stream x + add [B, T, D], the add left to the next norm's launch
+    (`pallas_kernels.rmsnorm`): between decoder layers, and before the final norms."""
+
+    x: jax.Array
+    add: jax.Array
+
+    def total(self):
+        return self.x + self.add
+
+
+def norm_stream(norm: RMSNorm, stream):
+    """(norm(stream), stream as an array) for an array or a `Residual` (whose add runs in the
+    norm's launch)."""
+    if isinstance(stream, Residual):
+        normed, x = norm(stream.add, residual=stream.x)
+        return normed, x
+    return norm(stream), stream
 
 
 class DecoderLayer(nnx.Module):
@@ -71,20 +92,23 @@ class DecoderLayer(nnx.Module):
         (x,), (cache,) = self.grouped([x], [positions], [lengths], [valid], [cache], forms=(form,))
         return x, cache
 
-    def grouped(self, xs, positions, lengths, valids, caches, *, forms):
+    def grouped(self, xs, positions, lengths, valids, caches, *, forms, defer: bool = False):
         """Several batches of slots through the layer at once (lists, one entry per batch, each
-        as `__call__` takes it): the attention runs per batch, in its own form over its own
-        state; the MLP runs once over every batch's tokens. Decode and verify batches placed
-        before prefill ones give the MoE its decode rows first (`MoE`'s n_decode: the
-        tile-scheduled launch runs their tiles before the prefill chunk's)."""
+        as `__call__` takes it, or a `Residual`): the attention runs per batch, in its own form
+        over its own state; the MLP runs once over every batch's tokens. Decode and verify
+        batches placed before prefill ones give the MoE its decode rows first (`MoE`'s n_decode:
+        the tile-scheduled launch runs their tiles before the prefill chunk's). defer: return
+        each batch's output as a `Residual`, its last add left to the next norm."""
         attended, new = [], []
         for x, pos, ln, v, cache, form in zip(xs, positions, lengths, valids, caches, forms):
-            h, cache = self._attention(self.input_layernorm(x), pos, ln, v, cache, form)
+            normed, x = norm_stream(self.input_layernorm, x)
+            h, cache = self._attention(normed, pos, ln, v, cache, form)
             attended.append((x, h))
             new.append(cache)
         if len(attended) == 1:
-            normed, x = self.post_attention_layernorm(*attended[0])  # the residual add in the norm's launch
-            return [x + self.mlp(normed)], new
+            normed, x = self.post_attention_layernorm(attended[0][1], residual=attended[0][0])  # the add in the norm
+            out = Residual(x, self.mlp(normed))
+            return [out if defer else out.total()], new
         outs = [x + h for x, h in attended]
         d = outs[0].shape[-1]
         flat = jnp.concatenate([self.post_attention_layernorm(x).reshape(-1, d) for x in outs])[None]  # [1, N, D]
@@ -92,7 +116,8 @@ class DecoderLayer(nnx.Module):
         ends = list(itertools.accumulate(sizes))
         n_decode = sum(n for n, form in itertools.takewhile(lambda p: p[1] != "prefill", zip(sizes, forms)))
         y = self.mlp(flat, n_decode=n_decode if 0 < n_decode < ends[-1] else None)[0]
-        return [x + part.reshape(x.shape) for x, part in zip(outs, jnp.split(y, ends[:-1]))], new
+        parts = [Residual(x, part.reshape(x.shape)) for x, part in zip(outs, jnp.split(y, ends[:-1]))]
+        return [p if defer else p.total() for p in parts], new
 
     def _attention(self, h, positions, lengths, valid, cache, form: str):
         if self.kind == KDA:
@@ -138,8 +163,8 @@ class NextN(nnx.Module):
             xs.append(self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(hidden)], axis=-1)))
             valids.append(jnp.full(ln.shape, t, jnp.int32))  # the MLA layer needs no commit: lengths are the caller's
             picked.append(pick_form(form, t))
-        xs, caches = self.layer.grouped(xs, positions, list(lengths), valids, list(caches), forms=picked)
-        return [(self.final_layernorm(x), c) for x, c in zip(xs, caches)]
+        xs, caches = self.layer.grouped(xs, positions, list(lengths), valids, list(caches), forms=picked, defer=True)
+        return [(norm_stream(self.final_layernorm, x)[0], c) for x, c in zip(xs, caches)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,14 +270,14 @@ class LingModel(nnx.Module):
         caches, tapped = [[] for _ in batches], [{} for _ in batches]
         for i, layer in enumerate(self.layers):
             xs, new = layer.grouped(xs, positions, lengths, valids, [batch.state.layers[i] for batch in batches],
-                                    forms=forms)
+                                    forms=forms, defer=True)
             for g, cache in enumerate(new):
                 caches[g].append(cache)
                 if i in batches[g].taps:
-                    tapped[g][i] = xs[g]
+                    tapped[g][i] = xs[g].total()
         results = []
         for batch, x, form, valid, layer_caches, taken in zip(batches, xs, forms, valids, caches, tapped):
-            hidden = self.norm(x)
+            hidden = norm_stream(self.norm, x)[0]
             pending = batch.state.replace(layers=tuple(layer_caches))
             out = self.logits(hidden) if batch.logits else None
             result = (out, hidden, pending if form == "verify" else commit(pending, valid))
