@@ -312,7 +312,7 @@ def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, li
     the shared expert, whose weights follow the routed experts' refs."""
     refs = list(refs)
     a_ref = refs.pop(0)  # up: x [M, D]; down: h [NB*BM, I]
-    route_ref = refs.pop(0)  # direct: topk ids [P]; else block_expert [NBP]
+    route_ref = refs.pop(0)  # direct: topk ids [P] (the routed P - 1 with a shared expert); else block_expert [NBP]
     sorted_ref = None if direct else refs.pop(0)  # [S]
     wrefs = pop_weight_refs(refs, qm)
     shared_wrefs = None if shared is None else pop_weight_refs(refs, qm)
@@ -425,6 +425,7 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
     pair k (expert id E, weight 1), so P = M (k + 1); at M = 1 the kernels know the shared pair
     (the last) without reading its id, so the routed ids reach them as the router wrote them."""
     e, d, i = expert_dims(w13, w2)
+    routed = topk_ids.reshape(-1).astype(jnp.int32)
     if shared is not None:
         check_shared(w13, w2, shared)
         column = jnp.full((topk_ids.shape[0], 1), e, jnp.int32)
@@ -442,7 +443,7 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
     interpret = backend == "interpret"
     ids = topk_ids.reshape(-1).astype(jnp.int32)
     if m == 1:  # direct: block j is pair j; the shared pair (the last) is known to the kernel, not read
-        route, sorted_pairs, nb = ids[: p - 1] if shared is not None else ids, None, p
+        route, sorted_pairs, nb = routed, None, p
     else:
         sorted_pairs, route = moe_align(ids, buckets, plan.block_m, backend=backend)
         nb = align_sizes(p, buckets, plan.block_m).nb
