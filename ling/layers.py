@@ -10,12 +10,6 @@ from moe.nn import param
 from pallas_kernels.rmsnorm import rms_norm
 
 
-def rms_normalize(x, eps: float):
-    """x / rms(x) over the last axis, in fp32."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-
-
 class RMSNorm(nnx.Module):
     """As transformers: normalise in fp32, round to the input dtype, then scale. With kernels, a
     decode or verify step's rows run `pallas_kernels.rmsnorm` (one launch, the residual add in it)."""
