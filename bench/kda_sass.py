@@ -9,16 +9,14 @@ No GPU needed, only the triton package beside jax:
 
 from __future__ import annotations
 
-import argparse
 import os
-import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.sass import capture_triton, compile_report  # noqa: E402
+from bench.sass import capture_triton, compile_report, out_dir_arg  # noqa: E402
 from pallas_kernels import kda  # noqa: E402
 
 H, K, W = 32, 128, 4  # Ling-3.0-flash's KDA heads, head dim, conv width
@@ -50,11 +48,7 @@ def lower(name: str, t: int, decode: bool, out_dir: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", help="where the Triton IR and compile.json go (default: a temporary directory)")
-    args = ap.parse_args()
-    out_dir = args.out or tempfile.mkdtemp(prefix="kda_sass_")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = out_dir_arg(__doc__, "kda_sass_")
     for name, t, decode in [("kda_decode_t1", 1, True), ("kda_verify_t1", 1, False), ("kda_verify_t6", 6, False)]:
         lower(name, t, decode, out_dir)
     compile_report(out_dir)

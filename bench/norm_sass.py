@@ -9,25 +9,19 @@ triton package beside jax:
 
 from __future__ import annotations
 
-import argparse
 import os
-import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.sass import capture_triton, compile_report  # noqa: E402
+from bench.sass import capture_triton, compile_report, out_dir_arg  # noqa: E402
 from pallas_kernels import rmsnorm  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", help="where the Triton IR and compile.json go (default: a temporary directory)")
-    args = ap.parse_args()
-    out_dir = args.out or tempfile.mkdtemp(prefix="norm_sass_")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = out_dir_arg(__doc__, "norm_sass_")
     s = jax.ShapeDtypeStruct
     captured: list = []
     capture_triton(captured)

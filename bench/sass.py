@@ -31,6 +31,19 @@ def capture_triton(captured: list) -> None:
         reg.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
 
 
+def out_dir_arg(doc: str, prefix: str) -> str:
+    """The directory an offline-compile script writes its Triton IR and compile.json to: --out,
+    or a new temporary directory; doc's first paragraph is the command's description."""
+    import argparse
+    import tempfile
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", help="where the Triton IR and compile.json go (default: a temporary directory)")
+    out = ap.parse_args().out or tempfile.mkdtemp(prefix=prefix)
+    os.makedirs(out, exist_ok=True)
+    return out
+
+
 def kernel_name(ttir: str) -> str:
     """The kernel's name in a captured Triton module's text."""
     return re.search(r'(?:tt\.func (?:\w+ )?@|sym_name = ")(\w+)', ttir).group(1)

@@ -58,8 +58,7 @@ def norm_stream(norm: RMSNorm, stream):
     """(norm(stream), stream as an array) for an array or a `Residual` (whose add runs in the
     norm's launch)."""
     if isinstance(stream, Residual):
-        normed, x = norm(stream.add, residual=stream.x)
-        return normed, x
+        return norm(stream.add, residual=stream.x)
     return norm(stream), stream
 
 
