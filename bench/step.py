@@ -14,6 +14,7 @@ first. Per mode:
            for: the host's dispatch and the device's work overlap, so it is the larger of the two)
   dispatch the host's own time to queue a step (K steps queued, none read back)
   span     the device time of one step run alone (first kernel's start to last kernel's end)
+  host     the host's events while it dispatches K steps (profiler), by name: where dispatch goes
   stream   over the K back-to-back steps, a step's share of the device span, of kernel busy time
            and of idle time between kernels (host round trips and dispatch gaps show up here)
   launches kernels a step, and device time a step by category (kernel names: projections,
@@ -39,7 +40,7 @@ from flax import nnx
 
 from bench.common import copy_ceiling_tbs
 from bench.step_categories import by_category, hlo_scopes
-from bench.trace import device_trace, stream_trace
+from bench.trace import device_trace, host_table, stream_trace
 
 
 def build_model(args):
@@ -194,6 +195,10 @@ def main():
         dispatch = (time.perf_counter() - t) / k
         sync() if mode == "verify" else jax.block_until_ready(holder["stepper"].slots)
         reset()
+        host = host_table(lambda: [holder["stepper"].dispatch() if mode != "verify" else one() for _ in range(k)],
+                          k, scratch)
+        sync() if mode == "verify" else jax.block_until_ready(holder["stepper"].slots)
+        reset()
         stream = stream_trace(back_to_back, k, scratch)
         reset()
         alone = device_trace(lambda: (one(), sync()), 8, scratch, log=lambda *a: None)
@@ -202,7 +207,7 @@ def main():
             sl = holder["stepper"].slots
             produced = float(jax.device_get(sl.produced.sum())) / max(float(jax.device_get(sl.steps.sum())), 1.0)
         results[mode] = dict(served_us=served * 1e6, dispatch_us=dispatch * 1e6, span_us=alone.get("span_us"),
-                             stream=stream,
+                             stream=stream, host=host[:40],
                              floor_us=fl[mode] * 1e6, tokens_per_step=produced, walls_us=[w * 1e6 for w in walls])
         cats = by_category(stream["kernels"], hlo_scopes(lowered.compile().as_text()))
         if stream["span_us"] is None:
@@ -218,6 +223,9 @@ def main():
         for c, (n, us) in sorted(cats.items(), key=lambda kv: -kv[1][1]):
             print(f"    {c:<36} {n:6.0f} launches {us:8.0f} µs", flush=True)
         for r in stream["kernels"][:12]:
+            print(f"      {r['name'][:64]:64s} x{r['count']:5.1f} {r['us_per_call']:8.1f} µs", flush=True)
+        print("    the host's dispatch, by event (inclusive µs a step):", flush=True)
+        for r in host[:16]:
             print(f"      {r['name'][:64]:64s} x{r['count']:5.1f} {r['us_per_call']:8.1f} µs", flush=True)
         results[mode]["categories"] = cats
 

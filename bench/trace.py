@@ -9,10 +9,9 @@ import statistics
 import tempfile
 
 
-def trace_kernels(fn, out_dir: str) -> list[dict]:
-    """Runs fn() once under the JAX profiler (a Perfetto trace under out_dir/trace) and returns the
-    device kernels of the busiest stream, in start order ({name, ts, dur} in µs)."""
-    import collections as col
+def _traced_events(fn, out_dir: str) -> tuple[list[dict], set]:
+    """Runs fn() once under the JAX profiler (a Perfetto trace under out_dir/trace): (its complete
+    events, the pids of the device's processes)."""
     import glob
     import gzip
     import json
@@ -28,7 +27,29 @@ def trace_kernels(fn, out_dir: str) -> list[dict]:
     events = events["traceEvents"] if isinstance(events, dict) else events
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = {pid for pid, name in procs.items() if "GPU" in name or "device" in name.lower()}
-    kern = [e for e in events if e.get("ph") == "X" and e["pid"] in gpu and "dur" in e]
+    return [e for e in events if e.get("ph") == "X" and "dur" in e], gpu
+
+
+def host_table(fn, calls: int, out_dir: str) -> list[dict]:
+    """Runs fn() (`calls` calls) under the JAX profiler and returns the host's events per name:
+    count and µs a call, inclusive (nested events count in each enclosing one), longest first:
+    where the host's time to dispatch a call goes."""
+    events, gpu = _traced_events(fn, out_dir)
+    by = collections.defaultdict(list)
+    for e in events:
+        if e["pid"] not in gpu:
+            by[e["name"]].append(e["dur"])
+    return sorted(({"name": k, "count": len(v) / calls, "us_per_call": sum(v) / calls} for k, v in by.items()),
+                  key=lambda r: -r["us_per_call"])
+
+
+def trace_kernels(fn, out_dir: str) -> list[dict]:
+    """Runs fn() once under the JAX profiler (a Perfetto trace under out_dir/trace) and returns the
+    device kernels of the busiest stream, in start order ({name, ts, dur} in µs)."""
+    import collections as col
+
+    events, gpu = _traced_events(fn, out_dir)
+    kern = [e for e in events if e["pid"] in gpu]
     if not kern:
         return []
     streams = col.defaultdict(list)

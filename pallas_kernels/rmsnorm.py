@@ -9,7 +9,8 @@
 Layouts: x, residual [M, D]; w [D] -> y [M, D], and h [M, D] with a residual; x's dtype.
 Kernel (Triton lowering): grid (M,), one program a row, which holds it in registers as D / C
 chunks of C columns (C: the largest power of two dividing D, at most 4096; Ling's D = 2560: five
-of 512), reads it once and writes y (and h) once. Bytes: M·D·2·(2 or 4) + D·2.
+of 512), issues every load (x, residual, w) before it uses any, reads it once and writes y (and h)
+once. Bytes: M·D·2·(2 or 4) + D·2.
 """
 
 from __future__ import annotations
@@ -48,19 +49,23 @@ def _kernel(*refs, d: int, c: int, eps: float, add: bool):
         (x_ref, w_ref, y_ref), r_ref, h_ref = refs, None, None
     i = pl.program_id(0)
     parts = [pl.ds(j * c, c) for j in range(d // c)]
+    # Every load is issued before the first use of any: one memory latency a program, not one a chunk.
+    xs = [x_ref[i, cols] for cols in parts]
+    rs = [r_ref[i, cols] for cols in parts] if add else None
+    ws = [w_ref[cols] for cols in parts]
+    dtype = y_ref.dtype
     rows = []
-    for cols in parts:
-        h = x_ref[i, cols]
+    for j, cols in enumerate(parts):
+        h = xs[j]
         if add:
-            h = (h.astype(jnp.float32) + r_ref[i, cols].astype(jnp.float32)).astype(h.dtype)
+            h = (h.astype(jnp.float32) + rs[j].astype(jnp.float32)).astype(dtype)
             h_ref[i, cols] = h
         rows.append(h.astype(jnp.float32))
     ss = jnp.sum(sum(r * r for r in rows))  # the chunks added elementwise first: one block reduction
     inv = jax.lax.rsqrt(ss / d + eps)
-    dtype = y_ref.dtype
-    for cols, r in zip(parts, rows):
+    for cols, r, w in zip(parts, rows, ws):
         n = (r * inv).astype(dtype).astype(jnp.float32)
-        y_ref[i, cols] = (w_ref[cols].astype(dtype).astype(jnp.float32) * n).astype(dtype)
+        y_ref[i, cols] = (w.astype(dtype).astype(jnp.float32) * n).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))

@@ -213,6 +213,9 @@ class Stepper:
             return (r, lp[:, :width] + 0, top_ids[:, :width] + 0) if logprobs else r
 
         self._step = jax.jit(run, donate_argnums=(1, 2), static_argnums=(5, 6, 7, 8))
+        # The report is a program of its own: as an output of the step's program it would get a new
+        # address every step, XLA would update the step's CUDA graph before each launch, and the
+        # launch would wait for the previous step to finish (host and device no longer overlap).
         self._report = jax.jit(report, static_argnums=7)
         # Placed as the slots are: a first step that met an uncommitted count would compile a
         # program of its own that no later step (whose count is the committed output) runs.
