@@ -207,7 +207,7 @@ def main():
             sl = holder["stepper"].slots
             produced = float(jax.device_get(sl.produced.sum())) / max(float(jax.device_get(sl.steps.sum())), 1.0)
         results[mode] = dict(served_us=served * 1e6, dispatch_us=dispatch * 1e6, span_us=alone.get("span_us"),
-                             stream=stream, host=host[:40],
+                             stream=stream, host=host[:40], sequence=alone.get("sequence"),
                              floor_us=fl[mode] * 1e6, tokens_per_step=produced, walls_us=[w * 1e6 for w in walls])
         cats = by_category(stream["kernels"], hlo_scopes(lowered.compile().as_text()))
         if stream["span_us"] is None:

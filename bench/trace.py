@@ -73,7 +73,7 @@ def device_trace(fn, n: int, out_dir: str, log=print, label: str = "") -> dict:
     to last kernel's end, launch gaps included: the time the call holds the GPU) and its kernels'
     busy time. The calls are told apart by the n - 1 widest gaps on the busiest stream (the host
     syncs between calls). Returns {span_us, busy_us: medians over the calls, kernels: [{name,
-    count, us_per_call}]} and logs them."""
+    count, us_per_call}], sequence: the last call's kernels in order, [name, µs]} and logs them."""
     import jax
 
     jax.block_until_ready(fn())
@@ -97,7 +97,8 @@ def device_trace(fn, n: int, out_dir: str, log=print, label: str = "") -> dict:
         f"{max(spans):.1f}), kernels {work:.1f} µs, gaps {span - work:.1f} µs")
     for r in kernels[:16]:
         log(f"    {r['name'][:60]:60s} x{r['count']:4.1f} {r['us_per_call']:9.1f} µs a call")
-    return dict(span_us=span, busy_us=work, kernels=kernels, launches=len(main) / len(calls))
+    return dict(span_us=span, busy_us=work, kernels=kernels, launches=len(main) / len(calls),
+                sequence=[[e["name"], round(e["dur"], 2)] for e in calls[-1]])
 
 
 def stream_trace(run, n: int, out_dir: str) -> dict:

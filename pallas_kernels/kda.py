@@ -43,8 +43,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import conv_state
 from pallas_kernels.backend import resolve
-from pallas_kernels.kda_reference import conv_state_after, gated_norm, recurrent, state_after
+from pallas_kernels.kda_reference import gated_norm, recurrent, state_after
 
 MAX_T = 8  # tokens per call: decode (1) and verify (draft steps + 1)
 
@@ -412,10 +413,10 @@ def kda_decode(x: KdaInputs, w: KdaWeights, state: KdaState, valid: jax.Array, *
     The same kernel as `kda_verify`, which keeps the state it would otherwise store last
     (`jnp.where(t < valid[b], S_t, kept)` in registers) and writes it over state.recurrent's
     buffer (input_output_aliases: in place when the caller donates the state), with no window
-    outputs. The conv states are the window's rows valid[b] .. valid[b] + W-2, taken from the
-    old conv state and the new inputs by one small XLA fusion each (a program cannot write them
-    in place: every V-block of a head reads the q/k conv state). Bytes: `kda_verify`'s with
-    all_states=False, less the windows. Decode needs no later `commit`."""
+    outputs. The conv states are the window's rows valid[b] .. valid[b] + W-2, written over the
+    old ones by a second launch after the kernel (`conv_state.advance`: this kernel cannot write
+    them in place, as every V-block of a head reads the q/k conv state). Bytes: `kda_verify`'s
+    with all_states=False, less the windows. Decode needs no later `commit`."""
     dims = check_args(x, w, state, gate)
     valid = jnp.asarray(valid, jnp.int32).reshape(dims.b)
     backend = resolve(backend)
@@ -425,15 +426,9 @@ def kda_decode(x: KdaInputs, w: KdaWeights, state: KdaState, valid: jax.Array, *
     else:
         o, rec = _launch(x, w, state, valid, dims, gate=gate, eps=eps, lower_bound=lower_bound, bv=bv,
                          num_warps=num_warps, all_states=False, backend=backend)
-    return o, KdaState(*_conv_after(materialize(x), state, valid), rec)
-
-
-def _conv_after(x: KdaInputs, state: KdaState, n) -> tuple:
-    """The conv states (q, k, v) after the first n[b] of x's tokens: rows n .. n + W-2 of
-    concat(conv state, new inputs)."""
-    nw1 = state.conv_q.shape[1]
-    return tuple(conv_state_after(jnp.concatenate([cs.astype(xs.dtype), xs], axis=1), n, nw1).astype(cs.dtype)
-                 for cs, xs in ((state.conv_q, x.q), (state.conv_k, x.k), (state.conv_v, x.v)))
+    xs = [(f.array, f.start) if isinstance(f, Columns) else f for f in x[:3]]
+    conv = conv_state.advance(xs, state[:3], valid, after=rec, backend=backend)  # after the kernel read them
+    return o, KdaState(*conv, rec)
 
 
 def _launch(x: KdaInputs, w: KdaWeights, state: KdaState, valid, dims: Dims, *, gate, eps, lower_bound, bv,
