@@ -1,5 +1,5 @@
-"""The KDA decode and verify kernels (pallas_kernels/kda.py, and decode's conv-state advance,
-pallas_kernels/conv_state.py) compiled offline for sm_90a, at Ling's
+"""The KDA decode and verify kernels (pallas_kernels/kda.py, and decode's epilogue,
+pallas_kernels/kda_epilogue.py) compiled offline for sm_90a, at Ling's
 shapes (32 heads of 128, conv width 4, batch 1, the fused projection's columns read in place):
 registers, spills, shared memory and SASS instructions per program (`bench.sass.compile_report`).
 No GPU needed, only the triton package beside jax:
@@ -45,8 +45,8 @@ def lower(name: str, t: int, decode: bool, out_dir: str) -> None:
         lowering_platforms=("cuda",))
     warps = kda.default_num_warps(K, kda.default_bv(K, t))
     kernels = [(name, warps, captured[0])]
-    if decode:  # and the conv states' advance after it
-        kernels.append((f"kda_conv_state_t{t}", 4, captured[1]))
+    if decode:  # and its epilogue (gated norm, conv states)
+        kernels.append((f"kda_decode_epilogue_t{t}", 4, captured[1]))
     for kname, nw, ttir in kernels:
         with open(os.path.join(out_dir, f"{kname}_w{nw}_s1.ttir"), "w") as f:
             f.write(ttir)

@@ -460,11 +460,16 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
     up_shared, down_shared = (None, None) if shared is None else ((shared.w13, shared.swiglu_limit), (shared.w2, None))
     h = _gemm("up", x.astype(act), route, sorted_pairs, w13, gp=plan.up, out_shape=h_shape,
               init=nan(h_shape), shared=up_shared, **common)
-    # A split up GEMM's partials: summed in a fixed order, SwiGLU, rounded (one XLA fusion).
+    # A split up GEMM's partials: summed in a fixed order (an unrolled chain of adds, so that XLA
+    # fuses the sum, the strided gate/up split, SwiGLU and the rounding into one elementwise
+    # launch; a reduce over S would be a launch of its own), SwiGLU, rounded.
     if su > 1:
         limit = swiglu_limit if shared is None else _row_limits(ids if m == 1 else route[:nb], plan.block_m, e,
                                                                  swiglu_limit, shared.swiglu_limit)
-        h_in = swiglu_columns(jnp.sum(h, axis=0), limit).astype(act)
+        total = h[0]
+        for s in range(1, su):
+            total = total + h[s]
+        h_in = swiglu(total[:, 0::2], total[:, 1::2], limit).astype(act)
     else:
         h_in = h
     out = _gemm("down", h_in, route, sorted_pairs, w2, gp=plan.down, out_shape=out_shape,

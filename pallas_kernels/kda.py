@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import conv_state
+from pallas_kernels import kda_epilogue
 from pallas_kernels.backend import resolve
 from pallas_kernels.kda_reference import gated_norm, recurrent, state_after
 
@@ -270,13 +270,14 @@ def _kda_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, gate_ref, csq_ref, csk_ref, c
 
 
 @functools.partial(jax.jit, static_argnames=("dims", "starts", "gate", "eps", "lower_bound", "bv", "num_warps",
-                                             "all_states", "interpret"))
+                                             "all_states", "defer_norm", "interpret"))
 def _kda_pallas(xs: tuple, w: KdaWeights, state: KdaState, valid=None, *, dims, starts, gate, eps, lower_bound,
-                bv, num_warps, all_states, interpret):
+                bv, num_warps, all_states, interpret, defer_norm=False):
     """xs: q, k, v, g_in, b_in, gate_in, each a [B, T, N] array whose field starts at column
     starts[i] (a `Columns`, or the field itself flattened to 3-D with start 0). Without valid:
     a `KdaOut`. With valid [B] int32: (o, the recurrent state after valid[b] tokens), the state
-    written over state.recurrent's buffer (input_output_aliases)."""
+    written over state.recurrent's buffer (input_output_aliases). defer_norm: with BV < V, o is
+    returned fp32 before the gated norm (the caller runs it)."""
     commit = valid is not None
     b, t, h, kd, vd, nw = dims
     c = h * kd
@@ -345,7 +346,7 @@ def _kda_pallas(xs: tuple, w: KdaWeights, state: KdaState, valid=None, *, dims, 
         interpret=interpret,
         name="kda_decode" if commit else "kda_verify",
     )(*args)
-    if not fuse_norm:  # the norm needs the whole V row, spread over V-blocks: one XLA fusion
+    if not fuse_norm and not defer_norm:  # the norm needs the whole V row, spread over V-blocks: one XLA fusion
         gate_in = xs[5][..., sgate:sgate + h * vd].reshape(b, t, h, vd)
         o = gated_norm(o, gate_in, w.o_norm, eps).astype(act)
     return (o, states) if commit else KdaOut(o, states, *windows)
@@ -413,26 +414,32 @@ def kda_decode(x: KdaInputs, w: KdaWeights, state: KdaState, valid: jax.Array, *
     The same kernel as `kda_verify`, which keeps the state it would otherwise store last
     (`jnp.where(t < valid[b], S_t, kept)` in registers) and writes it over state.recurrent's
     buffer (input_output_aliases: in place when the caller donates the state), with no window
-    outputs. The conv states are the window's rows valid[b] .. valid[b] + W-2, written over the
-    old ones by a second launch after the kernel (`conv_state.advance`: this kernel cannot write
-    them in place, as every V-block of a head reads the q/k conv state). Bytes: `kda_verify`'s
-    with all_states=False, less the windows. Decode needs no later `commit`."""
+    outputs. A second launch after the kernel (`kda_epilogue`) runs the gated norm (when BV < V)
+    and writes the conv states, the window's rows valid[b] .. valid[b] + W-2, over the old ones
+    (this kernel cannot write them in place: every V-block of a head reads the q/k conv state).
+    Bytes: `kda_verify`'s with all_states=False, less the windows. Decode needs no later `commit`."""
     dims = check_args(x, w, state, gate)
     valid = jnp.asarray(valid, jnp.int32).reshape(dims.b)
     backend = resolve(backend)
+    xs = [(f.array, f.start) if isinstance(f, Columns) else f for f in x[:3]]
     if backend == "reference":  # any T
         out = reference(x, w, state, gate=gate, eps=eps, lower_bound=lower_bound, all_states=True)
         o, rec = out.o, state_after(out.states, valid, state.recurrent)
-    else:
-        o, rec = _launch(x, w, state, valid, dims, gate=gate, eps=eps, lower_bound=lower_bound, bv=bv,
-                         num_warps=num_warps, all_states=False, backend=backend)
-    xs = [(f.array, f.start) if isinstance(f, Columns) else f for f in x[:3]]
-    conv = conv_state.advance(xs, state[:3], valid, after=rec, backend=backend)  # after the kernel read them
-    return o, KdaState(*conv, rec)
+        _, conv = kda_epilogue.decode_epilogue(xs, state[:3], valid, backend=backend)
+        return o, KdaState(*conv, rec)
+    bv = default_bv(dims.v, dims.t) if bv is None else bv
+    o, rec = _launch(x, w, state, valid, dims, gate=gate, eps=eps, lower_bound=lower_bound, bv=bv,
+                     num_warps=num_warps, all_states=False, backend=backend, defer_norm=True)
+    norm = None
+    if bv < dims.v:  # o is fp32 and unnormalised: the norm runs in the epilogue's launch
+        g = x.gate_in
+        norm = kda_epilogue.Norm(o, (g.array, g.start) if isinstance(g, Columns) else g, w.o_norm, eps)
+    y, conv = kda_epilogue.decode_epilogue(xs, state[:3], valid, norm=norm, after=rec, backend=backend)
+    return (o if y is None else y), KdaState(*conv, rec)
 
 
 def _launch(x: KdaInputs, w: KdaWeights, state: KdaState, valid, dims: Dims, *, gate, eps, lower_bound, bv,
-            num_warps, all_states, backend):
+            num_warps, all_states, backend, defer_norm: bool = False):
     """The Pallas kernel's plan checked and launched (`_kda_pallas`)."""
     t, kd, vd = dims.t, dims.k, dims.v
     if not 1 <= t <= MAX_T:
@@ -448,7 +455,7 @@ def _launch(x: KdaInputs, w: KdaWeights, state: KdaState, valid, dims: Dims, *, 
             raise ValueError(f"{name} starts at column {start}, not a multiple of its block width {block}")
     return _kda_pallas(tuple(a for a, _ in xs), w, state, valid, dims=tuple(dims), starts=starts, gate=gate,
                        eps=float(eps), lower_bound=float(lower_bound), bv=bv, num_warps=num_warps,
-                       all_states=all_states, interpret=backend == "interpret")
+                       all_states=all_states, defer_norm=defer_norm, interpret=backend == "interpret")
 
 
 def commit(out: KdaOut, n_accepted: jax.Array) -> KdaState:
