@@ -9,8 +9,9 @@ renormalised weights (DeepSeek-V3 style), from the gate logits.
 
 Layouts: logits [M, E] fp32, expert_bias [E] fp32 -> (weights [M, k] fp32, ids [M, k] int32).
 Kernel (Triton lowering): grid (M,), one program per token holding its [G, E/G] scores in
-registers; the top k is k rounds of (max, lowest index at the max, mask it). G, E/G and k must be
-powers of two (Ling: 8 x 64, k = 8); other shapes run the reference. Bytes: M·E·4 in, M·k·8 out.
+registers; the top k is k rounds of one argmax over the E scores (the lower index of equal values
+first) with the pick masked, then the picks' scores in one reduction. G, E/G and k must be powers
+of two (Ling: 8 x 64, k = 8); other shapes run the reference. Bytes: M·E·4 in, M·k·8 out.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ def _select_kernel(logits_ref, bias_ref, w_ref, ids_ref, *, top_k, topk_group, s
     scores = jax.nn.sigmoid(logits_ref[...])  # [G, E/G]
     choice = scores + bias_ref[...]
     g, eg = choice.shape
-    row = jax.lax.broadcasted_iota(jnp.int32, (g, eg), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (g, eg), 1)
     if g > 1:
         best = jnp.max(choice, axis=1)  # [G]
@@ -66,18 +66,20 @@ def _select_kernel(logits_ref, bias_ref, w_ref, ids_ref, *, top_k, topk_group, s
         above = (gs_other > gs_this) | ((gs_other == gs_this) & (other < this))
         keep = jnp.sum(above.astype(jnp.int32), axis=1) < topk_group  # [G]
         choice = jnp.where(keep[:, None], choice, -jnp.inf)
-    flat = row * eg + col
+    # The top k: k rounds of one argmax over the flattened choice (a (value, index) reduction
+    # that keeps the lower index of equal values, as lax.top_k), each pick masked for the next
+    # round; then every pick's score in one [k, E] reduction.
+    e = g * eg
+    choice, scores = choice.reshape(e), scores.reshape(e)
+    expert = jax.lax.broadcasted_iota(jnp.int32, (e,), 0)
     slot = jax.lax.broadcasted_iota(jnp.int32, (top_k,), 0)
     ids = jnp.zeros((top_k,), jnp.int32)
-    ws = jnp.zeros((top_k,), jnp.float32)
     for j in range(top_k):
-        top = jnp.max(jnp.max(choice, axis=1), axis=0)
-        idx = jnp.min(jnp.min(jnp.where(choice == top, flat, g * eg), axis=1), axis=0)
-        hit = flat == idx
-        w = jnp.sum(jnp.sum(jnp.where(hit, scores, 0.0), axis=1), axis=0)
+        idx = jnp.argmax(choice).astype(jnp.int32)
         ids = jnp.where(slot == j, idx, ids)
-        ws = jnp.where(slot == j, w, ws)
-        choice = jnp.where(hit, -jnp.inf, choice)
+        choice = jnp.where(expert == idx, -jnp.inf, choice)
+    picked = expert[None, :] == ids[:, None]  # [k, E]
+    ws = jnp.sum(jnp.where(picked, scores[None, :], 0.0), axis=1)
     if norm:
         ws = ws / (jnp.sum(ws) + 1e-20)
     w_ref[...] = ws * scale
