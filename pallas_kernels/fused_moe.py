@@ -60,6 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import tickets
 from pallas_kernels.backend import resolve
 from pallas_kernels.experts import (GATHER_MAX_PAIRS, SharedExpert, check_args, check_shared, expert_dims, k_groups,
                                     reference, rows_layout, swiglu)
@@ -306,18 +307,26 @@ def swiglu_columns(acc, limit):
     return swiglu(g, u, limit)
 
 
-def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, limit, n_init, shared):
+def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, limit, n_init, shared,
+                 tickets=False, n_tiles=1, interpret=False):
     """Program (j, t, s): block j's rows times expert e_j's weight tile t, over the s-th of split
     shares of K; see the module doc. shared: None, or (E, its SwiGLU limit): expert id E names
-    the shared expert, whose weights follow the routed experts' refs."""
+    the shared expert, whose weights follow the routed experts' refs. tickets ("fma" only): the
+    last program to finish a share of an output (`pallas_kernels.tickets`) sums the shares in
+    split order: up, the (j, t) tile's S shares -> SwiGLU -> h; down, column tile t of every
+    pair's S shares -> y [M, D] = sum_k w * out (the combine), each in the launch."""
     refs = list(refs)
     a_ref = refs.pop(0)  # up: x [M, D]; down: h [NB*BM, I]
     route_ref = refs.pop(0)  # direct: topk ids [P] (the routed P - 1 with a shared expert); else block_expert [NBP]
     sorted_ref = None if direct else refs.pop(0)  # [S]
     wrefs = pop_weight_refs(refs, qm)
     shared_wrefs = None if shared is None else pop_weight_refs(refs, qm)
-    del refs[:n_init]  # aliased initial outputs (tests poison them): only the output ref is used
-    out_ref = refs.pop(0)  # up: h [NB*BM, I], or (split) partials [S, NB*BM, 2I] f32; down: out [S, P + 1, D] f32
+    pair_w_ref = refs.pop(0) if tickets and stage == "down" else None  # [P] fp32: each pair's combine weight
+    del refs[:n_init + tickets]  # aliased initial outputs (tests poison them; the counters): output refs used
+    # up: h [NB*BM, I], or (split, no tickets) partials [S, NB*BM, 2I] f32; down: out [S, P + 1, D] f32,
+    # or with tickets y [M, D], the partials and the counters after it.
+    out_ref = refs.pop(0)
+    part_ref, counters_ref = (refs.pop(0), refs.pop(0)) if tickets else (out_ref, None)
 
     j, t, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if direct and shared is not None:  # the last pair is the shared expert's: route holds the p - 1 routed
@@ -357,9 +366,9 @@ def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, li
         acc = expert_tile(wrefs, qm, e, t, a_load, n_k=n_k, bk=bk, bn=bn, bm=bm, fma=fma, groups=share)
         if stage == "up" and split > 1:  # raw (gate, up) partial sums: SwiGLU after their sum
             if fma:
-                out_ref[s, j, pl.ds(t * bn, bn)] = acc
+                part_ref[s, j, pl.ds(t * bn, bn)] = acc
             else:
-                out_ref[s, pl.ds(j * bm, bm), pl.ds(t * bn, bn)] = acc
+                part_ref[s, pl.ds(j * bm, bm), pl.ds(t * bn, bn)] = acc
         elif stage == "up":
             h = swiglu_columns(acc, limit).astype(out_ref.dtype)  # padding rows: x = 0 -> h = 0
             if fma:
@@ -367,11 +376,11 @@ def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, li
             else:
                 out_ref[pl.ds(j * bm, bm), pl.ds(t * (bn // 2), bn // 2)] = h
         elif fma:
-            out_ref[s, pair, pl.ds(t * bn, bn)] = acc
+            part_ref[s, pair, pl.ds(t * bn, bn)] = acc
         else:
             rows = jnp.where(valid, pair, p)[:, None]  # padding goes nowhere (masked, row P)
             cols = (t * bn + jnp.arange(bn, dtype=jnp.int32))[None, :]
-            pltriton.store(out_ref.at[s, rows, cols], acc, mask=valid[:, None])
+            pltriton.store(part_ref.at[s, rows, cols], acc, mask=valid[:, None])
 
     if shared is None:
         pl.when(e >= 0)(lambda: block(wrefs, e, limit))
@@ -379,15 +388,55 @@ def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, li
         n_experts, shared_limit = shared
         pl.when((e >= 0) & (e < n_experts))(lambda: block(wrefs, e, limit))
         pl.when(e == n_experts)(lambda: block(shared_wrefs, jnp.zeros((), jnp.int32), shared_limit))
+    if not tickets:
+        return
+
+    # Every program takes a ticket (unused blocks too); the last of its output finishes the sum.
+    def barrier():  # the program's threads; the interpreter runs a program as one
+        if not interpret:
+            pltriton.debug_barrier()
+
+    counter = j * n_tiles + t if stage == "up" else t
+    barrier()  # every thread's share stored before the ticket (an acquire-release atomic)
+    ticket = pltriton.atomic_add(counters_ref, counter, jnp.int32(1))
+    barrier()
+    arrivals = split if stage == "up" else pl.num_programs(0) * split
+
+    @pl.when(ticket == arrivals - 1)
+    def _():
+        if stage == "up":
+            total = part_ref[0, j, pl.ds(t * bn, bn)]
+            for s_ in range(1, split):
+                total = total + part_ref[s_, j, pl.ds(t * bn, bn)]
+            lim = limit
+            if shared is not None and (limit is not None or shared[1] is not None):
+                inf = float("inf")
+                lim = jnp.where(e == shared[0], inf if shared[1] is None else shared[1], inf if limit is None else limit)
+            out_ref[j, pl.ds(t * (bn // 2), bn // 2)] = swiglu_columns(total, lim).astype(out_ref.dtype)
+        else:
+            for m in range(out_ref.shape[0]):  # tokens: y[m] = sum over its k pairs of w * (sum of shares)
+                y = None
+                for i in range(k):
+                    pr = m * k + i
+                    share = part_ref[0, pr, pl.ds(t * bn, bn)]
+                    for s_ in range(1, split):
+                        share = share + part_ref[s_, pr, pl.ds(t * bn, bn)]
+                    term = share * pair_w_ref[pr]
+                    y = term if y is None else y + term
+                out_ref[m, pl.ds(t * bn, bn)] = y.astype(out_ref.dtype)
+        counters_ref[counter] = jnp.int32(0)  # zero again for the next ticket kernel
 
 
 def _gemm(stage, a, route, sorted_pairs, w, *, n_blocks, k, p, plan: Plan, gp: GemmPlan, out_shape,
-          limit, interpret, init=None, shared=None):
+          limit, interpret, init=None, shared=None, counters=None, pair_weights=None, partials=None):
     """One expert-GEMM pallas_call (stage "up" or "down"), grid (n_blocks, N / BN, split).
 
     route: topk ids [P] when sorted_pairs is None (direct), else block_expert [NBP].
     init: an initial output to alias (tests poison it). shared: None, or (the shared expert's
-    weights for this GEMM, its SwiGLU limit): blocks of expert E = w's E read them."""
+    weights for this GEMM, its SwiGLU limit): blocks of expert E = w's E read them.
+    counters ("fma", split K): the shares summed in the launch by tickets (`pallas_kernels.tickets`):
+    out_shape is then h (up) or y [M, D] (down), partials the shares' scratch, pair_weights [P]
+    fp32 (down) the combine's weights; returns (out, partials, counters)."""
     dot = plan.path == "dot"
     ops = weight_operands(w, gp.block_k, gp.block_n, dot=dot, stage=stage)
     qm, bk, bn, n_k, n_tiles, w_inputs = ops.qm, ops.bk, ops.bn, ops.n_k, ops.n_tiles, ops.inputs
@@ -398,18 +447,28 @@ def _gemm(stage, a, route, sorted_pairs, w, *, n_blocks, k, p, plan: Plan, gp: G
         raise ValueError(f"plan: split={gp.split} must divide the {stage} GEMM's "
                          + (f"groups of K ({qm.n_groups})" if qm else f"steps of K ({n_k} of {bk})"))
     direct = sorted_pairs is None
+    tickets = counters is not None
+    if tickets and (plan.path != "fma" or gp.split == 1 or init is not None):
+        raise ValueError("tickets sum the split shares of the 'fma' path (no poisoned init)")
     inputs = [a, route] + ([] if direct else [sorted_pairs]) + w_inputs
+    if tickets and stage == "down":
+        inputs.append(pair_weights)
     inits = [] if init is None else [init]
+    aliases = {len(inputs) + i: i for i in range(len(inits))}
+    if tickets:  # out, the shares' scratch, the counters (aliased)
+        out_shape = (out_shape, partials, jax.ShapeDtypeStruct(counters.shape, counters.dtype))
+        aliases[len(inputs)] = 2
+        inits.append(counters)
     kernel = functools.partial(
         _gemm_kernel, stage=stage, direct=direct, k=k, p=p, bm=plan.block_m,
-        fma=plan.path == "fma", n_k=n_k, bk=bk, bn=bn, qm=qm, split=gp.split, limit=limit, n_init=len(inits),
-        shared=shared)
+        fma=plan.path == "fma", n_k=n_k, bk=bk, bn=bn, qm=qm, split=gp.split, limit=limit,
+        n_init=len(inits) - tickets, shared=shared, tickets=tickets, n_tiles=n_tiles, interpret=interpret)
     bits = "" if qm is None else f"_int{qm.bits}"
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(n_blocks, n_tiles, gp.split),
-        input_output_aliases={len(inputs) + i: i for i in range(len(inits))},
+        input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=gp.num_warps, num_stages=gp.num_stages),
         name=f"fused_moe_{stage}_{plan.path}{bits}",
@@ -458,6 +517,11 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
 
     common = dict(n_blocks=nb, k=k, p=p, plan=plan, limit=swiglu_limit, interpret=interpret)
     up_shared, down_shared = (None, None) if shared is None else ((shared.w13, shared.swiglu_limit), (shared.w2, None))
+    scope = tickets.current()
+    if (scope is not None and m == 1 and plan.path == "fma" and not poison
+            and _ticket_counters(w13, w2, plan, nb) <= tickets.CAPACITY):  # the sums in the launches
+        return _run_tickets(x, topk_weights, w13, w2, route, act, plan, su, sd, rows, scope, up_shared,
+                            down_shared, common)
     h = _gemm("up", x.astype(act), route, sorted_pairs, w13, gp=plan.up, out_shape=h_shape,
               init=nan(h_shape), shared=up_shared, **common)
     # A split up GEMM's partials: summed in a fixed order (an unrolled chain of adds, so that XLA
@@ -477,6 +541,43 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
     w = topk_weights.astype(jnp.float32)[..., None]  # [M, k, 1]
     y = jnp.sum(jnp.sum(out[:, :p], axis=0).reshape(m, k, d) * w, axis=1)  # one XLA fusion, fp32
     return y.astype(x.dtype), h, out
+
+
+def _ticket_counters(w13, w2, plan: Plan, n_blocks: int) -> int:
+    """The counters the ticket sums of a one-token call use: a (block, tile) each in the up GEMM,
+    a column tile each in the down GEMM (one after the other, so the larger)."""
+    up = weight_operands(w13, plan.up.block_k, plan.up.block_n, dot=False, stage="up").n_tiles
+    down = weight_operands(w2, plan.down.block_k, plan.down.block_n, dot=False, stage="down").n_tiles
+    return max(n_blocks * up, down)
+
+
+def _run_tickets(x, topk_weights, w13, w2, route, act, plan, su, sd, rows, scope, up_shared, down_shared, common):
+    """`_run` at one token inside a tickets scope: h from the up GEMM's launch (its split shares
+    summed and SwiGLU'd by tickets) and y from the down GEMM's (the combine by tickets)."""
+    e, d, i = expert_dims(w13, w2)
+    p = common["p"]
+    h_shape = jax.ShapeDtypeStruct((rows, i), act)
+    if su > 1:
+        n = scope.take(_ticket_counters(w13, w2, plan, common["n_blocks"]))
+        h, _, counters = _gemm("up", x.astype(act), route, None, w13, gp=plan.up, out_shape=h_shape,
+                               shared=up_shared, counters=n,
+                               partials=jax.ShapeDtypeStruct((su, rows, 2 * i), jnp.float32), **common)
+        scope.give(counters)
+    else:
+        h = _gemm("up", x.astype(act), route, None, w13, gp=plan.up, out_shape=h_shape, shared=up_shared, **common)
+    y_shape = jax.ShapeDtypeStruct((x.shape[0], d), x.dtype)
+    out_shape = jax.ShapeDtypeStruct((sd, p + 1, d), jnp.float32)
+    if sd == 1:  # nothing to sum across programs: the combine stays XLA's
+        out = _gemm("down", h, route, None, w2, gp=plan.down, out_shape=out_shape, shared=down_shared, **common)
+        w = topk_weights.astype(jnp.float32)[..., None]
+        y = jnp.sum(out[0, :p].reshape(*topk_weights.shape, d) * w, axis=1)
+        return y.astype(x.dtype), h, out
+    y, out, counters = _gemm("down", h, route, None, w2, gp=plan.down, out_shape=y_shape, shared=down_shared,
+                             counters=scope.take(_ticket_counters(w13, w2, plan, common["n_blocks"])),
+                             pair_weights=topk_weights.astype(jnp.float32).reshape(-1),
+                             partials=out_shape, **common)
+    scope.give(counters)
+    return y, h, out
 
 
 def _row_limits(route, block_m: int, e: int, limit, shared_limit):

@@ -20,8 +20,9 @@ lane i lines up with, sums over the group and applies the group's scale once. Tw
          each thread owns whole columns, so the sum over K stays in its registers).
   "mma": u - z cast to bf16 (exact) and a tensor-core dot with x padded to 16 rows (M > 2).
 Accumulation is float32 throughout. S = 1 writes bf16 y directly; S > 1 (split-K, so a small N
-still fills the GPU) writes float32 partials [S, M, N_pad] that one XLA fusion sums. Dequantised
-weights never leave registers.
+still fills the GPU) writes float32 partials [S, M, N_pad] that one XLA fusion sums, or, inside a
+`pallas_kernels.tickets` scope, that the tile's last program sums in split order (the same launch).
+Dequantised weights never leave registers.
 
 Bytes moved: n_active/T * qw.nbytes of weights (words + scales + zeros, each read once; skipped
 tiles are never addressed), x (M*K*2, L2 resident after the first programs) and y (M*N*2; plus
@@ -42,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import tickets
 from pallas_kernels.backend import resolve
 from pallas_kernels.quant import QuantizedWeight, dequantize
 
@@ -109,7 +111,8 @@ def lanes(words, bits, zero, magic):
         yield i, f * (2.0**-off) - (2.0 ** (23 - off) + zero)
 
 
-def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, n_init, count):
+def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, n_init, count, tickets,
+            interpret):
     refs = list(refs)
     x_ref = refs.pop(0)  # [M, K] bf16
     magic_ref = refs.pop(0)  # [1] uint32: 0x4B000000
@@ -117,9 +120,10 @@ def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, 
     words_ref = refs.pop(0)  # [T, WPR, B_N] uint32
     scales_ref = refs.pop(0)  # [T, NG, B_N] bf16
     zeros_ref = None if symmetric else refs.pop(0)
-    del refs[:n_init]  # aliased initial values of the outputs: only their output refs are used
-    out_ref = refs.pop(0)  # S == 1: y [M, N] bf16; S > 1: partials [S, M, N_pad] f32
+    del refs[:n_init + tickets]  # aliased initial values of the outputs: only their output refs are used
+    out_ref = refs.pop(0)  # S == 1 or tickets: y [M, N] bf16; else partials [S, M, N_pad] f32
     touch_ref = refs.pop(0) if count else None  # [T, WPR] int32: rows of words read
+    part_ref, counters_ref = (refs.pop(0), refs.pop(0)) if tickets else (out_ref, None)  # [S, M, N_pad] f32
 
     wpg = group_size * bits // 32
     cw = min(wpg, plan.chunk_words)
@@ -192,32 +196,58 @@ def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, 
 
     cols = t * block_n + jnp.arange(block_n)
     ragged = n % block_n != 0
-    if plan.split == 1:
+
+    def store_y(rows_of_y):  # [M or 16] rows of [B_N] fp32 -> y (bf16), masked to the real rows and columns
         if mma:
-            mask = row_ok & (cols[None, :] < n)
-            pltriton.store(
-                out_ref.at[pl.ds(0, MMA_ROWS), pl.ds(t * block_n, block_n)],
-                acc.astype(out_ref.dtype),
-                mask=mask,
-            )
+            pltriton.store(out_ref.at[pl.ds(0, MMA_ROWS), pl.ds(t * block_n, block_n)],
+                           rows_of_y.astype(out_ref.dtype), mask=row_ok & (cols[None, :] < n))
         else:
             for r in range(m):
-                pltriton.store(
-                    out_ref.at[jnp.int32(r), pl.ds(t * block_n, block_n)],
-                    acc[r].astype(out_ref.dtype),
-                    mask=cols < n if ragged else None,
-                )
-    elif mma:
-        pltriton.store(
-            out_ref.at[split, pl.ds(0, MMA_ROWS), pl.ds(t * block_n, block_n)], acc, mask=row_ok
-        )
+                pltriton.store(out_ref.at[jnp.int32(r), pl.ds(t * block_n, block_n)],
+                               rows_of_y[r].astype(out_ref.dtype), mask=cols < n if ragged else None)
+
+    if plan.split == 1:
+        store_y(acc)
+        return
+    if mma:
+        pltriton.store(part_ref.at[split, pl.ds(0, MMA_ROWS), pl.ds(t * block_n, block_n)], acc, mask=row_ok)
     else:
         for r in range(m):
-            out_ref[split, jnp.int32(r), pl.ds(t * block_n, block_n)] = acc[r]
+            part_ref[split, jnp.int32(r), pl.ds(t * block_n, block_n)] = acc[r]
+    if not tickets:
+        return
+
+    # The tile's last program to arrive sums the S shares in split order (`pallas_kernels.tickets`).
+    def barrier():  # the program's threads; the interpreter runs a program as one
+        if not interpret:
+            pltriton.debug_barrier()
+
+    barrier()  # every thread's share stored before the ticket (an acquire-release atomic)
+    ticket = pltriton.atomic_add(counters_ref, t, jnp.int32(1))
+    barrier()
+
+    @pl.when(ticket == plan.split - 1)
+    def _():
+        if mma:  # the partials hold M rows: the 16 of a tile masked to them
+            def share(s_):
+                return pltriton.load(part_ref.at[s_, pl.ds(0, MMA_ROWS), pl.ds(t * block_n, block_n)],
+                                     mask=row_ok, other=0.0)
+
+            total = share(0)
+            for s_ in range(1, plan.split):
+                total = total + share(s_)
+        else:
+            total = [part_ref[0, jnp.int32(r), pl.ds(t * block_n, block_n)] for r in range(m)]
+            for s_ in range(1, plan.split):
+                total = [a + part_ref[s_, jnp.int32(r), pl.ds(t * block_n, block_n)] for r, a in enumerate(total)]
+        store_y(total)
+        counters_ref[t] = jnp.int32(0)  # zero again for the next ticket kernel
 
 
-def _launch(x, qw: QuantizedWeight, tiles, plan: Plan, *, interpret, init=None, count=False):
-    """One pallas_call. init: initial output (aliased; needed when tiles are skipped).
+def _launch(x, qw: QuantizedWeight, tiles, plan: Plan, *, interpret, init=None, count=False, counters=None):
+    """One pallas_call. init: initial output (aliased; needed when tiles are skipped). counters:
+    split K with tickets (`pallas_kernels.tickets`; every tile computed): y in the launch, and the
+    counters' buffer returned after y (aliased).
 
     Returns the raw output (y or the split partials) and, with count=True, the touch counts.
     """
@@ -230,10 +260,14 @@ def _launch(x, qw: QuantizedWeight, tiles, plan: Plan, *, interpret, init=None, 
         raise ValueError("the mma path needs >= 16 words per group (tl.dot's K >= 16)")
     if count and init is None:
         raise ValueError("count=True needs init (the aliased outputs are positional)")
-    if plan.split == 1:
+    tickets = counters is not None and plan.split > 1
+    if tickets and (tiles is not None or count):
+        raise ValueError("split K with tickets computes every tile (tiles=None) and counts nothing")
+    partials = jax.ShapeDtypeStruct((plan.split, m, qw.n_tiles * qw.block_n), jnp.float32)
+    if plan.split == 1 or tickets:
         out_shape = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
     else:
-        out_shape = jax.ShapeDtypeStruct((plan.split, m, qw.n_tiles * qw.block_n), jnp.float32)
+        out_shape = partials
     magic = jnp.array([0x4B000000], jnp.uint32)
     inputs = [x, magic] + ([] if tiles is None else [tiles]) + [qw.words, qw.scales]
     inputs += [] if qw.symmetric else [qw.zeros]
@@ -244,6 +278,10 @@ def _launch(x, qw: QuantizedWeight, tiles, plan: Plan, *, interpret, init=None, 
         out_shapes.append(jax.ShapeDtypeStruct(qw.words.shape[:2], jnp.int32))
         inits.append(jnp.zeros(qw.words.shape[:2], jnp.int32))
     aliases = {len(inputs) + i: i for i in range(len(inits))}
+    if tickets:  # the partials (scratch), then the counters, aliased
+        out_shapes += [partials, jax.ShapeDtypeStruct(counters.shape, counters.dtype)]
+        aliases[len(inputs) + len(inits)] = len(out_shapes) - 1
+        inits.append(counters)
     kernel = functools.partial(
         _kernel,
         m=m,
@@ -254,8 +292,10 @@ def _launch(x, qw: QuantizedWeight, tiles, plan: Plan, *, interpret, init=None, 
         block_n=qw.block_n,
         plan=plan,
         has_tiles=tiles is not None,
-        n_init=len(inits),
+        n_init=len(inits) - tickets,
         count=count,
+        tickets=tickets,
+        interpret=interpret,
     )
     outs = pl.pallas_call(
         kernel,
@@ -268,6 +308,8 @@ def _launch(x, qw: QuantizedWeight, tiles, plan: Plan, *, interpret, init=None, 
         ),
         name=f"qmatvec_{plan.path}_int{qw.bits}",
     )(*inputs, *inits)
+    if tickets:
+        return outs[0], outs[-1]
     return outs if count else outs[0]
 
 
@@ -370,5 +412,11 @@ def qmatvec(x, qw: QuantizedWeight, *, tiles=None, backend="auto", plan=None):
         shape = (x.shape[0], qw.shape[0]) if plan.split == 1 else (
             plan.split, x.shape[0], qw.n_tiles * qw.block_n)
         init = jnp.zeros(shape, jnp.bfloat16 if plan.split == 1 else jnp.float32)
+    scope = tickets.current()
+    if scope is not None and plan.split > 1 and tiles is None and qw.n_tiles <= tickets.CAPACITY:
+        y, counters = _launch(x, qw, tiles, plan, interpret=backend == "interpret",
+                              counters=scope.take(qw.n_tiles))
+        scope.give(counters)
+        return y
     out = _launch(x, qw, tiles, plan, interpret=backend == "interpret", init=init)
     return _finish(out, qw.shape[0], plan)

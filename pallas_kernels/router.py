@@ -50,9 +50,10 @@ def reference(logits, expert_bias, *, top_k: int, n_group: int, topk_group: int,
     return w * scale, ids.astype(jnp.int32)
 
 
-def _select_kernel(logits_ref, bias_ref, w_ref, ids_ref, *, top_k, topk_group, scale, norm):
-    scores = jax.nn.sigmoid(logits_ref[...])  # [G, E/G]
-    choice = scores + bias_ref[...]
+def _select(logits, bias, *, top_k, topk_group, scale, norm):
+    """One token's selection in a program: logits, bias [G, E/G] fp32 -> (weights, ids) [k]."""
+    scores = jax.nn.sigmoid(logits)  # [G, E/G]
+    choice = scores + bias
     g, eg = choice.shape
     col = jax.lax.broadcasted_iota(jnp.int32, (g, eg), 1)
     if g > 1:
@@ -82,8 +83,52 @@ def _select_kernel(logits_ref, bias_ref, w_ref, ids_ref, *, top_k, topk_group, s
     ws = jnp.sum(jnp.where(picked, scores[None, :], 0.0), axis=1)
     if norm:
         ws = ws / (jnp.sum(ws) + 1e-20)
-    w_ref[...] = ws * scale
-    ids_ref[...] = ids
+    return ws * scale, ids
+
+
+def _select_kernel(logits_ref, bias_ref, w_ref, ids_ref, *, top_k, topk_group, scale, norm):
+    w_ref[...], ids_ref[...] = _select(logits_ref[...], bias_ref[...], top_k=top_k, topk_group=topk_group,
+                                       scale=scale, norm=norm)
+
+
+GATE_ROWS = 4  # experts a program of the fused router computes the logits of
+GATE_CHUNK = 512  # columns of D a load covers at most (the largest power of two dividing D, up to this)
+
+
+def _route_kernel(x_ref, gate_ref, bias_ref, counters_ref_in, logits_ref, w_ref, ids_ref, counters_ref, *,
+                  m, n_group, top_k, topk_group, scale, norm, chunk, interpret):
+    """Program i: the logits of experts [4i, 4i + 4) for every token (fp32 dot over D in chunks,
+    every chunk's loads issued before the sums), stored; then a ticket; the last program reads all
+    logits back and selects (`_select`), token by token."""
+    del counters_ref_in  # aliased: the output ref is used
+    i = pl.program_id(0)
+    d = x_ref.shape[1]
+    e = logits_ref.shape[1]
+    rows = pl.ds(i * GATE_ROWS, GATE_ROWS)
+    chunks = [pl.ds(c * chunk, chunk) for c in range(d // chunk)]
+    ws = [gate_ref[rows, c] for c in chunks]  # [4, CHUNK] fp32 each
+    for r in range(m):
+        xs = [x_ref[r, c].astype(jnp.float32) for c in chunks]
+        acc = sum(w * xc[None, :] for w, xc in zip(ws, xs))  # [4, CHUNK]: the chunks added elementwise first
+        logits_ref[r, rows] = jnp.sum(acc, axis=1)
+
+    def barrier():  # the program's threads; the interpreter runs a program as one
+        if not interpret:
+            pltriton.debug_barrier()
+
+    barrier()  # every thread's logits stored before the ticket (an acquire-release atomic)
+    ticket = pltriton.atomic_add(counters_ref, jnp.int32(0), jnp.int32(1))
+    barrier()
+
+    @pl.when(ticket == pl.num_programs(0) - 1)
+    def _():
+        bias = bias_ref[...].reshape(n_group, e // n_group)
+        for r in range(m):
+            w, ids = _select(logits_ref[r, :].reshape(n_group, e // n_group), bias, top_k=top_k,
+                             topk_group=topk_group, scale=scale, norm=norm)
+            w_ref[r, :] = w
+            ids_ref[r, :] = ids
+        counters_ref[jnp.int32(0)] = jnp.int32(0)  # zero again for the next ticket kernel
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "n_group", "topk_group", "scale", "norm", "interpret"))
@@ -106,6 +151,45 @@ def _select_pallas(logits, expert_bias, *, top_k, n_group, topk_group, scale, no
 
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "n_group", "topk_group", "scale", "norm", "interpret"))
+def _route_pallas(x, gate, expert_bias, counters, *, top_k, n_group, topk_group, scale, norm, interpret):
+    m, d = x.shape
+    e = gate.shape[0]
+    kernel = functools.partial(_route_kernel, m=m, n_group=n_group, top_k=top_k, topk_group=topk_group,
+                               scale=scale, norm=norm, chunk=min(GATE_CHUNK, d & -d), interpret=interpret)
+    whole = lambda *shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
+    _, w, ids, counters = pl.pallas_call(
+        kernel,
+        grid=(e // GATE_ROWS,),
+        in_specs=[whole(m, d), whole(e, d), whole(e), whole(*counters.shape)],
+        out_specs=[whole(m, e), whole(m, top_k), whole(m, top_k), whole(*counters.shape)],
+        out_shape=[jax.ShapeDtypeStruct((m, e), jnp.float32), jax.ShapeDtypeStruct((m, top_k), jnp.float32),
+                   jax.ShapeDtypeStruct((m, top_k), jnp.int32), jax.ShapeDtypeStruct(counters.shape, jnp.int32)],
+        input_output_aliases={3: 3},
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="router",
+    )(x, gate.astype(jnp.float32), expert_bias.astype(jnp.float32), counters)
+    return w, ids, counters
+
+
+def gate_and_select(x, gate, expert_bias, counters, *, top_k: int, n_group: int, topk_group: int,
+                    scale: float = 1.0, norm: bool = True, backend: str = "auto"):
+    """The gate's logits (x [M, D] @ gate [E, D]ᵀ in fp32) and the selection in one launch, by a
+    ticket (`pallas_kernels.tickets`): (weights [M, k], ids [M, k], the counters after it), or
+    None where it does not apply (the reference backend; G, E/G or k not a power of two; D
+    without a power-of-two factor of 16; more than 16 tokens). The logits are fp32 dots summed in
+    their own order, so a near-tie may choose otherwise than XLA's dot would."""
+    m, d = x.shape
+    e = gate.shape[0]
+    backend = resolve(backend)
+    if (backend == "reference" or m > 16 or (d & -d) < 16 or e % GATE_ROWS
+            or not all(map(_pow2, (n_group, e // n_group, top_k)))):
+        return None
+    return _route_pallas(x, gate, expert_bias, counters, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                         scale=float(scale), norm=norm, interpret=backend == "interpret")
 
 
 def select_experts(logits, expert_bias, *, top_k: int, n_group: int, topk_group: int, scale: float = 1.0,

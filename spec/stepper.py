@@ -6,6 +6,7 @@ prefilled slots into others (`copy_slots`: a prompt prefilled once for several c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -14,6 +15,8 @@ import numpy as np
 from flax import nnx
 
 from ling.model import LingModel
+from pallas_kernels.tickets import CAPACITY as TICKETS
+from pallas_kernels.tickets import scope as ticket_scope
 from ling.state import MLACache
 from spec.sampling import SamplingParams
 from spec.step import (Slots, check_model, copy_slots, last_at, live_sampling, prefill_program, reset,
@@ -151,8 +154,8 @@ class Stepper:
     One CUDA graph a step, replayed as recorded: XLA replays a step's command buffer unchanged only
     while every buffer it touches keeps its address, and otherwise updates its several hundred
     nodes on the host first (one to two milliseconds). So the step's only outputs are the
-    slots and `count` [B] (tokens each slot's last step emitted), both donated and written in
-    place, and a bucket's row indices live in a device buffer of their own that is rewritten only
+    slots and `count` [B] (tokens each slot's last step emitted; with tickets, the counters too),
+    donated and written in place, and a bucket's row indices live in a device buffer of their own that is rewritten only
     when they change. The tokens are read by a second, small program (`report`) queued behind the
     step, whose fresh output is copied to the host as soon as it is queued.
 
@@ -161,11 +164,15 @@ class Stepper:
     16-layer model, which is host time the device waits for once a step is shorter than it.
 
     drafter: the speculative step's drafter (None: the NEXTN chain; `spec.step.BlockDrafter`: the
-    model's DSpark drafter, num_steps its block)."""
+    model's DSpark drafter, num_steps its block). tickets: the step's split-K matvecs sum their
+    partials in their own launch (`pallas_kernels.tickets`: one launch a projection instead of
+    two), over a counters buffer the step donates and gets back zeroed, like `count`."""
 
     def __init__(self, model: LingModel, slots: Slots, *, speculative: bool = True, num_steps: int = 5,
-                 buckets=None, contexts=None, drafter=None):
+                 buckets=None, contexts=None, drafter=None, tickets: bool = False):
         check_model(model, speculative, drafter)
+        if tickets and getattr(model, "mesh", None) is not None:
+            raise ValueError("tickets: the counters serve one device's kernels; this model is expert-parallel")
         self._params, merge = _flat_weights(model)
         paths, self._slot_def = jax.tree_util.tree_flatten_with_path(slots)
         self._slots = [leaf for _, leaf in paths]
@@ -182,26 +189,28 @@ class Stepper:
         self.width = width = num_steps + 1 if speculative else 1
         slot_def = self._slot_def
 
-        def run(param_leaves, slot_leaves, count, rows, chunk, sampling, logprobs, context, chunk_logprobs):
+        def run(param_leaves, slot_leaves, counts, rows, chunk, sampling, logprobs, context, chunk_logprobs):
+            count, counters = counts
             full = jax.tree_util.tree_unflatten(slot_def, slot_leaves)
             model = merge(param_leaves)
             s = gather_rows(full, rows, context)
             before = s.n_out
-            program = step_program(speculative, num_steps, sampling, drafter, logprobs=logprobs)(model, s)
-            if chunk is None:
-                s = run_program(model, program)
-            else:  # the mixed iteration: the chunk's rows beside the step's, one forward for both
-                chunk_rows, packed = chunk
-                p = gather_rows(full, chunk_rows, context)
-                s, p = run_together(model, [program, prefill_step_program(
-                    model, p, *_unpack_chunk(packed, _chunk_width(packed)), sampling=sampling,
-                    logprobs=chunk_logprobs)])
+            with contextlib.nullcontext() if counters is None else ticket_scope(counters) as scope:
+                program = step_program(speculative, num_steps, sampling, drafter, logprobs=logprobs)(model, s)
+                if chunk is None:
+                    s = run_program(model, program)
+                else:  # the mixed iteration: the chunk's rows beside the step's, one forward for both
+                    chunk_rows, packed = chunk
+                    p = gather_rows(full, chunk_rows, context)
+                    s, p = run_together(model, [program, prefill_step_program(
+                        model, p, *_unpack_chunk(packed, _chunk_width(packed)), sampling=sampling,
+                        logprobs=chunk_logprobs)])
             emitted = s.n_out - before
             count = count.at[slice(None) if rows is None else rows].set(emitted)  # in place: a use of count
             full = scatter_rows(full, rows, s, context)
             if chunk is not None:  # after the step's rows: a step over every slot also ran the chunk's (done) rows
                 full = scatter_rows(full, chunk[0], p, context)
-            return jax.tree_util.tree_leaves(full), count
+            return jax.tree_util.tree_leaves(full), (count, None if scope is None else scope.buffer)
 
         def report(out, n_out, done, lp, top_ids, count, rows, logprobs):
             """[K, width + 2]: the new tokens (padded), their number and the done flag of the rows
@@ -219,7 +228,8 @@ class Stepper:
         self._report = jax.jit(report, static_argnums=7)
         # Placed as the slots are: a first step that met an uncommitted count would compile a
         # program of its own that no later step (whose count is the committed output) runs.
-        self._count = jax.device_put(np.zeros(self.batch, np.int32), slots.done.sharding)
+        count = jax.device_put(np.zeros(self.batch, np.int32), slots.done.sharding)
+        self._counts = (count, jax.device_put(np.zeros(TICKETS, np.int32), slots.done.sharding) if tickets else None)
         self._kept = KeptBuffers()  # each bucket's rows
         self._pending = None
 
@@ -237,7 +247,7 @@ class Stepper:
     def lower(self):
         """The step program over every slot (greedy, without logprobs) lowered for the current slots,
         for inspecting its HLO."""
-        return self._step.lower(self._params, self._slots, self._count, None, None, self.sampling, False, None, False)
+        return self._step.lower(self._params, self._slots, self._counts, None, None, self.sampling, False, None, False)
 
     def rows(self, live) -> np.ndarray | None:
         """The slot indices a step over `live` [B] bool runs (`bucket_rows`; None: every slot)."""
@@ -267,9 +277,9 @@ class Stepper:
                 raise ValueError("a mixed iteration's chunk must name its rows, and run over slots the step does not")
             context, extra, chunk_logprobs = chunk.context, (chunk.rows_on_device, chunk.packed), chunk.logprobs
             sampling = sampling or chunk.sampling
-        self._slots, self._count = self._step(self._params, self._slots, self._count, on_device, extra,
-                                              bool(sampling), bool(logprobs), context, chunk_logprobs)
-        report = self._report(*(self._slots[i] for i in self._read), self._count, on_device, bool(logprobs))
+        self._slots, self._counts = self._step(self._params, self._slots, self._counts, on_device, extra,
+                                               bool(sampling), bool(logprobs), context, chunk_logprobs)
+        report = self._report(*(self._slots[i] for i in self._read), self._counts[0], on_device, bool(logprobs))
         for a in jax.tree_util.tree_leaves(report):
             a.copy_to_host_async()
         self._pending = (report, rows)

@@ -124,16 +124,18 @@ def test_context_ladders_and_flag():
             parse_args(["--context-buckets", bad])
 
 
-def test_a_step_keeps_every_buffer_it_touches_in_place(model):
-    """The step writes the slots, the emitted counts and a bucket's rows where they are (donated and
-    aliased), so its CUDA graph is replayed without an update: no argument of the step moves."""
+@pytest.mark.parametrize("tickets", [False, True])
+def test_a_step_keeps_every_buffer_it_touches_in_place(model, tickets):
+    """The step writes the slots, the emitted counts (and the ticket counters) and a bucket's rows
+    where they are (donated and aliased), so its CUDA graph is replayed without an update: no
+    argument of the step moves."""
     b = 4
     p = [[3, 4, 5, 6], [7, 8, 9]]
     slots = new_slots(model, b, 40, 16)
     slots = prefill(model, slots, p + p, np.ones(b, bool), SamplingParams.make(b), np.full(b, 12), np.full(b, -1))
-    stepper = Stepper(model, slots, speculative=False, buckets=batch_buckets(b))
-    where = lambda: [a.unsafe_buffer_pointer() for a in (*stepper._slots, stepper._count)  # noqa: E731
-                     if a.size] + [buf.unsafe_buffer_pointer() for buf in stepper._kept.buffers()]
+    stepper = Stepper(model, slots, speculative=False, buckets=batch_buckets(b), tickets=tickets)
+    where = lambda: [a.unsafe_buffer_pointer() for a in (*stepper._slots, *stepper._counts)  # noqa: E731
+                     if a is not None and a.size] + [buf.unsafe_buffer_pointer() for buf in stepper._kept.buffers()]
     for live in ([True] * 4, [True, False, True, False], [False, True, True, False]):
         stepper.step(live=np.array(live))
         before = where()

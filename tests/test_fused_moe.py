@@ -315,3 +315,34 @@ def test_moe_block_uses_the_kernel(backend):
     want = np.asarray(moe(x).astype(jnp.float32))
     got = np.asarray(use_kernels(moe, backend)(x).astype(jnp.float32))
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)  # bf16 roundings differ
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("k,bits,limit,shared_limit", [(8, 4, None, 0.5), (3, 8, 0.5, None), (2, 4, 0.5, 1.0)])
+def test_one_token_sums_by_tickets_in_the_launches(backend, k, bits, limit, shared_limit):
+    """Inside a tickets scope a token's MoE is two launches: the up GEMM's split shares summed and
+    SwiGLU'd by tickets, the down GEMM's shares and the combine likewise; y agrees with float64
+    experts and with the two-fusion path, and the counters are zero after."""
+    from pallas_kernels import tickets
+
+    rng = np.random.default_rng([k, bits, 11])
+    w13, w2 = _weights(rng, bits, symmetric=bits != 8, group_size=64)
+    one = lambda w: jax.tree.map(lambda a: a[:1], w)  # noqa: E731
+    shared = experts.SharedExpert(*map(one, _weights(rng, bits, symmetric=bits != 8, group_size=64)), shared_limit)
+    x = jnp.asarray(rng.standard_normal((1, D)), jnp.bfloat16)
+    ids, w = _routing(rng, 1, k, "random")
+    plan = fm.plan_for(1, k + 1, True, experts.k_groups(w13, w2))
+    assert plan.up.split > 1 and plan.down.split > 1  # both GEMMs' shares cross programs
+
+    def call(x, counters):
+        with tickets.scope(counters) as scope:
+            y = fm.fused_moe(x, ids, w, w13, w2, swiglu_limit=limit, backend=backend, shared=shared)
+        return y, scope.buffer
+
+    y, counters = jax.jit(call)(x, tickets.zeros())
+    _check(y, x, ids, w, w13, w2, limit, shared)
+    plain = fm.fused_moe(x, ids, w, w13, w2, swiglu_limit=limit, backend=backend, shared=shared)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(plain, np.float32), rtol=2**-7, atol=1e-6)
+    assert not np.asarray(counters).any()
+    ops = [e.primitive.name for e in jax.make_jaxpr(call)(x, tickets.zeros()).jaxpr.eqns]
+    assert ops.count("pallas_call") == 2 and "reduce_sum" not in ops and "add" not in ops

@@ -105,3 +105,30 @@ def test_errors_name_the_argument(kwargs, name):
     x = kwargs.pop("x", jnp.ones((1, 256), jnp.bfloat16))
     with pytest.raises(ValueError, match=name):
         qmatvec(x, qw, **kwargs)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5]], ids=["fma-m3", "mma-m16", "fma-m2-split4"])
+def test_split_k_summed_by_tickets_in_the_launch(backend, case):
+    """Inside a tickets scope the split partials are summed by each tile's last program: the same
+    y as the XLA sum of the same partials (in split order both), every counter zero again after,
+    and the scope's buffer threaded through (two calls, one after the other)."""
+    from pallas_kernels import tickets
+
+    bits, group_size, symmetric, m, k, plan = case
+    x, qw = _problem(bits, group_size, symmetric, m, k, seed=11)
+    want = _finish(_launch(x, qw, None, plan, interpret=backend == "interpret"), qw.shape[0], plan)
+
+    def twice(x, counters):
+        with tickets.scope(counters) as scope:
+            y1 = qmatvec(x, qw, backend=backend, plan=plan)
+            y2 = qmatvec(x * 2, qw, backend=backend, plan=plan)
+        return y1, y2, scope.buffer
+
+    y1, y2, counters = jax.jit(twice)(x, tickets.zeros())
+    _check(y1, x, qw)
+    _check(y2, x * 2, qw)
+    np.testing.assert_allclose(np.asarray(y1, np.float32), np.asarray(want, np.float32), rtol=2**-8, atol=0)
+    assert not np.asarray(counters).any()
+    ops = [e.primitive.name for e in jax.make_jaxpr(twice)(x, tickets.zeros()).jaxpr.eqns]
+    assert ops.count("pallas_call") == 2 and "reduce_sum" not in ops  # no XLA sum after the launches

@@ -186,3 +186,38 @@ def test_row_layout_serves_the_tile_layouts_model(tmp_path):
         np.testing.assert_array_equal(ling.forward(model, tokens), tiles)
     with pytest.raises(ValueError, match="row layout"):
         ling.load(hub, quantize="int2", quantize_layout="rows", progress=False)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("speculative", [False, True])
+def test_ticket_sums_serve_the_same_tokens(backend, speculative):
+    """The Stepper with tickets (split-K matvecs summed in their own launch, the router's gate and
+    selection in one, the MoE's paths at one token; interpret mode) emits the greedy tokens it
+    emits without them, and hands back its counters all zero."""
+    from spec.generate import prefill
+    from spec.sampling import SamplingParams
+    from spec.step import new_slots
+    from spec.stepper import Stepper
+
+    model = ling.load("ling-tiny", dtype="float32", seed=3, quantize="int4", group_size=32, quantize_experts=True,
+                      kernels=backend)
+    prompts = [TOKENS[:9], TOKENS[3:14]]
+
+    def run(tickets):
+        slots = new_slots(model, 2, 48, 24)
+        slots = prefill(model, slots, prompts, np.ones(2, bool), SamplingParams.make(2), np.full(2, 12),
+                        np.full(2, -1))
+        stepper = Stepper(model, slots, speculative=speculative, num_steps=2, tickets=tickets)
+        tokens = [[], []]
+        for _ in range(3):
+            out = stepper.step()
+            for b, t in enumerate(out[0] if out else [[], []]):
+                tokens[b] += t
+        for b, t in enumerate(stepper.drain()[0]):
+            tokens[b] += t
+        return tokens, stepper._counts[1]
+
+    plain, _ = run(False)
+    with_tickets, counters = run(True)
+    assert with_tickets == plain and sum(map(len, plain)) > 0
+    assert not np.asarray(counters).any()

@@ -62,3 +62,39 @@ def test_kernel_matches_reference(backend, m, e, k, n_group, topk_group, norm):
 def test_bad_groups_are_named():
     with pytest.raises(ValueError, match="n_group=5"):
         select_experts(jnp.zeros((1, 64)), jnp.zeros(64), top_k=2, n_group=5, topk_group=1)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("m,d,e,k,n_group,topk_group", [(1, 2560, 512, 8, 8, 4), (6, 512, 64, 4, 8, 3),
+                                                         (2, 1024, 128, 2, 1, 1)])
+def test_gate_and_select_in_one_launch(backend, m, d, e, k, n_group, topk_group):
+    """The fused router (gate logits by every program, the selection by the last ticket) picks the
+    experts of the gate matmul followed by the selection kernel, with the same weights, and leaves
+    its counter zero; `route` takes it inside a tickets scope."""
+    import jax
+
+    from pallas_kernels import tickets
+    from pallas_kernels.router import gate_and_select
+
+    r = np.random.default_rng([m, d, e])
+    x = jnp.asarray(r.normal(size=(m, d)), jnp.bfloat16)
+    gate = jnp.asarray(r.normal(size=(e, d)) * 0.05, jnp.float32)
+    bias = jnp.asarray(r.normal(size=e) * 0.1, jnp.float32)
+    opts = dict(top_k=k, n_group=n_group, topk_group=topk_group, scale=2.5, norm=True)
+    w, ids, counters = gate_and_select(x, gate, bias, tickets.zeros(), backend=backend, **opts)
+    logits = jnp.dot(x.astype(jnp.float32), gate.T, precision=jax.lax.Precision.HIGHEST)
+    w_ref, ids_ref = select_experts(logits, bias, backend="reference", **opts)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-5)
+    assert not np.asarray(counters).any()
+
+    def routed(x, counters):
+        with tickets.scope(counters) as scope:
+            out = route(x, gate, bias, top_k=k, n_group=n_group, topk_group=topk_group,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, backend=backend)
+        return out, scope.buffer
+
+    (w2, ids2), _ = jax.jit(routed)(x, tickets.zeros())
+    np.testing.assert_array_equal(np.asarray(ids2), np.asarray(ids_ref))
+    program = str(jax.make_jaxpr(routed)(x, tickets.zeros()))
+    assert "dot_general" not in program and program.count("pallas_call") == 1  # no XLA gate, one launch

@@ -58,16 +58,16 @@ def programs(runner: Runner):
             on_device = None if rows is None else jnp.asarray(rows)
             for context in (*stepper.contexts, None):
                 yield f"step batch {k} context {context} {variant}", jax.make_jaxpr(
-                    stepper._step, static_argnums=(5, 6, 7, 8))(stepper._params, stepper._slots, stepper._count,
+                    stepper._step, static_argnums=(5, 6, 7, 8))(stepper._params, stepper._slots, stepper._counts,
                                                                 on_device, None, sampling, logprobs, context, False)
             # the mixed iteration: the step beside a one-row prefill chunk
             chunk = (jnp.zeros(1, jnp.int32), packed_chunk(prefiller, 1, c))
             for context in (*prefiller.contexts, None):
                 yield f"mixed step batch {k} context {context} {variant}", jax.make_jaxpr(
-                    stepper._step, static_argnums=(5, 6, 7, 8))(stepper._params, stepper._slots, stepper._count,
+                    stepper._step, static_argnums=(5, 6, 7, 8))(stepper._params, stepper._slots, stepper._counts,
                                                                 on_device, chunk, sampling, logprobs, context, logprobs)
             yield f"report batch {k} {variant}", jax.make_jaxpr(stepper._report, static_argnums=7)(
-                *(stepper._slots[i] for i in stepper._read), stepper._count, on_device, logprobs)
+                *(stepper._slots[i] for i in stepper._read), stepper._counts[0], on_device, logprobs)
         for k in stepper.buckets:  # every batch bucket's prefill chunk and the report of its first tokens
             rows = stepper.rows(np.arange(b) < k)
             n = b if rows is None else len(rows)
