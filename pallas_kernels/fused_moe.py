@@ -411,7 +411,8 @@ def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, li
             lim = limit
             if shared is not None and (limit is not None or shared[1] is not None):
                 inf = float("inf")
-                lim = jnp.where(e == shared[0], inf if shared[1] is None else shared[1], inf if limit is None else limit)
+                routed_lim = inf if limit is None else limit
+                lim = jnp.where(e == shared[0], inf if shared[1] is None else shared[1], routed_lim)
             out_ref[j, pl.ds(t * (bn // 2), bn // 2)] = swiglu_columns(total, lim).astype(out_ref.dtype)
         else:
             for m in range(out_ref.shape[0]):  # tokens: y[m] = sum over its k pairs of w * (sum of shares)

@@ -230,7 +230,7 @@ def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, 
     def _():
         if mma:  # the partials hold M rows: the 16 of a tile masked to them
             def share(s_):
-                return pltriton.load(part_ref.at[s_, pl.ds(0, MMA_ROWS), pl.ds(t * block_n, block_n)],
+                return pltriton.load(part_ref.at[jnp.int32(s_), pl.ds(0, MMA_ROWS), pl.ds(t * block_n, block_n)],
                                      mask=row_ok, other=0.0)
 
             total = share(0)

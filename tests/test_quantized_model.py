@@ -189,11 +189,11 @@ def test_row_layout_serves_the_tile_layouts_model(tmp_path):
 
 
 @pytest.mark.parametrize("backend", KERNELS)
-@pytest.mark.parametrize("speculative", [False, True])
-def test_ticket_sums_serve_the_same_tokens(backend, speculative):
-    """The Stepper with tickets (split-K matvecs summed in their own launch, the router's gate and
-    selection in one, the MoE's paths at one token; interpret mode) emits the greedy tokens it
-    emits without them, and hands back its counters all zero."""
+def test_ticket_sums_serve_the_same_tokens(backend, speculative=True):
+    """The speculative Stepper with tickets (split-K matvecs summed in their own launch at one
+    token and at the verify's, the router's gate and selection in one, the MoE at one token;
+    interpret mode) emits the greedy tokens it emits without them, and hands back its counters
+    all zero."""
     from spec.generate import prefill
     from spec.sampling import SamplingParams
     from spec.step import new_slots
