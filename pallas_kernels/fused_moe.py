@@ -20,7 +20,8 @@ rows and streams the s-th of S shares of expert e_j's [K, BN] weight tile t once
 exit before any load). S = 1 unless the plan splits K (`GemmPlan.split`: quantised weights at
 M = 1; bf16 where the grid is smaller than the GPU): then each program writes an fp32 partial ([S, rows, 2I] of raw gate/up
 sums; [S, P + 1, D]) and the XLA fusions after the GEMM (SwiGLU and h's rounding; the combine)
-sum them in a fixed order.
+sum them in a fixed order; at one token inside a `pallas_kernels.tickets` scope the last program
+of each output sums them in the launch instead (`_run_tickets`: two launches a MoE layer).
   up:   rows x[pair // k] (gathered) @ W13_e[:, tile]  -> swiglu -> h [NB*BM, I] (bf16, slot rows)
   down: rows h[slot] @ W2_e[:, tile]                   -> out [S, P + 1, D] float32 (pair rows;
         row P is the masked padding's address)
@@ -308,10 +309,10 @@ def swiglu_columns(acc, limit):
 
 
 def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, limit, n_init, shared,
-                 tickets=False, n_tiles=1, interpret=False):
+                 ticket_sums=False, n_tiles=1, interpret=False):
     """Program (j, t, s): block j's rows times expert e_j's weight tile t, over the s-th of split
     shares of K; see the module doc. shared: None, or (E, its SwiGLU limit): expert id E names
-    the shared expert, whose weights follow the routed experts' refs. tickets ("fma" only): the
+    the shared expert, whose weights follow the routed experts' refs. ticket_sums ("fma" only): the
     last program to finish a share of an output (`pallas_kernels.tickets`) sums the shares in
     split order: up, the (j, t) tile's S shares -> SwiGLU -> h; down, column tile t of every
     pair's S shares -> y [M, D] = sum_k w * out (the combine), each in the launch."""
@@ -321,12 +322,12 @@ def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, li
     sorted_ref = None if direct else refs.pop(0)  # [S]
     wrefs = pop_weight_refs(refs, qm)
     shared_wrefs = None if shared is None else pop_weight_refs(refs, qm)
-    pair_w_ref = refs.pop(0) if tickets and stage == "down" else None  # [P] fp32: each pair's combine weight
-    del refs[:n_init + tickets]  # aliased initial outputs (tests poison them; the counters): output refs used
+    pair_w_ref = refs.pop(0) if ticket_sums and stage == "down" else None  # [P] fp32: each pair's combine weight
+    del refs[:n_init + ticket_sums]  # aliased initial outputs (tests poison them; the counters): output refs used
     # up: h [NB*BM, I], or (split, no tickets) partials [S, NB*BM, 2I] f32; down: out [S, P + 1, D] f32,
     # or with tickets y [M, D], the partials and the counters after it.
     out_ref = refs.pop(0)
-    part_ref, counters_ref = (refs.pop(0), refs.pop(0)) if tickets else (out_ref, None)
+    part_ref, counters_ref = (refs.pop(0), refs.pop(0)) if ticket_sums else (out_ref, None)
 
     j, t, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if direct and shared is not None:  # the last pair is the shared expert's: route holds the p - 1 routed
@@ -388,7 +389,7 @@ def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, li
         n_experts, shared_limit = shared
         pl.when((e >= 0) & (e < n_experts))(lambda: block(wrefs, e, limit))
         pl.when(e == n_experts)(lambda: block(shared_wrefs, jnp.zeros((), jnp.int32), shared_limit))
-    if not tickets:
+    if not ticket_sums:
         return
 
     # Every program takes a ticket (unused blocks too); the last of its output finishes the sum.
@@ -448,22 +449,23 @@ def _gemm(stage, a, route, sorted_pairs, w, *, n_blocks, k, p, plan: Plan, gp: G
         raise ValueError(f"plan: split={gp.split} must divide the {stage} GEMM's "
                          + (f"groups of K ({qm.n_groups})" if qm else f"steps of K ({n_k} of {bk})"))
     direct = sorted_pairs is None
-    tickets = counters is not None
-    if tickets and (plan.path != "fma" or gp.split == 1 or init is not None):
+    ticket_sums = counters is not None
+    if ticket_sums and (plan.path != "fma" or gp.split == 1 or init is not None):
         raise ValueError("tickets sum the split shares of the 'fma' path (no poisoned init)")
     inputs = [a, route] + ([] if direct else [sorted_pairs]) + w_inputs
-    if tickets and stage == "down":
+    if ticket_sums and stage == "down":
         inputs.append(pair_weights)
     inits = [] if init is None else [init]
     aliases = {len(inputs) + i: i for i in range(len(inits))}
-    if tickets:  # out, the shares' scratch, the counters (aliased)
+    if ticket_sums:  # out, the shares' scratch, the counters (aliased)
         out_shape = (out_shape, partials, jax.ShapeDtypeStruct(counters.shape, counters.dtype))
         aliases[len(inputs)] = 2
         inits.append(counters)
     kernel = functools.partial(
         _gemm_kernel, stage=stage, direct=direct, k=k, p=p, bm=plan.block_m,
         fma=plan.path == "fma", n_k=n_k, bk=bk, bn=bn, qm=qm, split=gp.split, limit=limit,
-        n_init=len(inits) - tickets, shared=shared, tickets=tickets, n_tiles=n_tiles, interpret=interpret)
+        n_init=len(inits) - ticket_sums, shared=shared, ticket_sums=ticket_sums, n_tiles=n_tiles,
+        interpret=interpret)
     bits = "" if qm is None else f"_int{qm.bits}"
     return pl.pallas_call(
         kernel,

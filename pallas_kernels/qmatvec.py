@@ -111,7 +111,7 @@ def lanes(words, bits, zero, magic):
         yield i, f * (2.0**-off) - (2.0 ** (23 - off) + zero)
 
 
-def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, n_init, count, tickets,
+def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, n_init, count, ticket_sums,
             interpret):
     refs = list(refs)
     x_ref = refs.pop(0)  # [M, K] bf16
@@ -120,10 +120,10 @@ def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, 
     words_ref = refs.pop(0)  # [T, WPR, B_N] uint32
     scales_ref = refs.pop(0)  # [T, NG, B_N] bf16
     zeros_ref = None if symmetric else refs.pop(0)
-    del refs[:n_init + tickets]  # aliased initial values of the outputs: only their output refs are used
-    out_ref = refs.pop(0)  # S == 1 or tickets: y [M, N] bf16; else partials [S, M, N_pad] f32
+    del refs[:n_init + ticket_sums]  # aliased initial values of the outputs: only their output refs are used
+    out_ref = refs.pop(0)  # S == 1 or ticket sums: y [M, N] bf16; else partials [S, M, N_pad] f32
     touch_ref = refs.pop(0) if count else None  # [T, WPR] int32: rows of words read
-    part_ref, counters_ref = (refs.pop(0), refs.pop(0)) if tickets else (out_ref, None)  # [S, M, N_pad] f32
+    part_ref, counters_ref = (refs.pop(0), refs.pop(0)) if ticket_sums else (out_ref, None)  # [S, M, N_pad] f32
 
     wpg = group_size * bits // 32
     cw = min(wpg, plan.chunk_words)
@@ -214,7 +214,7 @@ def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, 
     else:
         for r in range(m):
             part_ref[split, jnp.int32(r), pl.ds(t * block_n, block_n)] = acc[r]
-    if not tickets:
+    if not ticket_sums:
         return
 
     # The tile's last program to arrive sums the S shares in split order (`pallas_kernels.tickets`).
@@ -260,11 +260,11 @@ def _launch(x, qw: QuantizedWeight, tiles, plan: Plan, *, interpret, init=None, 
         raise ValueError("the mma path needs >= 16 words per group (tl.dot's K >= 16)")
     if count and init is None:
         raise ValueError("count=True needs init (the aliased outputs are positional)")
-    tickets = counters is not None and plan.split > 1
-    if tickets and (tiles is not None or count):
+    ticket_sums = counters is not None and plan.split > 1
+    if ticket_sums and (tiles is not None or count):
         raise ValueError("split K with tickets computes every tile (tiles=None) and counts nothing")
     partials = jax.ShapeDtypeStruct((plan.split, m, qw.n_tiles * qw.block_n), jnp.float32)
-    if plan.split == 1 or tickets:
+    if plan.split == 1 or ticket_sums:
         out_shape = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
     else:
         out_shape = partials
@@ -278,7 +278,7 @@ def _launch(x, qw: QuantizedWeight, tiles, plan: Plan, *, interpret, init=None, 
         out_shapes.append(jax.ShapeDtypeStruct(qw.words.shape[:2], jnp.int32))
         inits.append(jnp.zeros(qw.words.shape[:2], jnp.int32))
     aliases = {len(inputs) + i: i for i in range(len(inits))}
-    if tickets:  # the partials (scratch), then the counters, aliased
+    if ticket_sums:  # the partials (scratch), then the counters, aliased
         out_shapes += [partials, jax.ShapeDtypeStruct(counters.shape, counters.dtype)]
         aliases[len(inputs) + len(inits)] = len(out_shapes) - 1
         inits.append(counters)
@@ -292,9 +292,9 @@ def _launch(x, qw: QuantizedWeight, tiles, plan: Plan, *, interpret, init=None, 
         block_n=qw.block_n,
         plan=plan,
         has_tiles=tiles is not None,
-        n_init=len(inits) - tickets,
+        n_init=len(inits) - ticket_sums,
         count=count,
-        tickets=tickets,
+        ticket_sums=ticket_sums,
         interpret=interpret,
     )
     outs = pl.pallas_call(
@@ -308,7 +308,7 @@ def _launch(x, qw: QuantizedWeight, tiles, plan: Plan, *, interpret, init=None, 
         ),
         name=f"qmatvec_{plan.path}_int{qw.bits}",
     )(*inputs, *inits)
-    if tickets:
+    if ticket_sums:
         return outs[0], outs[-1]
     return outs if count else outs[0]
 
