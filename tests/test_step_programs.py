@@ -148,3 +148,21 @@ def test_the_check_finds_a_cond_and_names_its_line():
     assert len(bad) == 1 and bad[0].startswith("cond at ") and "test_step_programs.py" in bad[0]
     cb = round_trips(jax.make_jaxpr(lambda x: jax.pure_callback(np.sin, x, x))(np.ones(3, np.float32)).jaxpr)
     assert cb and cb[0].startswith("pure_callback")
+
+
+def test_the_ticket_step_holds_no_host_round_trip():
+    """The step with ticket sums (`Stepper(tickets=True)`: atomics inside the kernels, counters
+    threaded through them) is one program without a host round trip, plain and speculative."""
+    from spec.step import new_slots
+    from spec.stepper import Stepper
+
+    model = quantized_tiny()
+    ling.use_kernels(model, "pallas")
+    slots = new_slots(model, 2, 64, 16)
+    for steps in (0, S):
+        stepper = Stepper(model, slots, speculative=steps > 0, num_steps=max(steps, 1), tickets=True)
+        jaxpr = jax.make_jaxpr(stepper._step, static_argnums=(5, 6, 7, 8))(
+            stepper._params, stepper._slots, stepper._counts, None, None, False, False, None, False)
+        bad = round_trips(jaxpr.jaxpr)
+        assert not bad, f"S={steps}: " + "\n  ".join(bad)
+        assert "atomic_rmw" in str(jaxpr)  # the ticket kernels are in it
