@@ -7,7 +7,7 @@ whole speculative step; beside each, what the device did (JAX profiler), and the
     python -m bench.step --layers 16 --quantize int4 --quantize-experts --quantize-layout rows
                                                       # the tensor-core Triton kernels (jax-triton)
     python -m bench.step --layers 42 --quantize int4 --quantize-experts   # the whole model (~73 GB built)
-    python -m bench.step ... --tickets        # split-K sums in the matvecs' own launches
+    python -m bench.step ... --tickets        # cross-program sums in the kernels' own launches
 
 Random weights, batch 1 (`--batch B`: B slots, all live), a prompt of --context tokens prefilled
 first. Per mode:
@@ -96,7 +96,7 @@ def main():
                     help="low-bit weights' layout: rows (tensor-core Triton kernels) or tiles (Pallas)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling of every slot (0: greedy)")
     ap.add_argument("--tickets", action="store_true",
-                    help="split-K matvecs sum their partials in their own launch (pallas_kernels.tickets)")
+                    help="sums across a kernel's programs in its own launch (pallas_kernels.tickets)")
     ap.add_argument("--mem-fraction", type=float, default=0.92,
                     help="share of the GPU's memory JAX takes, as serve.run's (XLA_PYTHON_CLIENT_MEM_FRACTION wins "
                          "when set): the whole model in int4 needs ~73 GB while it is built")

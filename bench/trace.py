@@ -35,24 +35,17 @@ def host_table(fn, calls: int, out_dir: str) -> list[dict]:
     count and µs a call, inclusive (nested events count in each enclosing one), longest first:
     where the host's time to dispatch a call goes."""
     events, gpu = _traced_events(fn, out_dir)
-    by = collections.defaultdict(list)
-    for e in events:
-        if e["pid"] not in gpu:
-            by[e["name"]].append(e["dur"])
-    return sorted(({"name": k, "count": len(v) / calls, "us_per_call": sum(v) / calls} for k, v in by.items()),
-                  key=lambda r: -r["us_per_call"])
+    return kernel_table([e for e in events if e["pid"] not in gpu], calls)
 
 
 def trace_kernels(fn, out_dir: str) -> list[dict]:
     """Runs fn() once under the JAX profiler (a Perfetto trace under out_dir/trace) and returns the
     device kernels of the busiest stream, in start order ({name, ts, dur} in µs)."""
-    import collections as col
-
     events, gpu = _traced_events(fn, out_dir)
     kern = [e for e in events if e["pid"] in gpu]
     if not kern:
         return []
-    streams = col.defaultdict(list)
+    streams = collections.defaultdict(list)
     for e in kern:
         streams[(e["pid"], e.get("tid"))].append(e)
     return sorted(max(streams.values(), key=lambda es: sum(e["dur"] for e in es)), key=lambda e: e["ts"])

@@ -521,10 +521,11 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
     common = dict(n_blocks=nb, k=k, p=p, plan=plan, limit=swiglu_limit, interpret=interpret)
     up_shared, down_shared = (None, None) if shared is None else ((shared.w13, shared.swiglu_limit), (shared.w2, None))
     scope = tickets.current()
-    if (scope is not None and m == 1 and plan.path == "fma" and not poison
-            and _ticket_counters(w13, w2, plan, nb) <= tickets.CAPACITY):  # the sums in the launches
-        return _run_tickets(x, topk_weights, w13, w2, route, act, plan, su, sd, rows, scope, up_shared,
-                            down_shared, common)
+    if scope is not None and m == 1 and plan.path == "fma" and not poison:  # the sums in the launches
+        n_counters = _ticket_counters(w13, w2, plan, nb)
+        if n_counters <= tickets.CAPACITY:
+            return _run_tickets(x, topk_weights, w13, w2, route, act, plan, su, sd, rows, scope.take(n_counters),
+                                scope, up_shared, down_shared, common)
     h = _gemm("up", x.astype(act), route, sorted_pairs, w13, gp=plan.up, out_shape=h_shape,
               init=nan(h_shape), shared=up_shared, **common)
     # A split up GEMM's partials: summed in a fixed order (an unrolled chain of adds, so that XLA
@@ -541,9 +542,14 @@ def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poi
         h_in = h
     out = _gemm("down", h_in, route, sorted_pairs, w2, gp=plan.down, out_shape=out_shape,
                 init=nan(out_shape), shared=down_shared, **common)
-    w = topk_weights.astype(jnp.float32)[..., None]  # [M, k, 1]
-    y = jnp.sum(jnp.sum(out[:, :p], axis=0).reshape(m, k, d) * w, axis=1)  # one XLA fusion, fp32
+    y = _combine(out, topk_weights, p)
     return y.astype(x.dtype), h, out
+
+
+def _combine(out, topk_weights, p: int):
+    """y [M, D] fp32 = sum_k w * (the down GEMM's shares [S, P + 1, D] summed): one XLA fusion."""
+    w = topk_weights.astype(jnp.float32)[..., None]  # [M, k, 1]
+    return jnp.sum(jnp.sum(out[:, :p], axis=0).reshape(*topk_weights.shape, out.shape[-1]) * w, axis=1)
 
 
 def _ticket_counters(w13, w2, plan: Plan, n_blocks: int) -> int:
@@ -554,16 +560,17 @@ def _ticket_counters(w13, w2, plan: Plan, n_blocks: int) -> int:
     return max(n_blocks * up, down)
 
 
-def _run_tickets(x, topk_weights, w13, w2, route, act, plan, su, sd, rows, scope, up_shared, down_shared, common):
+def _run_tickets(x, topk_weights, w13, w2, route, act, plan, su, sd, rows, counters, scope, up_shared, down_shared,
+                 common):
     """`_run` at one token inside a tickets scope: h from the up GEMM's launch (its split shares
-    summed and SwiGLU'd by tickets) and y from the down GEMM's (the combine by tickets)."""
+    summed and SwiGLU'd by tickets) and y from the down GEMM's (the combine by tickets).
+    counters: the scope's buffer, taken for `_ticket_counters` of them."""
     e, d, i = expert_dims(w13, w2)
     p = common["p"]
     h_shape = jax.ShapeDtypeStruct((rows, i), act)
     if su > 1:
-        n = scope.take(_ticket_counters(w13, w2, plan, common["n_blocks"]))
         h, _, counters = _gemm("up", x.astype(act), route, None, w13, gp=plan.up, out_shape=h_shape,
-                               shared=up_shared, counters=n,
+                               shared=up_shared, counters=counters,
                                partials=jax.ShapeDtypeStruct((su, rows, 2 * i), jnp.float32), **common)
         scope.give(counters)
     else:
@@ -572,11 +579,9 @@ def _run_tickets(x, topk_weights, w13, w2, route, act, plan, su, sd, rows, scope
     out_shape = jax.ShapeDtypeStruct((sd, p + 1, d), jnp.float32)
     if sd == 1:  # nothing to sum across programs: the combine stays XLA's
         out = _gemm("down", h, route, None, w2, gp=plan.down, out_shape=out_shape, shared=down_shared, **common)
-        w = topk_weights.astype(jnp.float32)[..., None]
-        y = jnp.sum(out[0, :p].reshape(*topk_weights.shape, d) * w, axis=1)
-        return y.astype(x.dtype), h, out
+        return _combine(out, topk_weights, p).astype(x.dtype), h, out
     y, out, counters = _gemm("down", h, route, None, w2, gp=plan.down, out_shape=y_shape, shared=down_shared,
-                             counters=scope.take(_ticket_counters(w13, w2, plan, common["n_blocks"])),
+                             counters=counters,
                              pair_weights=topk_weights.astype(jnp.float32).reshape(-1),
                              partials=out_shape, **common)
     scope.give(counters)

@@ -12,7 +12,7 @@ Where the counters live: a step program opens a `scope` over an int32 buffer of 
 no memset). A ticket kernel `take`s the buffer, aliases it to one of its outputs and `give`s the
 output back: the kernels that use it run one after another, in the order they were traced, and
 every one of them may use counters [0, CAPACITY). Without a scope (`current()` is None) kernels
-leave their partials to an XLA sum, as before. A scope must not span a `lax` loop or `cond` whose
+leave their partials to an XLA sum. A scope must not span a `lax` loop or `cond` whose
 body traces a ticket kernel (the buffer would cross the body's boundary): step programs unroll.
 """
 
@@ -56,16 +56,6 @@ def scope(buffer: jax.Array):
     _scopes.append(counters)
     try:
         yield counters
-    finally:
-        _scopes.pop()
-
-
-@contextlib.contextmanager
-def none():
-    """No ticket kernels inside (their XLA sums), even within an enclosing scope."""
-    _scopes.append(None)
-    try:
-        yield
     finally:
         _scopes.pop()
 

@@ -15,9 +15,9 @@ import numpy as np
 from flax import nnx
 
 from ling.model import LingModel
+from ling.state import MLACache
 from pallas_kernels.tickets import CAPACITY as TICKETS
 from pallas_kernels.tickets import scope as ticket_scope
-from ling.state import MLACache
 from spec.sampling import SamplingParams
 from spec.step import (Slots, check_model, copy_slots, last_at, live_sampling, prefill_program, reset,
                        run_together, step_program)
@@ -155,8 +155,8 @@ class Stepper:
     while every buffer it touches keeps its address, and otherwise updates its several hundred
     nodes on the host first (one to two milliseconds). So the step's only outputs are the
     slots and `count` [B] (tokens each slot's last step emitted; with tickets, the counters too),
-    donated and written in place, and a bucket's row indices live in a device buffer of their own that is rewritten only
-    when they change. The tokens are read by a second, small program (`report`) queued behind the
+    donated and written in place, and a bucket's row indices live in a device buffer of their own
+    that is rewritten only when they change. The tokens are read by a second, small program (`report`) queued behind the
     step, whose fresh output is copied to the host as soon as it is queued.
 
     The weights and the slots cross the jit boundary as flat lists of arrays, which jit flattens
@@ -164,9 +164,9 @@ class Stepper:
     16-layer model, which is host time the device waits for once a step is shorter than it.
 
     drafter: the speculative step's drafter (None: the NEXTN chain; `spec.step.BlockDrafter`: the
-    model's DSpark drafter, num_steps its block). tickets: the step's split-K matvecs sum their
-    partials in their own launch (`pallas_kernels.tickets`: one launch a projection instead of
-    two), over a counters buffer the step donates and gets back zeroed, like `count`."""
+    model's DSpark drafter, num_steps its block). tickets: sums across a kernel's programs finish in
+    its own launch (`pallas_kernels.tickets`: the split-K matvecs, the router, the MoE at one
+    token), over a counters buffer the step donates and gets back zeroed, like `count`."""
 
     def __init__(self, model: LingModel, slots: Slots, *, speculative: bool = True, num_steps: int = 5,
                  buckets=None, contexts=None, drafter=None, tickets: bool = False):
