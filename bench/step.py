@@ -8,6 +8,7 @@ whole speculative step; beside each, what the device did (JAX profiler), and the
                                                       # the tensor-core Triton kernels (jax-triton)
     python -m bench.step --layers 42 --quantize int4 --quantize-experts   # the whole model (~73 GB built)
     python -m bench.step ... --tickets        # cross-program sums in the kernels' own launches
+    python -m bench.step ... --steps-per-call 4   # 4 steps a dispatch (the server's --num-scheduler-steps)
 
 Random weights, batch 1 (`--batch B`: B slots, all live), a prompt of --context tokens prefilled
 first. Per mode:
@@ -20,6 +21,8 @@ first. Per mode:
            and of idle time between kernels (host round trips and dispatch gaps show up here)
   launches kernels a step, and device time a step by category (kernel names: projections,
            attention kernels, MoE, sort/top-k, other XLA glue)
+With --steps-per-call N each dispatch runs N steps on the device; every figure is still a step's
+(a call's divided by N; "alone" is then a call of N steps run alone, / N).
 The floor is `ling.roofline`'s bytes at the copy ceiling measured in the same run. The verify
 pass is the target's forward over S + 1 tokens and the commit, without drafting or acceptance.
 Writes step.json (all figures and kernel tables) under $OUT (or ./bench_out); prints a table last.
@@ -97,10 +100,14 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling of every slot (0: greedy)")
     ap.add_argument("--tickets", action="store_true",
                     help="sums across a kernel's programs in its own launch (pallas_kernels.tickets)")
+    ap.add_argument("--steps-per-call", type=int, default=1,
+                    help="decode / speculative steps a dispatch runs on the device (spec.stepper.Stepper)")
     ap.add_argument("--mem-fraction", type=float, default=0.92,
                     help="share of the GPU's memory JAX takes, as serve.run's (XLA_PYTHON_CLIENT_MEM_FRACTION wins "
                          "when set): the whole model in int4 needs ~73 GB while it is built")
     args = ap.parse_args()
+    if args.steps_per_call < 1:
+        ap.error(f"--steps-per-call must be at least 1, got {args.steps_per_call}")
     if not 0 < args.mem_fraction <= 1:
         ap.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(args.mem_fraction))  # read when JAX starts
@@ -123,7 +130,8 @@ def main():
     s, k, b = args.num_steps, args.steps, args.batch
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, args.context).tolist() for _ in range(b)]
-    max_new = (3 * k + 8) * (s + 1)
+    n = args.steps_per_call
+    max_new = (3 * k + 8) * (s + 1) * n
     params = SamplingParams.make(b, temperature=args.temperature, seed=1)
 
     def fresh():
@@ -147,6 +155,7 @@ def main():
     fl = floors(cfg, args, bw)
     results = {}
     for mode in args.modes:
+        per_step = 1 if mode == "verify" else n  # steps a call
         if mode == "verify":
             holder = {"slots": fresh()}
 
@@ -158,7 +167,8 @@ def main():
 
             lowered = verify.lower(weights, holder["slots"])
         else:
-            stepper = Stepper(model, fresh(), speculative=mode == "spec", num_steps=s, tickets=args.tickets)
+            stepper = Stepper(model, fresh(), speculative=mode == "spec", num_steps=s, tickets=args.tickets,
+                              steps_per_call=args.steps_per_call)
             holder = {"stepper": stepper}
             one, sync = stepper.step, stepper.drain
             lowered = stepper.lower()
@@ -186,7 +196,7 @@ def main():
             reset()
             t = time.perf_counter()
             back_to_back()
-            walls.append((time.perf_counter() - t) / k)
+            walls.append((time.perf_counter() - t) / k / per_step)
         served = float(np.median(walls))
         reset()  # the host's own time to dispatch a step: k dispatches queued, none read back
         t = time.perf_counter()
@@ -195,16 +205,18 @@ def main():
                 holder["slots"] = verify(weights, holder["slots"])
             else:
                 holder["stepper"].dispatch()
-        dispatch = (time.perf_counter() - t) / k
+        dispatch = (time.perf_counter() - t) / k / per_step
         sync() if mode == "verify" else jax.block_until_ready(holder["stepper"].slots)
         reset()
         host = host_table(lambda: [holder["stepper"].dispatch() if mode != "verify" else one() for _ in range(k)],
-                          k, scratch)
+                          k * per_step, scratch)
         sync() if mode == "verify" else jax.block_until_ready(holder["stepper"].slots)
         reset()
-        stream = stream_trace(back_to_back, k, scratch)
+        stream = stream_trace(back_to_back, k * per_step, scratch)
         reset()
         alone = device_trace(lambda: (one(), sync()), 8, scratch, log=lambda *a: None)
+        if alone.get("span_us") is not None:
+            alone["span_us"] /= per_step
         produced = None
         if mode == "spec":
             sl = holder["stepper"].slots

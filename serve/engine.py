@@ -142,7 +142,8 @@ class Engine:
             if r is None or r.finished:  # an idle slot, or output of a request already ended here
                 continue
             new = result.tokens[b]
-            steps, tokens = steps + bool(new), tokens + len(new)
+            ran = bool(new) if result.steps is None else int(result.steps[b])
+            steps, tokens = steps + ran, tokens + len(new)
             self._deliver(r, new, device_done=bool(result.done[b]),
                           logprobs=None if result.logprobs is None else result.logprobs[b])
         self.metrics.record_steps(steps, tokens)

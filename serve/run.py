@@ -6,7 +6,7 @@
                         [--dtype bfloat16|float32] [--prefill-chunk C]
                         [--tile-model PATH --tpot-slo-ms MS] [--num-layers N]
                         [--prefix-cache-gb G] [--prefix-cache-interval N] [--disable-prefix-cache]
-                        [--mixed-iteration auto|on|off]
+                        [--mixed-iteration auto|on|off] [--num-scheduler-steps N]
 
 With no --model it serves serve/default_model: ling-small, a 15 M-parameter Ling-architecture model
 trained by `python -m offline.train` on the Python standard library's sources, and its tokenizer. Start-up loads the tokenizer and the model and compiles the prefill chunk and the
@@ -27,6 +27,10 @@ The prefix cache (on unless --disable-prefix-cache) keeps checkpoints of prefill
 --prefix-cache-interval tokens, and of finished requests, in a pool of --prefix-cache-gb on the
 device; a new request restores its prompt's longest checkpoint and prefills only the rest (a
 chat's next turn, a shared system prompt). Prefill chunks then end on multiples of the interval.
+
+With --num-scheduler-steps N, while no prompt is being prefilled a call runs N decode (or
+speculative) steps on the device, so the host's dispatch of the step is paid once for N of them;
+tokens then stream N steps at a time, and a prompt that arrives waits for the call in flight.
 """
 
 from __future__ import annotations
@@ -102,6 +106,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "of tokens in one tile-scheduled launch, decode tiles first (default auto: on with the Pallas "
                     "kernels; off on the plain-jnp reference a CPU runs, where it has no such launch and its "
                     "programs add ~40 s to the first start; off: two programs, for comparison)")
+    ap.add_argument("--num-scheduler-steps", type=int, default=1, help="decode (or speculative) steps a call runs "
+                    "on the device while no prompt is being prefilled and no request asks for log-probabilities "
+                    "(default 1; more pays the host's dispatch of a step once for that many, where it bounds the "
+                    "step, and streams tokens that many steps at a time)")
     ap.add_argument("--tile-model", default=None, metavar="PATH", help="fitted MoE tile model (JSON from "
                     "python -m bench.fused_moe --profile-tiles): size prefill chunks to --tpot-slo-ms")
     ap.add_argument("--tpot-slo-ms", type=float, default=None, help="with --tile-model: the budget of one iteration "
@@ -200,7 +208,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, low in (("max_batch", 1), ("prefill_chunk", 1), ("max_seq_len", 2), ("speculative_num_steps", 0),
                       ("speculative_num_draft_tokens", 0), ("speculative_verify_budget", 1),
                       ("num_layers", 1), ("max_request_bytes", 1), ("max_queue", 0),
-                      ("prefix_cache_interval", 1)):
+                      ("prefix_cache_interval", 1), ("num_scheduler_steps", 1)):
         v = getattr(args, name)
         if v is not None and v < low:
             ap.error(f"--{name.replace('_', '-')} must be at least {low}, got {v}")
@@ -386,7 +394,7 @@ def start(args, bar) -> Loaded:
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, speculative_steps=steps,
                     buckets=buckets, contexts=context_ladder(args, platform, max_seq_len),
                     prefix_entries=memory.prefix_entries, prefix_interval=args.prefix_cache_interval,
-                    drafter=drafter, mixed=mixed)
+                    drafter=drafter, mixed=mixed, steps_per_call=args.num_scheduler_steps)
     bar.update()
     try:
         bar.set_description("compiling prefill")

@@ -23,11 +23,13 @@ class StepResult:
     done: np.ndarray  # [B] bool: the device finished the slot (EOS or max_tokens)
     # None when no slot asked; else [B] per new token (log-probabilities [1 + K], top ids [K])
     logprobs: list | None = None
+    steps: np.ndarray | None = None  # [B] the device steps in which each slot emitted (None: one each)
 
 
 class Runner:
     def __init__(self, model, *, max_batch: int, max_seq_len: int, speculative_steps: int, buckets=None,
-                 contexts=(), prefix_entries: int = 0, prefix_interval: int = 0, drafter=None, mixed: bool = False):
+                 contexts=(), prefix_entries: int = 0, prefix_interval: int = 0, drafter=None, mixed: bool = False,
+                 steps_per_call: int = 1):
         """buckets: the batch sizes the step is compiled for (`spec.stepper.Stepper`; None: the
         powers of two up to max_batch); a step runs the smallest that holds the decoding slots.
         contexts: the cache lengths the prefill chunk and the step are compiled for (`Stepper`,
@@ -37,7 +39,11 @@ class Runner:
         entries: no cache); the slots' caches are then a whole number of intervals long.
         drafter: the speculative step's drafter (None: NEXTN; `spec.step.BlockDrafter`: DSpark).
         mixed: run a chunk of one prompt and the step of the slots decoding beside it as one
-        program (`mixed`; its variants are compiled by `warmup_mixed`)."""
+        program (`mixed`; its variants are compiled by `warmup_mixed`).
+        steps_per_call: decode (or speculative) steps a call runs on the device when no prompt is
+        being prefilled and no decoding request asks for log-probabilities (`Stepper`); else one.
+        The host's dispatch is then paid once for that many steps, the tokens stream that many
+        steps at a time, and a prompt that arrives waits for the call in flight."""
         from spec.prefix import PrefixPool
         from spec.stepper import ChunkPrefiller, SlotCopier, Stepper, batch_buckets
 
@@ -48,7 +54,7 @@ class Runner:
         self.stepper = Stepper(model, self._new_slots(), speculative=speculative_steps > 0,
                                num_steps=max(speculative_steps, 1),
                                buckets=batch_buckets(max_batch) if buckets is None else buckets, contexts=contexts,
-                               drafter=drafter)
+                               drafter=drafter, steps_per_call=steps_per_call)
         self.prefiller = ChunkPrefiller(model, contexts=contexts)
         self.pool = (PrefixPool(model, self.stepper.slots, prefix_entries, prefix_interval)
                      if self.prefix_interval else None)
@@ -85,7 +91,7 @@ class Runner:
         if mixed is not None:
             return self.mixed(chunk, mixed)
         first = self.prefill(chunk) if chunk is not None else None
-        return first, self.step(owners) if any(r is not None for r in owners) else self.drain()
+        return first, self.step(owners, several=chunk is None) if any(r is not None for r in owners) else self.drain()
 
     def mixable(self, chunk: PrefillChunk, owners: list) -> list | None:
         """The owners a mixed iteration of this chunk would step (`mixed`): the decoding slots
@@ -111,10 +117,10 @@ class Runner:
         live = np.array([r is not None for r in owners])
         self._length[live] += self.stepper.width
         prepared, rows = self._prepare(chunk, (1,), int(self._length[live].max(initial=1)))
-        self._owners.append((owners, live, self._epoch.copy()))
+        self._owners.append((owners, live, self._epoch.copy(), self.stepper.width))
         chunk_call = self.prefiller.prepare(self.stepper.slots, **prepared)
         report = self.stepper.step(sampling=any_sampling(self._sampling, live), live=live,
-                                   logprobs=bool(np.any(self._logprobs & live)), chunk=chunk_call)
+                                   logprobs=bool(np.any(self._logprobs & live)), chunk=chunk_call, steps=1)
         first = self.prefiller.report(self.stepper.slots, chunk_call)
         first, lp = (first if chunk_call.logprobs else (first, None))
         return self._after_chunk(chunk, first, [] if lp is None else [lp], rows), self._result(report)
@@ -174,16 +180,21 @@ class Runner:
         for slot, entry, row0 in saves:
             self.pool.save(self.stepper.slots, slot, entry, row0)
 
-    def step(self, owners: list) -> StepResult | None:
-        """Dispatches a decode (or speculative) step for the slots; returns the previous step's result."""
+    def step(self, owners: list, several: bool = False) -> StepResult | None:
+        """Dispatches a decode (or speculative) call for the slots: `steps_per_call` steps if
+        `several` and no decoding request asks for log-probabilities, else one; returns the
+        previous call's result."""
         from spec.sampling import any_sampling
 
         live = np.array([r is not None for r in owners])
-        self._length[live] += self.stepper.width
-        self._owners.append((owners, live, self._epoch.copy()))
+        logprobs = bool(np.any(self._logprobs & live))
+        steps = self.stepper.steps_per_call if several and not logprobs else 1
+        width = self.stepper.width * steps
+        self._length[live] += width
+        self._owners.append((owners, live, self._epoch.copy(), width))
         return self._result(self.stepper.step(sampling=any_sampling(self._sampling, live), live=live,
-                                              logprobs=bool(np.any(self._logprobs & live)),
-                                              context=int(self._length[live].max(initial=1))))
+                                              logprobs=logprobs, context=int(self._length[live].max(initial=1)),
+                                              steps=steps))
 
     def drain(self) -> StepResult | None:
         """The last dispatched step's result (None if every step was read)."""
@@ -232,11 +243,10 @@ class Runner:
     def _result(self, report) -> StepResult | None:
         if report is None:
             return None
-        tokens, done, logprobs = report
-        owners, live, epoch = self._owners.popleft()
-        for b in np.flatnonzero(live & ~done & (epoch == self._epoch)):  # a slot's state grew by what it emitted
-            self._length[b] -= self.stepper.width - len(tokens[b])
-        return StepResult(owners, tokens, done, logprobs)
+        owners, live, epoch, width = self._owners.popleft()
+        for b in np.flatnonzero(live & ~report.done & (epoch == self._epoch)):  # its state grew by what it emitted
+            self._length[b] -= width - len(report.tokens[b])
+        return StepResult(owners, report.tokens, report.done, report.logprobs, report.steps)
 
     def read_first(self, dispatched):
         """(first tokens [B], their log-probabilities: None, or [B] (log-probabilities [1 + K],
@@ -321,13 +331,15 @@ class Runner:
             np.asarray(self.stepper.slots.model.lengths)
 
     def warmup_step(self) -> None:
-        """Compiles the decode (or speculative) step for every batch bucket and cache length (where
-        the step has them), all-greedy and sampling; every slot is done, so nothing changes."""
+        """Compiles the decode (or speculative) call for every batch bucket and cache length (where
+        the step has them), all-greedy and sampling, of one step and of `steps_per_call`; every
+        slot is done, so nothing changes."""
         contexts = self._warm_contexts() if self.stepper.contexts else (None,)
-        for k, context, sampling in itertools.product(self.stepper.buckets, contexts, (False, True)):
+        for k, context, sampling, steps in itertools.product(self.stepper.buckets, contexts, (False, True),
+                                                             sorted({1, self.stepper.steps_per_call})):
             live = np.arange(self.max_batch) < k
-            self._owners.append(([None] * self.max_batch, np.zeros_like(live), self._epoch.copy()))
-            self._result(self.stepper.step(sampling=sampling, live=live, context=context))
+            self._owners.append(([None] * self.max_batch, np.zeros_like(live), self._epoch.copy(), 0))
+            self._result(self.stepper.step(sampling=sampling, live=live, context=context, steps=steps))
         self.drain()
 
     def _warm_contexts(self) -> tuple:

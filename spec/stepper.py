@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -126,11 +127,26 @@ class KeptBuffers:
         return [buf for _, buf in self._held.values()]
 
 
+class Report(NamedTuple):
+    """A call's results on the host, per slot of the batch."""
+
+    tokens: list[list[int]]  # the new tokens (empty: the slot was not stepped, or had finished)
+    done: np.ndarray  # [B] bool: the device finished the slot (EOS or max tokens)
+    logprobs: list | None  # None, or per new token (log-probabilities [1 + K], top ids [K])
+    steps: np.ndarray  # [B] int: the call's steps in which the slot emitted tokens
+
+
 class Stepper:
-    """Steps the slots one compiled step at a time, dispatching step k+1 before it reads step k's
-    results (JAX dispatch is asynchronous, so the device never waits for the host between steps).
-    `step()` returns the previous step's new tokens: a list per slot (empty for slots not stepped)
-    and the done flags [B], as host values — one step late.
+    """Steps the slots one compiled call at a time, dispatching call k+1 before it reads call k's
+    results (JAX dispatch is asynchronous, so the device never waits for the host between calls).
+    `step()` returns the previous call's `Report`: the new tokens (a list per slot, empty for slots
+    not stepped), the done flags [B] and the steps each slot ran, as host values — one call late.
+
+    Steps per call: a call runs `steps` decode (or speculative) steps back to back on the device
+    (`steps_per_call` by default; a loop of known trip count in the program, no host round trip),
+    each skipping the slots that finished (EOS or max tokens) in an earlier one, so the host's
+    dispatch is paid once for `steps` steps, and the tokens arrive `steps` at a time. A call of
+    more than one step neither reports log-probabilities nor carries a prefill chunk.
 
     Batch buckets: `step(live=mask)` steps only the slots the host marks live. The smallest bucket
     K >= their number is picked (`buckets`, default (B,): always every slot); the step's program
@@ -169,8 +185,11 @@ class Stepper:
     token), over a counters buffer the step donates and gets back zeroed, like `count`."""
 
     def __init__(self, model: LingModel, slots: Slots, *, speculative: bool = True, num_steps: int = 5,
-                 buckets=None, contexts=None, drafter=None, tickets: bool = False):
+                 buckets=None, contexts=None, drafter=None, tickets: bool = False, steps_per_call: int = 1):
         check_model(model, speculative, drafter)
+        if steps_per_call < 1:
+            raise ValueError(f"steps_per_call must be at least 1, got {steps_per_call}")
+        self.steps_per_call = steps_per_call
         if tickets and getattr(model, "mesh", None) is not None:
             raise ValueError("tickets: the counters serve one device's kernels; this model is expert-parallel")
         self._params, merge = _flat_weights(model)
@@ -189,46 +208,67 @@ class Stepper:
         self.width = width = num_steps + 1 if speculative else 1
         slot_def = self._slot_def
 
-        def run(param_leaves, slot_leaves, counts, rows, chunk, sampling, logprobs, context, chunk_logprobs):
+        def one_step(model, s, counters, sampling, logprobs):
+            """One step over the slots s; returns (s, the counters given back zeroed)."""
+            with contextlib.nullcontext() if counters is None else ticket_scope(counters) as scope:
+                s = run_program(model, step_program(speculative, num_steps, sampling, drafter, logprobs=logprobs)(
+                    model, s))
+            return s, None if scope is None else scope.buffer
+
+        def run(param_leaves, slot_leaves, counts, rows, chunk, sampling, logprobs, context, chunk_logprobs,
+                steps):
             count, counters = counts
             full = jax.tree_util.tree_unflatten(slot_def, slot_leaves)
             model = merge(param_leaves)
             s = gather_rows(full, rows, context)
             before = s.n_out
-            with contextlib.nullcontext() if counters is None else ticket_scope(counters) as scope:
-                program = step_program(speculative, num_steps, sampling, drafter, logprobs=logprobs)(model, s)
-                if chunk is None:
-                    s = run_program(model, program)
-                else:  # the mixed iteration: the chunk's rows beside the step's, one forward for both
-                    chunk_rows, packed = chunk
-                    p = gather_rows(full, chunk_rows, context)
-                    s, p = run_together(model, [program, prefill_step_program(
-                        model, p, *_unpack_chunk(packed, _chunk_width(packed)), sampling=sampling,
-                        logprobs=chunk_logprobs)])
-            emitted = s.n_out - before
-            count = count.at[slice(None) if rows is None else rows].set(emitted)  # in place: a use of count
+            if chunk is not None:  # the mixed iteration: the chunk's rows beside the step's, one forward for both
+                chunk_rows, packed = chunk
+                p = gather_rows(full, chunk_rows, context)
+                with contextlib.nullcontext() if counters is None else ticket_scope(counters) as scope:
+                    s, p = run_together(model, [
+                        step_program(speculative, num_steps, sampling, drafter, logprobs=logprobs)(model, s),
+                        prefill_step_program(model, p, *_unpack_chunk(packed, _chunk_width(packed)),
+                                             sampling=sampling, logprobs=chunk_logprobs)])
+                counters = None if scope is None else scope.buffer
+                ran = (s.n_out > before).astype(jnp.int32)
+            elif steps == 1:
+                s, counters = one_step(model, s, counters, sampling, logprobs)
+                ran = (s.n_out > before).astype(jnp.int32)
+            else:  # a loop of known trip count (a scan): no predicate read back by the host
+                def body(_, carry):
+                    s, counters, ran = carry
+                    n = s.n_out
+                    s, counters = one_step(model, s, counters, sampling, logprobs)
+                    return s, counters, ran + (s.n_out > n)
+
+                s, counters, ran = jax.lax.fori_loop(0, steps, body, (s, counters, jnp.zeros_like(before)))
+            # in place: a use of count
+            count = count.at[slice(None) if rows is None else rows].set(jnp.stack([s.n_out - before, ran], axis=1))
             full = scatter_rows(full, rows, s, context)
             if chunk is not None:  # after the step's rows: a step over every slot also ran the chunk's (done) rows
                 full = scatter_rows(full, chunk[0], p, context)
-            return jax.tree_util.tree_leaves(full), (count, None if scope is None else scope.buffer)
+            return jax.tree_util.tree_leaves(full), (count, counters)
 
-        def report(out, n_out, done, lp, top_ids, count, rows, logprobs):
-            """[K, width + 2]: the new tokens (padded), their number and the done flag of the rows
-            the step ran; with logprobs also (log-probabilities [K, width, 1 + k], ids [K, width, k])."""
+        def report(out, n_out, done, lp, top_ids, count, rows, logprobs, steps):
+            """[K, steps * width + 3]: the new tokens (padded), their number, the done flag and the
+            steps run of the rows the call ran; with logprobs (one step) also (log-probabilities
+            [K, width, 1 + k], ids [K, width, k])."""
             out, n_out, done, lp, top_ids, count = gather_rows((out, n_out, done, lp, top_ids, count), rows)
-            idx = jnp.minimum((n_out - count)[:, None] + jnp.arange(width)[None], out.shape[1] - 1)
-            r = jnp.concatenate([jnp.take_along_axis(out, idx, axis=1), count[:, None],
-                                 done[:, None].astype(jnp.int32)], axis=1)
+            idx = jnp.minimum((n_out - count[:, 0])[:, None] + jnp.arange(steps * width)[None], out.shape[1] - 1)
+            r = jnp.concatenate([jnp.take_along_axis(out, idx, axis=1), count[:, :1], done[:, None].astype(jnp.int32),
+                                 count[:, 1:]], axis=1)
             return (r, lp[:, :width] + 0, top_ids[:, :width] + 0) if logprobs else r
 
-        self._step = jax.jit(run, donate_argnums=(1, 2), static_argnums=(5, 6, 7, 8))
+        self._step = jax.jit(run, donate_argnums=(1, 2), static_argnums=(5, 6, 7, 8, 9))
         # The report is a program of its own: as an output of the step's program it would get a new
         # address every step, XLA would update the step's CUDA graph before each launch, and the
         # launch would wait for the previous step to finish (host and device no longer overlap).
-        self._report = jax.jit(report, static_argnums=7)
+        self._report = jax.jit(report, static_argnums=(7, 8))
         # Placed as the slots are: a first step that met an uncommitted count would compile a
         # program of its own that no later step (whose count is the committed output) runs.
-        count = jax.device_put(np.zeros(self.batch, np.int32), slots.done.sharding)
+        # count [B, 2]: the tokens each slot's last call emitted, and the steps in which it emitted.
+        count = jax.device_put(np.zeros((self.batch, 2), np.int32), slots.done.sharding)
         self._counts = (count, jax.device_put(np.zeros(TICKETS, np.int32), slots.done.sharding) if tickets else None)
         self._kept = KeptBuffers()  # each bucket's rows
         self._pending = None
@@ -247,7 +287,8 @@ class Stepper:
     def lower(self):
         """The step program over every slot (greedy, without logprobs) lowered for the current slots,
         for inspecting its HLO."""
-        return self._step.lower(self._params, self._slots, self._counts, None, None, self.sampling, False, None, False)
+        return self._step.lower(self._params, self._slots, self._counts, None, None, self.sampling, False, None, False,
+                                self.steps_per_call)
 
     def rows(self, live) -> np.ndarray | None:
         """The slot indices a step over `live` [B] bool runs (`bucket_rows`; None: every slot)."""
@@ -259,15 +300,20 @@ class Stepper:
         return pick_context(need, self.contexts, self.cache_len) if self.contexts else None
 
     def dispatch(self, sampling: bool | None = None, live=None, logprobs: bool = False, context=None,
-                 chunk: PreparedChunk | None = None) -> None:
-        """Queues a step over the `live` slots (None: all of them) and its report, whose copy to the
-        host starts at once; `step` and `drain` read it. context: at most this many positions in any
-        live slot after the step (None: unknown). chunk: a prefill chunk (`ChunkPrefiller.prepare`)
+                 chunk: PreparedChunk | None = None, steps: int | None = None) -> None:
+        """Queues a call of `steps` steps (None: `steps_per_call`) over the `live` slots (None: all
+        of them) and its report, whose copy to the host starts at once; `step` and `drain` read it.
+        context: at most this many positions in any live slot after the call (None: unknown).
+        chunk: a prefill chunk (`ChunkPrefiller.prepare`)
         over slots that are not live, run in the same program (the mixed iteration: one forward
         for the step's tokens and the chunk's, `spec.step.run_together`); its first tokens are
         read with `ChunkPrefiller.report`. The program then runs at the chunk's context, and in
         the sampling variant if either part asks for it."""
         sampling = self.sampling if sampling is None else sampling
+        steps = self.steps_per_call if steps is None else steps
+        if steps < 1 or (steps > 1 and (logprobs or chunk is not None)):
+            raise ValueError(f"a call of {steps} steps: at least one, and only one with log-probabilities or a "
+                             "prefill chunk")
         rows = self.rows(live)
         on_device = None if rows is None else self._kept(rows)
         if chunk is None:
@@ -278,45 +324,45 @@ class Stepper:
             context, extra, chunk_logprobs = chunk.context, (chunk.rows_on_device, chunk.packed), chunk.logprobs
             sampling = sampling or chunk.sampling
         self._slots, self._counts = self._step(self._params, self._slots, self._counts, on_device, extra,
-                                               bool(sampling), bool(logprobs), context, chunk_logprobs)
-        report = self._report(*(self._slots[i] for i in self._read), self._counts[0], on_device, bool(logprobs))
+                                               bool(sampling), bool(logprobs), context, chunk_logprobs, steps)
+        report = self._report(*(self._slots[i] for i in self._read), self._counts[0], on_device, bool(logprobs),
+                              steps)
         for a in jax.tree_util.tree_leaves(report):
             a.copy_to_host_async()
         self._pending = (report, rows)
 
     def step(self, sampling: bool | None = None, live=None, logprobs: bool = False, context=None,
-             chunk: PreparedChunk | None = None):
-        """Dispatches a step over the `live` slots (None: all of them); returns the previous one's
-        results (`_unpack`). logprobs: report the new tokens' log-probabilities (a program of its
-        own, compiled at first use; the slots need a logprob_width of at least the step's width);
-        context, chunk: as in `dispatch`."""
+             chunk: PreparedChunk | None = None, steps: int | None = None) -> Report | None:
+        """Dispatches a call over the `live` slots (None: all of them); returns the previous one's
+        `Report` (None: there was none). logprobs: report the new tokens' log-probabilities (a
+        program of its own, compiled at first use; the slots need a logprob_width of at least the
+        step's width); context, chunk, steps: as in `dispatch`."""
         previous = self._pending
-        self.dispatch(sampling, live, logprobs, context, chunk)
+        self.dispatch(sampling, live, logprobs, context, chunk, steps)
         return self._unpack(previous)
 
-    def drain(self):
-        """The results of the last dispatched step."""
+    def drain(self) -> Report | None:
+        """The results of the last dispatched call."""
         previous, self._pending = self._pending, None
         return self._unpack(previous)
 
-    def _unpack(self, pending):
-        """(tokens: a list per slot, done [B], logprobs: None, or per slot a list of
-        (log-probabilities [1 + K], top ids [K]) for each of its new tokens)."""
+    def _unpack(self, pending) -> Report | None:
         if pending is None:
             return None
         report, rows = pending
         report = jax.device_get(report)
         r, lp, ids = (report if isinstance(report, tuple) else (report, None, None))
         r = np.asarray(r)
+        w = r.shape[1] - 3  # steps * width
         rows = range(r.shape[0]) if rows is None else rows
-        tokens, done = [[] for _ in range(self.batch)], np.zeros(self.batch, bool)
+        tokens, done, ran = [[] for _ in range(self.batch)], np.zeros(self.batch, bool), np.zeros(self.batch, int)
         logprobs = None if lp is None else [[] for _ in range(self.batch)]
         for i, b in reversed(list(enumerate(rows))):  # a padded duplicate repeats its slot's row
-            n = r[i, self.width]
-            tokens[b], done[b] = r[i, :n].tolist(), bool(r[i, self.width + 1])
+            n = r[i, w]
+            tokens[b], done[b], ran[b] = r[i, :n].tolist(), bool(r[i, w + 1]), r[i, w + 2]
             if logprobs is not None:
                 logprobs[b] = [(lp[i, j], ids[i, j]) for j in range(n)]
-        return tokens, done, logprobs
+        return Report(tokens, done, logprobs, ran)
 
 
 def prefill_step(model: LingModel, slots: Slots, start, params: SamplingParams, max_new, eos, tokens, next_tokens,

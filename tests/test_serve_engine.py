@@ -23,8 +23,9 @@ def model():
     return ling.load("ling-tiny", dtype="float32", seed=1)
 
 
-def make_runner(model, steps, contexts=(), mixed=False):
-    r = Runner(model, max_batch=SLOTS, max_seq_len=CONTEXT, speculative_steps=steps, contexts=contexts, mixed=mixed)
+def make_runner(model, steps, contexts=(), mixed=False, steps_per_call=1):
+    r = Runner(model, max_batch=SLOTS, max_seq_len=CONTEXT, speculative_steps=steps, contexts=contexts, mixed=mixed,
+               steps_per_call=steps_per_call)
     r.warmup_prefill(CHUNK)
     r.warmup_step()
     r.warmup_mixed(CHUNK)
@@ -131,7 +132,7 @@ def test_context_buckets_change_no_output_and_hold_every_slot(model, speculative
     real = runner.stepper._step
 
     def recording(*args):
-        used.add(args[-2])  # the context (last: the chunk's logprobs flag)
+        used.add(args[7])  # the context
         return real(*args)
 
     runner.stepper._step = recording
@@ -145,6 +146,37 @@ def test_context_buckets_change_no_output_and_hold_every_slot(model, speculative
     assert got == [ref[:n] for ref, n in zip(reference, max_new)]
     assert used == {32, 64, None}
     assert (real._cache_size(), runner.prefiller._call._cache_size()) == compiled
+
+
+def test_calls_of_several_steps_serve_plain_greedy(model):
+    """With 4 speculative steps a call while no prompt is prefilling (`Runner(steps_per_call=4)`) and requests
+    arriving mid-run, across cache-length buckets: the outputs are plain greedy's, calls of 4 steps
+    did run, the runner's bound on each busy slot's positions never falls below the device's, and
+    every program the run needs was compiled by the warm-up."""
+    runner = make_runner(model, STEPS, contexts=(32, 64), steps_per_call=4)
+    compiled = runner.stepper._step._cache_size()
+    rng = np.random.default_rng(8)
+    lengths, max_new = (20, 7, 50, 23, 9), (30, 40, 12, 50, 20)
+    prompts = [rng.integers(2, model.cfg.vocab_size, n).tolist() for n in lengths]
+    reference = generate_batch(model, prompts, max(max_new), speculative=False, prefill_chunk=CHUNK)
+    requests = [Request(p, Sampling(max_tokens=n, temperature=0.0)) for p, n in zip(prompts, max_new)]
+    steps, real = [], runner.stepper._step
+
+    def recording(*args):
+        steps.append(args[9])
+        return real(*args)
+
+    runner.stepper._step = recording
+
+    def check(sched):
+        device = np.asarray(runner.stepper.slots.model.lengths)
+        busy = [b for b, r in enumerate(sched.slots) if r is not None]
+        assert np.all(runner._length[busy] >= device[busy]), (runner._length, device)
+
+    got = serve(runner, requests, arrivals=(0, 0, 1, 4, 6), check=check)
+    assert got == [ref[:n] for ref, n in zip(reference, max_new)]
+    assert set(steps) == {1, 4} and steps.count(4) >= 5
+    assert real._cache_size() == compiled
 
 
 @pytest.mark.parametrize("mixed", [False, True])

@@ -186,15 +186,56 @@ def test_stepper_runs_one_step_ahead_and_matches_decode(model):
     assert stepper.step() is None  # nothing to report before the second dispatch
     streamed = [list(first[b]) for b in range(2)]
     while True:
-        tokens, done, _ = stepper.step()
+        tokens, done = stepper.step()[:2]
         for b in range(2):
             streamed[b] += tokens[b]
         if done.all():
             break
-    tokens, _, _ = stepper.drain()  # the last dispatched step ran on finished slots: nothing new
+    tokens = stepper.drain().tokens  # the last dispatched step ran on finished slots: nothing new
     assert tokens == [[], []]
     for b in range(2):
         assert streamed[b] == np.asarray(reference.out[b, : reference.n_out[b]]).tolist()
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_calls_of_several_steps_equal_one_step_calls(model, speculative):
+    """A call of 4 steps (`Stepper(steps_per_call=4)`) streams the tokens one-step calls stream, the
+    slots finishing inside a call (max tokens 13 and 30) emit nothing after it, and each slot's
+    reported steps are the steps in which it emitted; a call of one step (`steps=1`) between them
+    changes nothing."""
+    from spec.stepper import Stepper
+
+    p = prompts(5, (11, 26), model.cfg.vocab_size)
+    width = S + 1 if speculative else 1
+
+    def stream(steps_per_call, ones=()):
+        slots = new_slots(model, 2, 26 + 30 + width + 1, 30 + width)
+        slots = prefill(model, slots, p, [True, True], SamplingParams.make(2), [13, 30], [-1, -1])
+        stepper = Stepper(model, slots, speculative=speculative, num_steps=S, steps_per_call=steps_per_call)
+        out, ran, calls = [[int(t)] for t in np.asarray(slots.out[:, 0])], np.zeros(2, int), 0
+        while True:
+            report = stepper.step(steps=1 if calls in ones else None)
+            calls += 1
+            if report is None:
+                continue
+            for b in range(2):
+                out[b] += report.tokens[b]
+                assert report.steps[b] <= steps_per_call and (report.steps[b] > 0) == bool(report.tokens[b])
+            ran += report.steps
+            if report.done.all():
+                break
+        assert stepper.drain().tokens == [[], []]
+        return out, ran, calls
+
+    one, ran_one, calls_one = stream(1)
+    four, ran_four, calls_four = stream(4)
+    assert [len(o) for o in one] == [13, 30]
+    assert four == one and (ran_four == ran_one).all()
+    assert calls_four < calls_one
+    assert stream(4, ones=(1, 3))[0] == one
+    with pytest.raises(ValueError, match="one with log-probabilities"):
+        Stepper(model, new_slots(model, 2, 64, 16, logprob_width=width), speculative=speculative, num_steps=S,
+                steps_per_call=2).step(logprobs=True)
 
 
 def test_roofline_counts_the_model_parameters():

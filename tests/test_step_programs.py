@@ -6,6 +6,8 @@ jaxpr of each program, with the kernels the GPU runs (the Pallas backend, traced
 and with the reference backend that CPU serving runs; a Pallas kernel's own loops run inside the
 kernel and are not looked into."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,27 +49,31 @@ def packed_chunk(prefiller, n: int, c: int):
 
 def programs(runner: Runner):
     """(name, jaxpr) of each program the runner compiles: prefill chunk, step and mixed iteration
-    at each batch bucket and cache length, both sampling variants, and the variant that reports
-    log-probabilities."""
+    at each batch bucket and cache length, both sampling variants, the variant that reports
+    log-probabilities, and calls of several steps (`Stepper.steps_per_call`)."""
     stepper, prefiller = runner.stepper, runner.prefiller
     b, c = runner.max_batch, 8
     for sampling, logprobs in ((False, False), (True, False), (True, True)):
         variant = f"sampling={sampling} logprobs={logprobs}"
+        calls = (1,) if logprobs else (1, 3) if not sampling else (3,)  # steps a call: one, or several
         for k in stepper.buckets:  # every batch bucket's step
             rows = stepper.rows(np.arange(b) < k)
             on_device = None if rows is None else jnp.asarray(rows)
-            for context in (*stepper.contexts, None):
-                yield f"step batch {k} context {context} {variant}", jax.make_jaxpr(
-                    stepper._step, static_argnums=(5, 6, 7, 8))(stepper._params, stepper._slots, stepper._counts,
-                                                                on_device, None, sampling, logprobs, context, False)
+            for context, steps in itertools.product((*stepper.contexts, None), calls):
+                yield f"step batch {k} context {context} steps {steps} {variant}", jax.make_jaxpr(
+                    stepper._step, static_argnums=(5, 6, 7, 8, 9))(stepper._params, stepper._slots, stepper._counts,
+                                                                   on_device, None, sampling, logprobs, context, False,
+                                                                   steps)
             # the mixed iteration: the step beside a one-row prefill chunk
             chunk = (jnp.zeros(1, jnp.int32), packed_chunk(prefiller, 1, c))
             for context in (*prefiller.contexts, None):
                 yield f"mixed step batch {k} context {context} {variant}", jax.make_jaxpr(
-                    stepper._step, static_argnums=(5, 6, 7, 8))(stepper._params, stepper._slots, stepper._counts,
-                                                                on_device, chunk, sampling, logprobs, context, logprobs)
-            yield f"report batch {k} {variant}", jax.make_jaxpr(stepper._report, static_argnums=7)(
-                *(stepper._slots[i] for i in stepper._read), stepper._counts[0], on_device, logprobs)
+                    stepper._step, static_argnums=(5, 6, 7, 8, 9))(stepper._params, stepper._slots, stepper._counts,
+                                                                   on_device, chunk, sampling, logprobs, context,
+                                                                   logprobs, 1)
+            yield f"report batch {k} {variant}", jax.make_jaxpr(stepper._report, static_argnums=(7, 8))(
+                *(stepper._slots[i] for i in stepper._read), stepper._counts[0], on_device, logprobs,
+                1 if logprobs else 3)
         for k in stepper.buckets:  # every batch bucket's prefill chunk and the report of its first tokens
             rows = stepper.rows(np.arange(b) < k)
             n = b if rows is None else len(rows)
@@ -107,11 +113,12 @@ def test_step_programs_hold_no_host_round_trip(backend, spec_steps, weights):
         bad = round_trips(jaxpr.jaxpr)
         assert not bad, f"{name} ({backend}, {weights}, S={spec_steps}) makes the host wait:\n  " + "\n  ".join(bad)
         seen += 1
-    # 2 buckets x (step at each context, mixed iteration at 2, prefill at 2, and their reports) x 3
-    # variants; the step alone has context buckets only where its attention reads the whole cache;
-    # and the prefix cache's 3 programs.
+    # 2 buckets x (mixed iteration at 2, prefill at 2, and their reports) x 3 variants, and the step
+    # at each context in 4 calls (greedy of 1 and 3 steps, sampling of 3, with logprobs of 1); the
+    # step alone has context buckets only where its attention reads the whole cache; and the prefix
+    # cache's 3 programs.
     step_contexts = 2 if backend == "reference" else 1
-    assert runner.stepper.buckets == (1, 2) and seen == 3 * 2 * (step_contexts + 2 + 1 + 2 + 1) + 3
+    assert runner.stepper.buckets == (1, 2) and seen == 2 * (4 * step_contexts + 3 * (2 + 1 + 2 + 1)) + 3
 
 
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
@@ -135,7 +142,8 @@ def test_block_drafting_programs_hold_no_host_round_trip(backend):
         bad = round_trips(jaxpr.jaxpr)
         assert not bad, f"{name} ({backend}, dspark) makes the host wait:\n  " + "\n  ".join(bad)
         seen += 1
-    assert seen == 3 * 2 * 5  # 2 buckets x (step, mixed iteration, prefill and their reports) x 3 variants
+    # 2 buckets x ((mixed iteration, prefill and their reports) x 3 variants, and the step in 4 calls)
+    assert seen == 2 * (3 * 4 + 4)
 
 
 def test_the_check_finds_a_cond_and_names_its_line():
@@ -161,8 +169,8 @@ def test_the_ticket_step_holds_no_host_round_trip():
     slots = new_slots(model, 2, 64, 16)
     for steps in (0, S):
         stepper = Stepper(model, slots, speculative=steps > 0, num_steps=max(steps, 1), tickets=True)
-        jaxpr = jax.make_jaxpr(stepper._step, static_argnums=(5, 6, 7, 8))(
-            stepper._params, stepper._slots, stepper._counts, None, None, False, False, None, False)
+        jaxpr = jax.make_jaxpr(stepper._step, static_argnums=(5, 6, 7, 8, 9))(
+            stepper._params, stepper._slots, stepper._counts, None, None, False, False, None, False, 2)
         bad = round_trips(jaxpr.jaxpr)
         assert not bad, f"S={steps}: " + "\n  ".join(bad)
         assert "atomic_rmw" in str(jaxpr)  # the ticket kernels are in it
