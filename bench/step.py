@@ -9,6 +9,7 @@ whole speculative step; beside each, what the device did (JAX profiler), and the
     python -m bench.step --layers 42 --quantize int4 --quantize-experts   # the whole model (~73 GB built)
     python -m bench.step ... --tickets        # cross-program sums in the kernels' own launches
     python -m bench.step ... --steps-per-call 4   # 4 steps a dispatch (the server's --num-scheduler-steps)
+    python -m bench.step ... --tickets both --steps-per-call 1 4   # every variant, one model built
 
 Random weights, batch 1 (`--batch B`: B slots, all live), a prompt of --context tokens prefilled
 first. Per mode:
@@ -98,15 +99,17 @@ def main():
     ap.add_argument("--quantize-layout", choices=["tiles", "rows"], default="tiles",
                     help="low-bit weights' layout: rows (tensor-core Triton kernels) or tiles (Pallas)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling of every slot (0: greedy)")
-    ap.add_argument("--tickets", action="store_true",
-                    help="sums across a kernel's programs in its own launch (pallas_kernels.tickets)")
-    ap.add_argument("--steps-per-call", type=int, default=1,
-                    help="decode / speculative steps a dispatch runs on the device (spec.stepper.Stepper)")
+    ap.add_argument("--tickets", nargs="?", const="on", default="off", choices=["off", "on", "both"],
+                    help="sums across a kernel's programs in its own launch (pallas_kernels.tickets); both: "
+                         "the decode and speculative steps measured without and with them")
+    ap.add_argument("--steps-per-call", type=int, nargs="+", default=[1],
+                    help="decode / speculative steps a dispatch runs on the device (spec.stepper.Stepper); "
+                         "several: each measured")
     ap.add_argument("--mem-fraction", type=float, default=0.92,
                     help="share of the GPU's memory JAX takes, as serve.run's (XLA_PYTHON_CLIENT_MEM_FRACTION wins "
                          "when set): the whole model in int4 needs ~73 GB while it is built")
     args = ap.parse_args()
-    if args.steps_per_call < 1:
+    if min(args.steps_per_call) < 1:
         ap.error(f"--steps-per-call must be at least 1, got {args.steps_per_call}")
     if not 0 < args.mem_fraction <= 1:
         ap.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
@@ -130,8 +133,11 @@ def main():
     s, k, b = args.num_steps, args.steps, args.batch
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, args.context).tolist() for _ in range(b)]
-    n = args.steps_per_call
-    max_new = (3 * k + 8) * (s + 1) * n
+    # The step variants measured (ticket sums, steps a call), and each one's label in the tables.
+    variants = [(t, n) for t in {"off": [False], "on": [True], "both": [False, True]}[args.tickets]
+                for n in args.steps_per_call]
+    label = lambda mode, t, n: mode if len(variants) == 1 else f"{mode}{' tickets' if t else ''} x{n}"  # noqa: E731
+    max_new = (3 * k + 8) * (s + 1) * max(args.steps_per_call)
     params = SamplingParams.make(b, temperature=args.temperature, seed=1)
 
     def fresh():
@@ -154,8 +160,9 @@ def main():
     jax.config.update("jax_compilation_cache_dir", os.path.join(scratch, "jax_cache"))  # the HLO read compiles again
     fl = floors(cfg, args, bw)
     results = {}
-    for mode in args.modes:
-        per_step = 1 if mode == "verify" else n  # steps a call
+    runs = [(mode, t, n) for mode in args.modes for t, n in ([(False, 1)] if mode == "verify" else variants)]
+    for mode, tickets, per_step in runs:  # per_step: steps a call
+        name = "verify" if mode == "verify" else label(mode, tickets, per_step)
         if mode == "verify":
             holder = {"slots": fresh()}
 
@@ -167,14 +174,14 @@ def main():
 
             lowered = verify.lower(weights, holder["slots"])
         else:
-            stepper = Stepper(model, fresh(), speculative=mode == "spec", num_steps=s, tickets=args.tickets,
-                              steps_per_call=args.steps_per_call)
+            stepper = Stepper(model, fresh(), speculative=mode == "spec", num_steps=s, tickets=tickets,
+                              steps_per_call=per_step)
             holder = {"stepper": stepper}
             one, sync = stepper.step, stepper.drain
             lowered = stepper.lower()
         t = time.perf_counter()
         one(), one(), sync()  # compile, warm up
-        print(f"{mode}: compiled in {time.perf_counter() - t:.0f} s", flush=True)
+        print(f"{name}: compiled in {time.perf_counter() - t:.0f} s", flush=True)
 
         def reset():  # fresh slots, their prefill finished and two steps run before any timing starts
             slots = fresh()
@@ -221,16 +228,16 @@ def main():
         if mode == "spec":
             sl = holder["stepper"].slots
             produced = float(jax.device_get(sl.produced.sum())) / max(float(jax.device_get(sl.steps.sum())), 1.0)
-        results[mode] = dict(served_us=served * 1e6, dispatch_us=dispatch * 1e6, span_us=alone.get("span_us"),
+        results[name] = dict(served_us=served * 1e6, dispatch_us=dispatch * 1e6, span_us=alone.get("span_us"),
                              stream=stream, host=host[:40], sequence=alone.get("sequence"),
                              floor_us=fl[mode] * 1e6, tokens_per_step=produced, walls_us=[w * 1e6 for w in walls])
         cats = by_category(stream["kernels"], hlo_scopes(lowered.compile().as_text()))
         if stream["span_us"] is None:
-            print(f"{mode}: served {served * 1e6:.0f} µs a step; no device kernels in the trace (not a GPU?)")
-            results[mode]["categories"] = cats
+            print(f"{name}: served {served * 1e6:.0f} µs a step; no device kernels in the trace (not a GPU?)")
+            results[name]["categories"] = cats
             continue
         reps = ", ".join(f"{w * 1e6:.0f}" for w in walls)
-        print(f"{mode}: served {served * 1e6:.0f} µs a step (repetitions {reps}), "
+        print(f"{name}: served {served * 1e6:.0f} µs a step (repetitions {reps}), "
               f"host dispatch {dispatch * 1e6:.0f}; alone span "
               f"{alone['span_us']:.0f} µs; stream: span "
               f"{stream['span_us']:.0f}, busy {stream['busy_us']:.0f}, idle {stream['idle_us']:.0f} µs, "
@@ -242,19 +249,19 @@ def main():
         print("    the host's dispatch, by event (inclusive µs a step):", flush=True)
         for r in host[:16]:
             print(f"      {r['name'][:64]:64s} x{r['count']:5.1f} {r['us_per_call']:8.1f} µs", flush=True)
-        results[mode]["categories"] = cats
+        results[name]["categories"] = cats
 
     with open(os.path.join(out_dir, "step.json"), "w") as f:
         json.dump(dict(args=vars(args), copy_tbs=bw / 1e12, device=jax.devices()[0].device_kind, results=results), f,
                   indent=1)
     layers = cfg.num_hidden_layers
-    print(f"\n{'mode':<8} {'served':>9} {'dispatch':>9} {'span':>9} {'busy':>9} {'idle':>8} {'launch':>7} "
+    print(f"\n{'mode':<18} {'served':>9} {'dispatch':>9} {'span':>9} {'busy':>9} {'idle':>8} {'launch':>7} "
           f"{'/layer':>7} {'floor':>8} {'floor/served':>12} {'tok/step':>8}")
     for mode, r in results.items():
         st, tps = r["stream"], r["tokens_per_step"]
         if st["span_us"] is None:
             continue
-        print(f"{mode:<8} {r['served_us']:>7.0f}µs {r['dispatch_us']:>7.0f}µs {r['span_us']:>7.0f}µs "
+        print(f"{mode:<18} {r['served_us']:>7.0f}µs {r['dispatch_us']:>7.0f}µs {r['span_us']:>7.0f}µs "
               f"{st['busy_us']:>7.0f}µs {st['idle_us']:>6.0f}µs {st['launches']:>7.0f} "
               f"{st['launches'] / layers:>7.1f} {r['floor_us']:>6.0f}µs {r['floor_us'] / r['served_us']:>12.2f} "
               f"{'' if tps is None else f'{tps:.2f}':>8}")
