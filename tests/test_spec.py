@@ -197,12 +197,12 @@ def test_stepper_runs_one_step_ahead_and_matches_decode(model):
         assert streamed[b] == np.asarray(reference.out[b, : reference.n_out[b]]).tolist()
 
 
-@pytest.mark.parametrize("speculative", [False, True])
-def test_calls_of_several_steps_equal_one_step_calls(model, speculative):
-    """A call of 4 steps (`Stepper(steps_per_call=4)`) streams the tokens one-step calls stream, the
-    slots finishing inside a call (max tokens 13 and 30) emit nothing after it, and each slot's
-    reported steps are the steps in which it emitted; a call of one step (`steps=1`) between them
-    changes nothing."""
+@pytest.mark.parametrize("speculative,temperature", [(False, 0.0), (True, 0.0), (True, 0.8)])
+def test_calls_of_several_steps_equal_one_step_calls(model, speculative, temperature):
+    """A call of 4 steps (`Stepper(steps_per_call=4)`) streams the tokens one-step calls stream
+    (greedy, and seeded sampling), the slots finishing inside a call (max tokens 13 and 30) emit
+    nothing after it, and each slot's reported steps are the steps in which it emitted; a call of
+    one step (`steps=1`) between them changes nothing."""
     from spec.stepper import Stepper
 
     p = prompts(5, (11, 26), model.cfg.vocab_size)
@@ -210,8 +210,10 @@ def test_calls_of_several_steps_equal_one_step_calls(model, speculative):
 
     def stream(steps_per_call, ones=()):
         slots = new_slots(model, 2, 26 + 30 + width + 1, 30 + width)
-        slots = prefill(model, slots, p, [True, True], SamplingParams.make(2), [13, 30], [-1, -1])
+        slots = prefill(model, slots, p, [True, True], SamplingParams.make(2, temperature=temperature, seed=3),
+                        [13, 30], [-1, -1])
         stepper = Stepper(model, slots, speculative=speculative, num_steps=S, steps_per_call=steps_per_call)
+        assert stepper.sampling == (temperature > 0)
         out, ran, calls = [[int(t)] for t in np.asarray(slots.out[:, 0])], np.zeros(2, int), 0
         while True:
             report = stepper.step(steps=1 if calls in ones else None)
