@@ -275,11 +275,11 @@ def test_engine_fails_the_requests_of_a_failed_step_and_keeps_serving(runner, mo
     engine = Engine(runner, Tokenizer(DEFAULT_MODEL), Metrics("test"), chunk=CHUNK, eos_id=None, stop_ids=set())
     real_step, calls = runner.step, []
 
-    def failing_once(owners):
+    def failing_once(owners, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("injected device failure")
-        return real_step(owners)
+        return real_step(owners, **kwargs)
 
     monkeypatch.setattr(runner, "step", failing_once)
 
