@@ -110,6 +110,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "on the device while no prompt is being prefilled and no request asks for log-probabilities "
                     "(default 1; more pays the host's dispatch of a step once for that many, where it bounds the "
                     "step, and streams tokens that many steps at a time)")
+    ap.add_argument("--ticket-sums", default="off", choices=["auto", "on", "off"], help="a kernel whose programs each "
+                    "hold a share of a sum (the split-K matvecs, the router, the MoE at one token) finishes the sum in "
+                    "its own launch, the last program of each output taking an atomic ticket: fewer launches a step "
+                    "(auto: on with one device's Pallas kernels; default off)")
     ap.add_argument("--tile-model", default=None, metavar="PATH", help="fitted MoE tile model (JSON from "
                     "python -m bench.fused_moe --profile-tiles): size prefill chunks to --tpot-slo-ms")
     ap.add_argument("--tpot-slo-ms", type=float, default=None, help="with --tile-model: the budget of one iteration "
@@ -229,6 +233,15 @@ def platform_defaults(args, platform: str) -> int:
     if args.batch_buckets not in ("auto", "off") and max(map(int, args.batch_buckets.split(","))) > args.max_batch:
         raise StartupError(f"--batch-buckets {args.batch_buckets}: sizes must lie in [1, --max-batch {args.max_batch}]")
     return seq_cap
+
+
+def ticket_sums(args, model) -> bool:
+    """Whether the step's split sums finish in their kernels' own launches (--ticket-sums)."""
+    parallel = getattr(model, "mesh", None) is not None
+    if args.ticket_sums == "on" and parallel:
+        raise StartupError(f"--ticket-sums on: the counters serve one device's kernels; --ep-size {args.ep_size} "
+                           "shards the experts (use auto or off)")
+    return args.ticket_sums == "on" or (args.ticket_sums == "auto" and model.kernels == "pallas" and not parallel)
 
 
 def context_ladder(args, platform: str, max_seq_len: int) -> tuple[int, ...]:
@@ -394,7 +407,8 @@ def start(args, bar) -> Loaded:
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, speculative_steps=steps,
                     buckets=buckets, contexts=context_ladder(args, platform, max_seq_len),
                     prefix_entries=memory.prefix_entries, prefix_interval=args.prefix_cache_interval,
-                    drafter=drafter, mixed=mixed, steps_per_call=args.num_scheduler_steps)
+                    drafter=drafter, mixed=mixed, steps_per_call=args.num_scheduler_steps,
+                    tickets=ticket_sums(args, model))
     bar.update()
     try:
         bar.set_description("compiling prefill")

@@ -29,7 +29,7 @@ class StepResult:
 class Runner:
     def __init__(self, model, *, max_batch: int, max_seq_len: int, speculative_steps: int, buckets=None,
                  contexts=(), prefix_entries: int = 0, prefix_interval: int = 0, drafter=None, mixed: bool = False,
-                 steps_per_call: int = 1):
+                 steps_per_call: int = 1, tickets: bool = False):
         """buckets: the batch sizes the step is compiled for (`spec.stepper.Stepper`; None: the
         powers of two up to max_batch); a step runs the smallest that holds the decoding slots.
         contexts: the cache lengths the prefill chunk and the step are compiled for (`Stepper`,
@@ -43,7 +43,8 @@ class Runner:
         steps_per_call: decode (or speculative) steps a call runs on the device when no prompt is
         being prefilled and no decoding request asks for log-probabilities (`Stepper`); else one.
         The host's dispatch is then paid once for that many steps, the tokens stream that many
-        steps at a time, and a prompt that arrives waits for the call in flight."""
+        steps at a time, and a prompt that arrives waits for the call in flight.
+        tickets: the step's split sums finish in their kernels' own launches (`Stepper`)."""
         from spec.prefix import PrefixPool
         from spec.stepper import ChunkPrefiller, SlotCopier, Stepper, batch_buckets
 
@@ -54,7 +55,7 @@ class Runner:
         self.stepper = Stepper(model, self._new_slots(), speculative=speculative_steps > 0,
                                num_steps=max(speculative_steps, 1),
                                buckets=batch_buckets(max_batch) if buckets is None else buckets, contexts=contexts,
-                               drafter=drafter, steps_per_call=steps_per_call)
+                               drafter=drafter, steps_per_call=steps_per_call, tickets=tickets)
         self.prefiller = ChunkPrefiller(model, contexts=contexts)
         self.pool = (PrefixPool(model, self.stepper.slots, prefix_entries, prefix_interval)
                      if self.prefix_interval else None)

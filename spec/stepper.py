@@ -6,7 +6,6 @@ prefilled slots into others (`copy_slots`: a prompt prefilled once for several c
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import NamedTuple
 
@@ -23,6 +22,16 @@ from spec.sampling import SamplingParams
 from spec.step import (Slots, check_model, copy_slots, last_at, live_sampling, prefill_program, reset,
                        run_together, step_program)
 from spec.step import run as run_program
+
+def counted(counters, fn):
+    """fn() with the ticket kernels it traces taking their tickets from `counters` (int32[CAPACITY]
+    of zeros; None: no tickets); returns (fn's result, the counters given back zeroed)."""
+    if counters is None:
+        return fn(), None
+    with ticket_scope(counters) as scope:
+        out = fn()
+    return out, scope.buffer
+
 
 def _flat_weights(model: LingModel):
     """(the weights as a flat list of arrays, merge: such a list -> the model, for use under jit).
@@ -210,10 +219,8 @@ class Stepper:
 
         def one_step(model, s, counters, sampling, logprobs):
             """One step over the slots s; returns (s, the counters given back zeroed)."""
-            with contextlib.nullcontext() if counters is None else ticket_scope(counters) as scope:
-                s = run_program(model, step_program(speculative, num_steps, sampling, drafter, logprobs=logprobs)(
-                    model, s))
-            return s, None if scope is None else scope.buffer
+            return counted(counters, lambda: run_program(
+                model, step_program(speculative, num_steps, sampling, drafter, logprobs=logprobs)(model, s)))
 
         def run(param_leaves, slot_leaves, counts, rows, chunk, sampling, logprobs, context, chunk_logprobs,
                 steps):
@@ -225,12 +232,10 @@ class Stepper:
             if chunk is not None:  # the mixed iteration: the chunk's rows beside the step's, one forward for both
                 chunk_rows, packed = chunk
                 p = gather_rows(full, chunk_rows, context)
-                with contextlib.nullcontext() if counters is None else ticket_scope(counters) as scope:
-                    s, p = run_together(model, [
-                        step_program(speculative, num_steps, sampling, drafter, logprobs=logprobs)(model, s),
-                        prefill_step_program(model, p, *_unpack_chunk(packed, _chunk_width(packed)),
-                                             sampling=sampling, logprobs=chunk_logprobs)])
-                counters = None if scope is None else scope.buffer
+                (s, p), counters = counted(counters, lambda: run_together(model, [
+                    step_program(speculative, num_steps, sampling, drafter, logprobs=logprobs)(model, s),
+                    prefill_step_program(model, p, *_unpack_chunk(packed, _chunk_width(packed)),
+                                         sampling=sampling, logprobs=chunk_logprobs)]))
                 ran = (s.n_out > before).astype(jnp.int32)
             elif steps == 1:
                 s, counters = one_step(model, s, counters, sampling, logprobs)

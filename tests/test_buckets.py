@@ -171,3 +171,20 @@ def test_a_prefill_chunk_keeps_every_buffer_it_touches_in_place(model):
         first = chunk(rows, ends)
         assert where() == before
     assert first[0] == -1 and first[1] >= 0  # the prompt that ended has its first token
+
+
+def test_ticket_sums_flag():
+    """--ticket-sums: auto takes them only for one device's Pallas kernels; on is refused, with the
+    flag named, for an expert-parallel model."""
+    from types import SimpleNamespace
+
+    from serve.run import StartupError, ticket_sums
+
+    one, parallel = SimpleNamespace(kernels="pallas", mesh=None), SimpleNamespace(kernels="pallas", mesh=object())
+    reference = SimpleNamespace(kernels="reference", mesh=None)
+    auto, on, off = (parse_args(["--ticket-sums", v]) for v in ("auto", "on", "off"))
+    assert [ticket_sums(auto, m) for m in (one, parallel, reference)] == [True, False, False]
+    assert ticket_sums(on, one) and ticket_sums(on, reference) and not ticket_sums(off, one)
+    assert not ticket_sums(parse_args([]), one)
+    with pytest.raises(StartupError, match="--ticket-sums on"):
+        ticket_sums(on, parallel)

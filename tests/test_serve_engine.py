@@ -5,6 +5,7 @@ request gives the same tokens alone and in company."""
 
 import asyncio
 import dataclasses
+from functools import partial
 
 import numpy as np
 import pytest
@@ -114,6 +115,26 @@ def test_mixed_iterations_compile_nothing_after_warm_up(model, mixed_runner):
     assert mixed_runner.stepper._step._cache_size() == compiled
 
 
+def record_step_calls(runner, index):
+    """Wraps the stepper's step program so that every call's positional argument `index` is kept;
+    returns the program and the list they go to."""
+    real, calls = runner.stepper._step, []
+
+    def recording(*args):
+        calls.append(args[index])
+        return real(*args)
+
+    runner.stepper._step = recording
+    return real, calls
+
+
+def bound_holds_device(runner, sched):
+    """The runner's bound on each busy slot's positions is never below the device's lengths."""
+    device = np.asarray(runner.stepper.slots.model.lengths)
+    busy = [b for b, r in enumerate(sched.slots) if r is not None]
+    assert np.all(runner._length[busy] >= device[busy]), (runner._length, device)
+
+
 @pytest.mark.parametrize("speculative", [True, False])
 def test_context_buckets_change_no_output_and_hold_every_slot(model, speculative):
     """With cache lengths 32 and 64 compiled beside the whole 160 (+ width), the calls run the
@@ -128,23 +149,10 @@ def test_context_buckets_change_no_output_and_hold_every_slot(model, speculative
     prompts = [rng.integers(2, model.cfg.vocab_size, n).tolist() for n in lengths]
     reference = generate_batch(model, prompts, max(max_new), speculative=False, prefill_chunk=CHUNK)
     requests = [Request(p, Sampling(max_tokens=n, temperature=0.0)) for p, n in zip(prompts, max_new)]
-    used = set()
-    real = runner.stepper._step
-
-    def recording(*args):
-        used.add(args[7])  # the context
-        return real(*args)
-
-    runner.stepper._step = recording
-
-    def check(sched):
-        device = np.asarray(runner.stepper.slots.model.lengths)
-        busy = [b for b, r in enumerate(sched.slots) if r is not None]
-        assert np.all(runner._length[busy] >= device[busy]), (runner._length, device)
-
-    got = serve(runner, requests, arrivals=(0, 0, 1, 4, 6), check=check)
+    real, contexts = record_step_calls(runner, 7)
+    got = serve(runner, requests, arrivals=(0, 0, 1, 4, 6), check=partial(bound_holds_device, runner))
     assert got == [ref[:n] for ref, n in zip(reference, max_new)]
-    assert used == {32, 64, None}
+    assert set(contexts) == {32, 64, None}
     assert (real._cache_size(), runner.prefiller._call._cache_size()) == compiled
 
 
@@ -160,20 +168,8 @@ def test_calls_of_several_steps_serve_plain_greedy(model):
     prompts = [rng.integers(2, model.cfg.vocab_size, n).tolist() for n in lengths]
     reference = generate_batch(model, prompts, max(max_new), speculative=False, prefill_chunk=CHUNK)
     requests = [Request(p, Sampling(max_tokens=n, temperature=0.0)) for p, n in zip(prompts, max_new)]
-    steps, real = [], runner.stepper._step
-
-    def recording(*args):
-        steps.append(args[9])
-        return real(*args)
-
-    runner.stepper._step = recording
-
-    def check(sched):
-        device = np.asarray(runner.stepper.slots.model.lengths)
-        busy = [b for b, r in enumerate(sched.slots) if r is not None]
-        assert np.all(runner._length[busy] >= device[busy]), (runner._length, device)
-
-    got = serve(runner, requests, arrivals=(0, 0, 1, 4, 6), check=check)
+    real, steps = record_step_calls(runner, 9)  # the steps a call
+    got = serve(runner, requests, arrivals=(0, 0, 1, 4, 6), check=partial(bound_holds_device, runner))
     assert got == [ref[:n] for ref, n in zip(reference, max_new)]
     assert set(steps) == {1, 4} and steps.count(4) >= 5
     assert real._cache_size() == compiled
