@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe.block import MoE, QExperts, SwiGLUMLP
-from moe.nn import Linear
+from moe.nn import Linear, QuantizedParams
 from pallas_kernels.backend import resolve
 from pallas_kernels.experts import quantize_experts
 from pallas_kernels.qmatvec import MAX_M, qmatvec
@@ -39,23 +39,12 @@ EXPERT_BLOCK_N = 64  # the fused MoE kernels' tile of output columns
 KEEP_FULL = ("kv_b_proj",)  # attribute names of Linears that stay in full precision
 
 
-class QLinear(nnx.Module):
+class QLinear(QuantizedParams):
     """y = x @ Wᵀ with W [N, K] stored grouped low-bit; the drop-in for a `Linear`."""
 
     def __init__(self, qw: QuantizedWeight, *, kernels: str = "auto"):
+        super().__init__(qw)
         self.kernels = resolve(kernels)  # the kernel backend (pallas_kernels.backend), fixed at build
-        words, groups = (("rows", "words"), ("rows", "groups")) if qw.layout == "rows" else (
-            ("tiles", "words", "tile_rows"), ("tiles", "groups", "tile_rows"))
-        self.words = nnx.Param(qw.words, logical_axes=words)
-        self.scales = nnx.Param(qw.scales, logical_axes=groups)
-        self.zeros = None if qw.zeros is None else nnx.Param(qw.zeros, logical_axes=groups)
-        self.bits, self.group_size, self.symmetric, self.shape = qw.bits, qw.group_size, qw.symmetric, qw.shape
-        self.layout = qw.layout
-
-    @property
-    def weight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.words[...], self.scales[...], None if self.zeros is None else self.zeros[...],
-                               self.bits, self.group_size, self.symmetric, self.shape, self.layout)
 
     @jax.named_scope("proj")
     def __call__(self, x):  # x [..., K] -> [..., N]

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe.nn import param, swiglu
+from moe.nn import QuantizedParams, param, swiglu
 from moe.parallel import expert_parallel
 from moe.router import route
 from pallas_kernels.backend import resolve
@@ -75,23 +75,12 @@ def _dense(w):
     return jnp.swapaxes(jax.vmap(dequantize)(w), 1, 2) if isinstance(w, QuantizedWeight) else w
 
 
-class QExperts(nnx.Module):
+class QExperts(QuantizedParams):
     """Stacked routed experts in the fused MoE kernel's grouped low-bit format (one
     `QuantizedWeight` with a leading E axis), held as Params with logical axes."""
 
     def __init__(self, qw: QuantizedWeight):
-        words, groups = (("experts", "rows", "words"), ("experts", "rows", "groups")) if qw.layout == "rows" else (
-            ("experts", "tiles", "words", "tile_rows"), ("experts", "tiles", "groups", "tile_rows"))
-        self.words = nnx.Param(qw.words, logical_axes=words)
-        self.scales = nnx.Param(qw.scales, logical_axes=groups)
-        self.zeros = None if qw.zeros is None else nnx.Param(qw.zeros, logical_axes=groups)
-        self.bits, self.group_size, self.symmetric, self.shape = qw.bits, qw.group_size, qw.symmetric, qw.shape
-        self.layout = qw.layout
-
-    @property
-    def weight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.words[...], self.scales[...], None if self.zeros is None else self.zeros[...],
-                               self.bits, self.group_size, self.symmetric, self.shape, self.layout)
+        super().__init__(qw, lead=("experts",))
 
 
 def expert_weights(w13, w2):

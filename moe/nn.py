@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.quant import QuantizedWeight
+
 
 def param(rngs: nnx.Rngs, shape, axes: tuple[str, ...], dtype, *, init: str = "normal", std: float = 0.02) -> nnx.Param:
     assert len(axes) == len(shape), (shape, axes)
@@ -56,6 +58,25 @@ def _normal_blocks(key, shape, dtype, std, block):
 def dot(x, w):
     """x @ w with fp32 accumulation, rounded once to x's dtype."""
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+class QuantizedParams(nnx.Module):
+    """A `QuantizedWeight` held as Params with logical axes: its words and scales (and zeros) after
+    the `lead` axes (("experts",) for stacked experts), its static fields as attributes."""
+
+    def __init__(self, qw: QuantizedWeight, lead: tuple[str, ...] = ()):
+        inner = ("rows",) if qw.layout == "rows" else ("tiles",)
+        last = () if qw.layout == "rows" else ("tile_rows",)
+        self.words = nnx.Param(qw.words, logical_axes=(*lead, *inner, "words", *last))
+        self.scales = nnx.Param(qw.scales, logical_axes=(*lead, *inner, "groups", *last))
+        self.zeros = None if qw.zeros is None else nnx.Param(qw.zeros, logical_axes=(*lead, *inner, "groups", *last))
+        self.bits, self.group_size, self.symmetric, self.shape = qw.bits, qw.group_size, qw.symmetric, qw.shape
+        self.layout = qw.layout
+
+    @property
+    def weight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.words[...], self.scales[...], None if self.zeros is None else self.zeros[...],
+                               self.bits, self.group_size, self.symmetric, self.shape, self.layout)
 
 
 class Linear(nnx.Module):
