@@ -23,6 +23,7 @@ from spec.step import (Slots, check_model, copy_slots, last_at, live_sampling, p
                        run_together, step_program)
 from spec.step import run as run_program
 
+
 def counted(counters, fn):
     """fn() with the ticket kernels it traces taking their tickets from `counters` (int32[CAPACITY]
     of zeros; None: no tickets); returns (fn's result, the counters given back zeroed)."""
