@@ -193,6 +193,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--context-buckets lengths must be at least 1, got {args.context_buckets}")
     if not 0 < args.mem_fraction <= 1:
         ap.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
+    if args.ticket_sums == "on" and args.ep_size > 1:
+        ap.error(f"--ticket-sums on: the counters serve one device's kernels; --ep-size {args.ep_size} shards the "
+                 "experts (use auto or off)")
     if args.tpot_slo_ms is not None and args.tpot_slo_ms <= 0:
         ap.error(f"--tpot-slo-ms must be positive, got {args.tpot_slo_ms}")
     if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
@@ -236,11 +239,9 @@ def platform_defaults(args, platform: str) -> int:
 
 
 def ticket_sums(args, model) -> bool:
-    """Whether the step's split sums finish in their kernels' own launches (--ticket-sums)."""
+    """Whether the step's split sums finish in their kernels' own launches (--ticket-sums; `on` with
+    --ep-size > 1 is refused by parse_args)."""
     parallel = getattr(model, "mesh", None) is not None
-    if args.ticket_sums == "on" and parallel:
-        raise StartupError(f"--ticket-sums on: the counters serve one device's kernels; --ep-size {args.ep_size} "
-                           "shards the experts (use auto or off)")
     return args.ticket_sums == "on" or (args.ticket_sums == "auto" and model.kernels == "pallas" and not parallel)
 
 

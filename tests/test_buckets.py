@@ -175,10 +175,10 @@ def test_a_prefill_chunk_keeps_every_buffer_it_touches_in_place(model):
 
 def test_ticket_sums_flag():
     """--ticket-sums: auto takes them only for one device's Pallas kernels; on is refused, with the
-    flag named, for an expert-parallel model."""
+    flag named, with --ep-size > 1 (before any model is loaded)."""
     from types import SimpleNamespace
 
-    from serve.run import StartupError, ticket_sums
+    from serve.run import ticket_sums
 
     one, parallel = SimpleNamespace(kernels="pallas", mesh=None), SimpleNamespace(kernels="pallas", mesh=object())
     reference = SimpleNamespace(kernels="reference", mesh=None)
@@ -186,5 +186,6 @@ def test_ticket_sums_flag():
     assert [ticket_sums(auto, m) for m in (one, parallel, reference)] == [True, False, False]
     assert ticket_sums(on, one) and ticket_sums(on, reference) and not ticket_sums(off, one)
     assert not ticket_sums(parse_args([]), one)
-    with pytest.raises(StartupError, match="--ticket-sums on"):
-        ticket_sums(on, parallel)
+    with pytest.raises(SystemExit):
+        parse_args(["--ticket-sums", "on", "--ep-size", "2"])
+    assert parse_args(["--ticket-sums", "auto", "--ep-size", "2"]).ep_size == 2
