@@ -110,10 +110,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "on the device while no prompt is being prefilled and no request asks for log-probabilities "
                     "(default 1; more pays the host's dispatch of a step once for that many, where it bounds the "
                     "step, and streams tokens that many steps at a time)")
-    ap.add_argument("--ticket-sums", default="off", choices=["auto", "on", "off"], help="a kernel whose programs each "
+    ap.add_argument("--ticket-sums", default="auto", choices=["auto", "on", "off"], help="a kernel whose programs each "
                     "hold a share of a sum (the split-K matvecs, the router, the MoE at one token) finishes the sum in "
-                    "its own launch, the last program of each output taking an atomic ticket: fewer launches a step "
-                    "(auto: on with one device's Pallas kernels; default off)")
+                    "its own launch, the last program of each output taking an atomic ticket: fewer launches a step, "
+                    "a shorter dispatch, a slightly longer device span (default auto: on with one device's Pallas "
+                    "kernels)")
     ap.add_argument("--tile-model", default=None, metavar="PATH", help="fitted MoE tile model (JSON from "
                     "python -m bench.fused_moe --profile-tiles): size prefill chunks to --tpot-slo-ms")
     ap.add_argument("--tpot-slo-ms", type=float, default=None, help="with --tile-model: the budget of one iteration "

@@ -185,7 +185,7 @@ def test_ticket_sums_flag():
     auto, on, off = (parse_args(["--ticket-sums", v]) for v in ("auto", "on", "off"))
     assert [ticket_sums(auto, m) for m in (one, parallel, reference)] == [True, False, False]
     assert ticket_sums(on, one) and ticket_sums(on, reference) and not ticket_sums(off, one)
-    assert not ticket_sums(parse_args([]), one)
+    assert ticket_sums(parse_args([]), one) and not ticket_sums(parse_args([]), reference)  # default auto
     with pytest.raises(SystemExit):
         parse_args(["--ticket-sums", "on", "--ep-size", "2"])
     assert parse_args(["--ticket-sums", "auto", "--ep-size", "2"]).ep_size == 2
