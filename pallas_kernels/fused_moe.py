@@ -411,9 +411,9 @@ def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, li
                 total = total + part_ref[s_, j, pl.ds(t * bn, bn)]
             lim = limit
             if shared is not None and (limit is not None or shared[1] is not None):
-                inf = float("inf")
-                routed_lim = inf if limit is None else limit
-                lim = jnp.where(e == shared[0], inf if shared[1] is None else shared[1], routed_lim)
+                # strongly typed: Triton's select of two weak literals types them as its predicate
+                limits = [jnp.float32(float("inf") if v is None else v) for v in (shared[1], limit)]
+                lim = jnp.where(e == shared[0], *limits)
             out_ref[j, pl.ds(t * (bn // 2), bn // 2)] = swiglu_columns(total, lim).astype(out_ref.dtype)
         else:
             for m in range(out_ref.shape[0]):  # tokens: y[m] = sum over its k pairs of w * (sum of shares)

@@ -65,7 +65,7 @@ class Slots:
 def new_slots(model: LingModel, batch: int, max_len: int, max_out: int, logprob_width: int = 0) -> Slots:
     """logprob_width: tokens a call can emit whose log-probabilities it can report (a speculative
     step's num_steps + 1; 0: none)."""
-    cfg, dtype = model.cfg, model.embed_tokens[...].dtype
+    cfg, dtype = model.cfg, model.embed_tokens.dtype
     z = lambda: jnp.zeros((batch,), jnp.int32)  # distinct buffers: the slots are donated
     k = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
     return Slots(

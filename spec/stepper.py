@@ -290,11 +290,11 @@ class Stepper:
             raise ValueError("the new slots differ in structure from the ones the step was built for")
         self._slots = leaves
 
-    def lower(self):
+    def lower(self, platforms=None):
         """The step program over every slot (greedy, without logprobs) lowered for the current slots,
-        for inspecting its HLO."""
-        return self._step.lower(self._params, self._slots, self._counts, None, None, self.sampling, False, None, False,
-                                self.steps_per_call)
+        for inspecting its HLO; platforms (e.g. ("cuda",)) lowers for another machine's backend."""
+        return self._step.trace(self._params, self._slots, self._counts, None, None, self.sampling, False, None,
+                                False, self.steps_per_call).lower(lowering_platforms=platforms)
 
     def rows(self, live) -> np.ndarray | None:
         """The slot indices a step over `live` [B] bool runs (`bucket_rows`; None: every slot)."""
