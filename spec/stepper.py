@@ -290,11 +290,16 @@ class Stepper:
             raise ValueError("the new slots differ in structure from the ones the step was built for")
         self._slots = leaves
 
-    def lower(self, platforms=None):
-        """The step program over every slot (greedy, without logprobs) lowered for the current slots,
-        for inspecting its HLO; platforms (e.g. ("cuda",)) lowers for another machine's backend."""
-        return self._step.trace(self._params, self._slots, self._counts, None, None, self.sampling, False, None,
-                                False, self.steps_per_call).lower(lowering_platforms=platforms)
+    def lower(self, platforms=None, live=None, chunk: PreparedChunk | None = None):
+        """The call `dispatch(live=live, chunk=chunk)` would run (greedy, without logprobs) lowered
+        for the current slots, for inspecting its HLO; platforms (e.g. ("cuda",)) lowers for another
+        machine's backend."""
+        rows = self.rows(live)
+        on_device = None if rows is None else self._kept(rows)
+        extra, context = (None, None) if chunk is None else ((chunk.rows_on_device, chunk.packed), chunk.context)
+        return self._step.trace(self._params, self._slots, self._counts, on_device, extra, self.sampling, False,
+                                context, False, 1 if chunk is not None else self.steps_per_call).lower(
+                                    lowering_platforms=platforms)
 
     def rows(self, live) -> np.ndarray | None:
         """The slot indices a step over `live` [B] bool runs (`bucket_rows`; None: every slot)."""
@@ -501,6 +506,12 @@ class ChunkPrefiller:
         context = pick_context(context, self.contexts, cache_len(slots)) if self.contexts else None
         return PreparedChunk(packed, None if rows is None else np.asarray(rows), on_device, bool(sampling),
                              bool(logprobs), context)
+
+    def lower(self, slots: Slots, chunk: PreparedChunk, platforms=None):
+        """The program `__call__` runs for a prepared chunk, lowered for `slots` (platforms: as
+        `Stepper.lower`)."""
+        return self._call.trace(self._params, slots, chunk.rows_on_device, chunk.packed, chunk.sampling,
+                                chunk.logprobs, chunk.context).lower(lowering_platforms=platforms)
 
     def report(self, slots: Slots, chunk: PreparedChunk):
         """Queues the read of a dispatched chunk's first tokens (and their log-probabilities, if it

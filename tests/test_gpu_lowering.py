@@ -1,19 +1,21 @@
-"""The served step lowers for the GPU from a CPU machine: every Pallas kernel of the plain and the
-speculative step goes through the Triton lowering, with Ling-3.0-flash's shapes and every SwiGLU
-limit combination its layers use (routed and shared clamps, either or both), so a kernel that
-cannot lower fails here rather than on the first GPU start-up. Nothing is allocated but the
-slots: the weights are abstract."""
+"""The served programs lower for the GPU from a CPU machine: every Pallas kernel of the plain and
+the speculative step, the prefill chunk and the mixed iteration goes through the Triton lowering,
+with Ling-3.0-flash's shapes and every SwiGLU limit combination its layers use (routed and shared
+clamps, either or both), so a kernel that cannot lower fails here rather than at a GPU server's
+start-up. Nothing is allocated but the slots: the weights are abstract."""
 
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from ling import build
 from ling.config import preset
 from ling.quantize import Quantization
+from spec.sampling import SamplingParams
 from spec.step import new_slots
-from spec.stepper import Stepper
+from spec.stepper import ChunkPrefiller, Stepper
 
 
 @pytest.fixture(scope="module")
@@ -32,3 +34,28 @@ def test_the_served_step_lowers_for_the_gpu(model, speculative, tickets):
     stepper = Stepper(model, new_slots(model, 1, 1024, 64), speculative=speculative, num_steps=3, tickets=tickets)
     text = stepper.lower(platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") >= 6 * 3  # a layer's matvec, router and MoE launches at least
+
+
+def test_the_prefill_chunk_and_the_mixed_iteration_lower_for_the_gpu(model, monkeypatch):
+    """A 256-token chunk (the GPU's default) over both slots, and beside a speculative step over
+    slot 0 (the tile-scheduled MoE). The MLA prefill's cuDNN attention is not Triton, and cannot
+    lower without cuDNN present: its XLA form stands in."""
+    import pallas_kernels.mla_prefill as mla_prefill
+
+    monkeypatch.setattr(mla_prefill, "PALLAS_IMPL", "xla")
+    b, width = 2, 256
+    slots = new_slots(model, b, 1024, 64)
+    prefiller = ChunkPrefiller(model)
+
+    def chunk(rows):
+        k = b if rows is None else len(rows)
+        return prefiller.prepare(slots, start=np.ones(k, bool), params=SamplingParams.make(k),
+                                 max_new=np.ones(k, np.int32), eos=np.full(k, -1, np.int32),
+                                 tokens=np.zeros((k, width), np.int32), next_tokens=np.zeros((k, width), np.int32),
+                                 valid=np.full(k, width, np.int32), ends=np.ones(k, bool), sampling=False, rows=rows)
+
+    text = prefiller.lower(slots, chunk(None), platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") >= 6 * 3
+    stepper = Stepper(model, slots, speculative=True, num_steps=3, tickets=True)
+    text = stepper.lower(platforms=("cuda",), live=np.array([True, False]), chunk=chunk(np.array([1]))).as_text()
+    assert text.count("__gpu$xla.gpu.triton") >= 6 * 6
