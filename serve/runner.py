@@ -274,12 +274,13 @@ class Runner:
         return out, logprobs
 
     def warmup_prefill(self, chunk_size: int) -> None:
-        """Compiles the prefill chunk for every batch bucket and cache length, all-greedy and
-        sampling (with JAX's persistent cache, a restart loads them instead), by prefilling one
-        token into the first k slots with max_tokens 1, which leaves them done."""
+        """Compiles the prefill chunk for every batch bucket and cache length (one program serves
+        greedy and sampling rows, `ChunkPrefiller`; with JAX's persistent cache, a restart loads
+        them instead), by prefilling one token into the first k slots with max_tokens 1, which
+        leaves them done."""
         b = self.max_batch
-        for k, context, temperature in itertools.product(self.stepper.buckets, self._warm_contexts(), (0.0, 1.0)):
-            chunk = self._warm_chunk(np.arange(b) < k, chunk_size, temperature)
+        for k, context in itertools.product(self.stepper.buckets, self._warm_contexts()):
+            chunk = self._warm_chunk(np.arange(b) < k, chunk_size, 0.0)
             self.read_first(self.prefill(chunk, context))
         self._sampling[:] = False
         self._length[:] = 0

@@ -445,13 +445,17 @@ class PreparedChunk:
 
 
 class ChunkPrefiller:
-    """`prefill_step` compiled once for the slots' shapes (and each `sampling` variant and batch
-    bucket); the arguments are host arrays, [K] and [K, C] for the K slots `rows` names (all B
+    """`prefill_step` compiled once for the slots' shapes (and each batch bucket); the arguments are host arrays, [K] and [K, C] for the K slots `rows` names (all B
     slots when rows is None): those rows of the slots are gathered, prefilled and scattered back,
     so the slots a chunk does not touch cost nothing. The slots are donated: pass the Stepper's
     current slots and put the result back. The weights cross the jit boundary as a flat list
     (`Stepper`). Returns (slots, first [K]), and with logprobs (slots, first [K],
     (log-probabilities [K, 1 + top], top ids [K, top]) of the first tokens).
+
+    A chunk alone always runs the sampling variant of `prefill_step`, whose greedy rows take the
+    argmax as the all-greedy variant's do: its sampling is of K first tokens beside a forward over
+    K x C, and one program a bucket and cache length is compiled instead of two. (Beside a step,
+    in the mixed iteration, the chunk's `sampling` picks the step's variant.)
 
     As the `Stepper`'s step, the chunk's program touches only buffers that keep their address, so
     that its CUDA graph is replayed as recorded: the per-chunk arguments are packed into one int32
@@ -510,8 +514,8 @@ class ChunkPrefiller:
     def lower(self, slots: Slots, chunk: PreparedChunk, platforms=None):
         """The program `__call__` runs for a prepared chunk, lowered for `slots` (platforms: as
         `Stepper.lower`)."""
-        return self._call.trace(self._params, slots, chunk.rows_on_device, chunk.packed, chunk.sampling,
-                                chunk.logprobs, chunk.context).lower(lowering_platforms=platforms)
+        return self._call.trace(self._params, slots, chunk.rows_on_device, chunk.packed, True, chunk.logprobs,
+                                chunk.context).lower(lowering_platforms=platforms)
 
     def report(self, slots: Slots, chunk: PreparedChunk):
         """Queues the read of a dispatched chunk's first tokens (and their log-probabilities, if it
@@ -528,7 +532,7 @@ class ChunkPrefiller:
         chunk = self.prepare(slots, start=start, params=params, max_new=max_new, eos=eos, tokens=tokens,
                              next_tokens=next_tokens, valid=valid, ends=ends, sampling=sampling, rows=rows,
                              logprobs=logprobs, context=context)
-        slots = self._call(self._params, slots, chunk.rows_on_device, chunk.packed, chunk.sampling, chunk.logprobs,
+        slots = self._call(self._params, slots, chunk.rows_on_device, chunk.packed, True, chunk.logprobs,
                            chunk.context)
         first = self.report(slots, chunk)
         return (slots, *first) if logprobs else (slots, first)
