@@ -449,8 +449,9 @@ class ChunkPrefiller:
     are host arrays, [K] and [K, C] for the K slots `rows` names (all B slots when rows is None):
     those rows of the slots are gathered, prefilled and scattered back, so the slots a chunk does
     not touch cost nothing. The slots are donated: pass the Stepper's current slots and put the
-    result back. The weights cross the jit boundary as a flat list (`Stepper`). Returns (slots, first [K]), and with logprobs (slots, first [K],
-    (log-probabilities [K, 1 + top], top ids [K, top]) of the first tokens).
+    result back. The weights cross the jit boundary as a flat list (`Stepper`). Returns (slots,
+    first [K]), and with logprobs (slots, first [K], (log-probabilities [K, 1 + top], top ids
+    [K, top]) of the first tokens).
 
     A chunk alone always runs the sampling variant of `prefill_step`, whose greedy rows take the
     argmax as the all-greedy variant's do: its sampling is of K first tokens beside a forward over
