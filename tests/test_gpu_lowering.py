@@ -41,7 +41,7 @@ def model():
 @pytest.mark.parametrize("tickets", [False, True], ids=["sums", "tickets"])
 def test_the_served_step_lowers_for_the_gpu(fmt, speculative, tickets):
     model = cut(fmt)
-    batch = 4 if speculative else 1  # the verify's rows up to 4 x 4
+    batch = 4 if speculative else 1  # the verify: 4 slots x 4 positions
     stepper = Stepper(model, new_slots(model, batch, 1024, 64), speculative=speculative, num_steps=3,
                       tickets=tickets)
     text = stepper.lower(platforms=("cuda",)).as_text()
