@@ -291,15 +291,11 @@ class Stepper:
         self._slots = leaves
 
     def lower(self, platforms=None, live=None, chunk: PreparedChunk | None = None):
-        """The call `dispatch(live=live, chunk=chunk)` would run (greedy, without logprobs) lowered
+        """The program `dispatch(live=live, chunk=chunk, steps=1 with a chunk)` would run, lowered
         for the current slots, for inspecting its HLO; platforms (e.g. ("cuda",)) lowers for another
         machine's backend."""
-        rows = self.rows(live)
-        on_device = None if rows is None else self._kept(rows)
-        extra, context = (None, None) if chunk is None else ((chunk.rows_on_device, chunk.packed), chunk.context)
-        return self._step.trace(self._params, self._slots, self._counts, on_device, extra, self.sampling, False,
-                                context, False, 1 if chunk is not None else self.steps_per_call).lower(
-                                    lowering_platforms=platforms)
+        _, args = self._call_args(None, live, False, None, chunk, 1 if chunk is not None else None)
+        return self._step.trace(*args).lower(lowering_platforms=platforms)
 
     def rows(self, live) -> np.ndarray | None:
         """The slot indices a step over `live` [B] bool runs (`bucket_rows`; None: every slot)."""
@@ -320,6 +316,17 @@ class Stepper:
         for the step's tokens and the chunk's, `spec.step.run_together`); its first tokens are
         read with `ChunkPrefiller.report`. The program then runs at the chunk's context, and in
         the sampling variant if either part asks for it."""
+        rows, args = self._call_args(sampling, live, logprobs, context, chunk, steps)
+        self._slots, self._counts = self._step(*args)
+        _, _, _, on_device, _, _, logprobs, _, _, steps = args
+        report = self._report(*(self._slots[i] for i in self._read), self._counts[0], on_device, logprobs, steps)
+        for a in jax.tree_util.tree_leaves(report):
+            a.copy_to_host_async()
+        self._pending = (report, rows)
+
+    def _call_args(self, sampling, live, logprobs, context, chunk, steps) -> tuple:
+        """(the rows, the step program's arguments) of `dispatch`'s call; ValueError for a call it
+        cannot run."""
         sampling = self.sampling if sampling is None else sampling
         steps = self.steps_per_call if steps is None else steps
         if steps < 1 or (steps > 1 and (logprobs or chunk is not None)):
@@ -334,13 +341,8 @@ class Stepper:
                 raise ValueError("a mixed iteration's chunk must name its rows, and run over slots the step does not")
             context, extra, chunk_logprobs = chunk.context, (chunk.rows_on_device, chunk.packed), chunk.logprobs
             sampling = sampling or chunk.sampling
-        self._slots, self._counts = self._step(self._params, self._slots, self._counts, on_device, extra,
-                                               bool(sampling), bool(logprobs), context, chunk_logprobs, steps)
-        report = self._report(*(self._slots[i] for i in self._read), self._counts[0], on_device, bool(logprobs),
-                              steps)
-        for a in jax.tree_util.tree_leaves(report):
-            a.copy_to_host_async()
-        self._pending = (report, rows)
+        return rows, (self._params, self._slots, self._counts, on_device, extra, bool(sampling), bool(logprobs),
+                      context, chunk_logprobs, steps)
 
     def step(self, sampling: bool | None = None, live=None, logprobs: bool = False, context=None,
              chunk: PreparedChunk | None = None, steps: int | None = None) -> Report | None:
@@ -515,8 +517,11 @@ class ChunkPrefiller:
     def lower(self, slots: Slots, chunk: PreparedChunk, platforms=None):
         """The program `__call__` runs for a prepared chunk, lowered for `slots` (platforms: as
         `Stepper.lower`)."""
-        return self._call.trace(self._params, slots, chunk.rows_on_device, chunk.packed, True, chunk.logprobs,
-                                chunk.context).lower(lowering_platforms=platforms)
+        return self._call.trace(*self._call_args(slots, chunk)).lower(lowering_platforms=platforms)
+
+    def _call_args(self, slots: Slots, chunk: PreparedChunk) -> tuple:
+        """The chunk program's arguments: always its sampling variant (see the class doc)."""
+        return self._params, slots, chunk.rows_on_device, chunk.packed, True, chunk.logprobs, chunk.context
 
     def report(self, slots: Slots, chunk: PreparedChunk):
         """Queues the read of a dispatched chunk's first tokens (and their log-probabilities, if it
@@ -533,8 +538,7 @@ class ChunkPrefiller:
         chunk = self.prepare(slots, start=start, params=params, max_new=max_new, eos=eos, tokens=tokens,
                              next_tokens=next_tokens, valid=valid, ends=ends, sampling=sampling, rows=rows,
                              logprobs=logprobs, context=context)
-        slots = self._call(self._params, slots, chunk.rows_on_device, chunk.packed, True, chunk.logprobs,
-                           chunk.context)
+        slots = self._call(*self._call_args(slots, chunk))
         first = self.report(slots, chunk)
         return (slots, *first) if logprobs else (slots, first)
 
