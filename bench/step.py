@@ -11,7 +11,8 @@ whole speculative step; beside each, what the device did (JAX profiler), and the
     python -m bench.step ... --steps-per-call 4   # 4 steps a dispatch (the server's --num-scheduler-steps)
     python -m bench.step ... --tickets both --steps-per-call 1 4   # every variant, one model built
 
-Random weights, batch 1 (`--batch B`: B slots, all live), a prompt of --context tokens prefilled
+Random weights, batch 1 (`--batch B`: B slots, all live; `--slots N` holds N slots, the first B
+live and stepped in a batch bucket of B rows, as the server steps them), a prompt of --context tokens prefilled
 first. Per mode:
   served   wall-clock time a step, K steps back to back through the Stepper (what a client waits
            for: the host's dispatch and the device's work overlap, so it is the larger of the two)
@@ -89,7 +90,10 @@ def main():
     ap.add_argument("--preset", default="ling-3-flash")
     ap.add_argument("--layers", type=int, default=16, help="keep the first N decoder layers (and NEXTN)")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens prefilled before stepping")
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=1, help="live slots stepped")
+    ap.add_argument("--slots", type=int, default=None,
+                    help="slots the step holds (default --batch): with more, the live ones run in a batch bucket of "
+                         "--batch rows (the server's --max-batch with --batch-buckets), the others idle")
     ap.add_argument("--steps", type=int, default=32, help="K: steps back to back per measurement")
     ap.add_argument("--num-steps", type=int, default=5, help="S: NEXTN draft steps per speculative step")
     ap.add_argument("--modes", nargs="+", default=["decode", "verify", "spec"], choices=["decode", "verify", "spec"])
@@ -111,6 +115,11 @@ def main():
     args = ap.parse_args()
     if min(args.steps_per_call) < 1:
         ap.error(f"--steps-per-call must be at least 1, got {args.steps_per_call}")
+    args.slots = args.batch if args.slots is None else args.slots
+    if args.slots < args.batch:
+        ap.error(f"--slots must be at least --batch ({args.batch}), got {args.slots}")
+    if args.slots > args.batch and "verify" in args.modes:
+        ap.error("the verify pass runs every slot: leave it out of --modes with --slots")
     if not 0 < args.mem_fraction <= 1:
         ap.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(args.mem_fraction))  # read when JAX starts
@@ -129,20 +138,21 @@ def main():
     cfg = model.cfg
     print(f"device {jax.devices()[0].device_kind}; kernels {resolve()}; {args.preset} cut to {cfg.num_hidden_layers} "
           f"layers + NEXTN; weights {args.quantize or 'bf16'}{' (experts too)' if args.quantize_experts else ''}; "
-          f"batch {args.batch}, context {args.context}; copy ceiling {bw / 1e12:.2f} TB/s", flush=True)
-    s, k, b = args.num_steps, args.steps, args.batch
+          f"batch {args.batch} ({args.slots} slots), context {args.context}; copy ceiling {bw / 1e12:.2f} TB/s", flush=True)
+    s, k, b, n_slots = args.num_steps, args.steps, args.batch, args.slots
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, cfg.vocab_size, args.context).tolist() for _ in range(b)]
+    prompts = [rng.integers(0, cfg.vocab_size, args.context).tolist() for _ in range(n_slots)]
+    live = np.arange(n_slots) < b  # the slots stepped: the first --batch
     # The step variants measured (ticket sums, steps a call), and each one's label in the tables.
     variants = [(t, n) for t in {"off": [False], "on": [True], "both": [False, True]}[args.tickets]
                 for n in args.steps_per_call]
     label = lambda mode, t, n: mode if len(variants) == 1 else f"{mode}{' tickets' if t else ''} x{n}"  # noqa: E731
     max_new = (3 * k + 8) * (s + 1) * max(args.steps_per_call)
-    params = SamplingParams.make(b, temperature=args.temperature, seed=1)
+    params = SamplingParams.make(n_slots, temperature=args.temperature, seed=1)
 
     def fresh():
-        slots = new_slots(model, b, args.context + max_new + s + 2, max_new + s + 1)
-        return prefill(model, slots, prompts, np.ones(b, bool), params, np.full(b, max_new), np.full(b, -1),
+        slots = new_slots(model, n_slots, args.context + max_new + s + 2, max_new + s + 1)
+        return prefill(model, slots, prompts, live, params, np.full(n_slots, max_new), np.full(n_slots, -1),
                        chunk=chunk_for(prompts))
 
     graphdef, weights = nnx.split(model)
@@ -175,10 +185,10 @@ def main():
             lowered = verify.lower(weights, holder["slots"])
         else:
             stepper = Stepper(model, fresh(), speculative=mode == "spec", num_steps=s, tickets=tickets,
-                              steps_per_call=per_step)
+                              steps_per_call=per_step, buckets=(b,))
             holder = {"stepper": stepper}
-            one, sync = stepper.step, stepper.drain
-            lowered = stepper.lower()
+            one, sync = (lambda: stepper.step(live=live)), stepper.drain
+            lowered = stepper.lower(live=live)
         t = time.perf_counter()
         one(), one(), sync()  # compile, warm up
         print(f"{name}: compiled in {time.perf_counter() - t:.0f} s", flush=True)
@@ -211,11 +221,11 @@ def main():
             if mode == "verify":
                 holder["slots"] = verify(weights, holder["slots"])
             else:
-                holder["stepper"].dispatch()
+                holder["stepper"].dispatch(live=live)
         dispatch = (time.perf_counter() - t) / k / per_step
         sync() if mode == "verify" else jax.block_until_ready(holder["stepper"].slots)
         reset()
-        host = host_table(lambda: [holder["stepper"].dispatch() if mode != "verify" else one() for _ in range(k)],
+        host = host_table(lambda: [holder["stepper"].dispatch(live=live) if mode != "verify" else one() for _ in range(k)],
                           k * per_step, scratch)
         sync() if mode == "verify" else jax.block_until_ready(holder["stepper"].slots)
         reset()

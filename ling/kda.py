@@ -21,6 +21,7 @@ from flax import nnx
 from ling.config import ModelConfig
 from moe.nn import Linear, param
 from pallas_kernels import kda as kda_kernel
+from pallas_kernels import slot_rows
 from pallas_kernels.backend import resolve
 from pallas_kernels.kda_prefill import kda_prefill
 
@@ -62,14 +63,17 @@ class KDAttention(nnx.Module):
         return kda_kernel.KdaInputs(q, k, v, f, b_in, g)
 
     @jax.named_scope("kda")
-    def __call__(self, x, conv_state, rec_state, valid, *, form: str):
+    def __call__(self, x, conv_state, rec_state, valid, *, form: str, rows=None):
         """x [B, T, D]; conv_state (q, k, v) each [B, W-1, C]; rec_state [B, H, K, V] fp32; valid [B]:
         tokens of each slot that are real (the rest is padding and must not touch the state).
         form "chunked" (prefill), "decode" or "recurrent" (verify). Returns (y [B, T, D], conv,
         rec): for "chunked" and "decode" the state after the valid tokens: conv states (q, k, v)
         each [B, W-1, C] and the recurrent state [B, H, K, V]; for "recurrent" the conv windows
         (q, k, v) each [B, W-1+T, C] and the recurrent state after each position
-        [B, T, H, K, V], from which `ling.state.commit` takes any prefix without recomputation."""
+        [B, T, H, K, V], from which `ling.state.commit` takes any prefix without recomputation.
+        rows [B] int32 (`pallas_kernels.slot_rows`): the states hold every slot (any number) and
+        row b is slot rows[b]; "chunked" and "decode" then return the whole states, the rows'
+        slots advanced (decode in place, in the kernels)."""
         b, t, _ = x.shape
         h, kd = self.num_heads, self.head_dim
         inputs = self.inputs(x)
@@ -79,14 +83,17 @@ class KDAttention(nnx.Module):
         kernels = self.kernels
         if form == "decode":  # committed in the kernel, the recurrent state written in place
             o, new = kda_kernel.kda_decode(inputs, weights, state, valid, gate=self.gate_kind, eps=self.eps,
-                                           lower_bound=self.lower_bound,
+                                           lower_bound=self.lower_bound, rows=rows,
                                            backend=kernels if t <= kda_kernel.MAX_T else "reference")
             return self.o_proj(o.reshape(b, t, h * kd)), (new.conv_q, new.conv_k, new.conv_v), new.recurrent
         if form == "recurrent":
             out = kda_kernel.kda_verify(inputs, weights, state, all_states=True, gate=self.gate_kind, eps=self.eps,
-                                        lower_bound=self.lower_bound,
+                                        lower_bound=self.lower_bound, rows=rows,
                                         backend=kernels if t <= kda_kernel.MAX_T else "reference")
             return self.o_proj(out.o.reshape(b, t, h * kd)), (out.window_q, out.window_k, out.window_v), out.states
-        o, new = kda_prefill(kda_kernel.materialize(inputs), weights, state, valid, gate=self.gate_kind, eps=self.eps,
+        mine = state if rows is None else kda_kernel.KdaState(*(slot_rows.take(a, rows) for a in state))
+        o, new = kda_prefill(kda_kernel.materialize(inputs), weights, mine, valid, gate=self.gate_kind, eps=self.eps,
                              lower_bound=self.lower_bound, backend=kernels)
+        if rows is not None:
+            new = kda_kernel.KdaState(*(slot_rows.put(a, rows, n) for a, n in zip(state, new)))
         return self.o_proj(o.reshape(b, t, h * kd)), (new.conv_q, new.conv_k, new.conv_v), new.recurrent

@@ -22,6 +22,7 @@ from flax import nnx
 from ling.config import ModelConfig
 from ling.layers import RMSNorm, apply_rope_interleaved, rope_angles
 from moe.nn import Linear
+from pallas_kernels import slot_rows
 from pallas_kernels.backend import resolve
 from pallas_kernels.mla_decode import mla_decode
 from pallas_kernels.mla_prefill import prefill_attention
@@ -29,14 +30,16 @@ from pallas_kernels.mla_prefill import prefill_attention
 LATENT_NORM_EPS = 1e-6
 
 
-def write_cache(cache, new, lengths):
+def write_cache(cache, new, lengths, rows=None):
     """Writes new [B, T, X] into cache [B, L, X] at positions lengths[b] .. lengths[b] + T - 1.
     Writes past L are dropped (a scatter, not a clamped slice that would overwrite earlier entries);
     padding and rejected draft positions land past the slot's length, where the causal mask hides
-    them until real tokens overwrite them."""
+    them until real tokens overwrite them. rows [B] (`pallas_kernels.slot_rows`): the cache holds
+    every slot and row b writes slot rows[b] (a padding row nothing)."""
     b, t = new.shape[:2]
     pos = lengths[:, None] + jnp.arange(t)  # [B, T]
-    return cache.at[jnp.arange(b)[:, None], pos].set(new.astype(cache.dtype), mode="drop")
+    slots = jnp.arange(b) if rows is None else rows
+    return cache.at[slots[:, None], pos].set(new.astype(cache.dtype), mode="drop")
 
 
 def causal_mask(positions, cache_len: int):
@@ -63,12 +66,14 @@ class MLAttention(nnx.Module):
         self.mesh = mesh  # the model's device mesh (its cuDNN prefill pins its inputs replicated on it)
 
     @jax.named_scope("mla")
-    def __call__(self, x, positions, latent_cache, rope_cache, lengths, *, form: str, valid=None):
+    def __call__(self, x, positions, latent_cache, rope_cache, lengths, *, form: str, valid=None, rows=None):
         """x [B, T, D]; positions [B, T] = lengths[:, None] + arange(T); caches [B, L, R], [B, L, P];
         valid [B] (optional): real tokens per slot. Returns (y [B, T, D], latent_cache, rope_cache)
         with the T new entries written. The rows of slots with valid 0 are garbage in the prefill
         kernel path (nobody reads them: the engine interleaves idle and decoding slots into a
-        prefill chunk this way, and their cached prefixes are not worth attending to)."""
+        prefill chunk this way, and their cached prefixes are not worth attending to).
+        rows [B] int32 (`pallas_kernels.slot_rows`): the caches hold every slot (any number) and
+        row b is slot rows[b]; the whole caches are returned, the rows' entries written."""
         b, t, _ = x.shape
         proj = self.in_proj(x)
         nq, nkv = self.widths[:2]
@@ -80,8 +85,13 @@ class MLAttention(nnx.Module):
             cos, sin = rope_angles(positions, self.rope, self.theta)
             q_rope = apply_rope_interleaved(q_rope, cos, sin)
             k_rope = apply_rope_interleaved(k_rope, cos, sin)
-        latent_cache = write_cache(latent_cache, latent, lengths)
-        rope_cache = write_cache(rope_cache, k_rope, lengths)
+        latent_cache = write_cache(latent_cache, latent, lengths, rows)
+        rope_cache = write_cache(rope_cache, k_rope, lengths, rows)
+        whole = latent_cache, rope_cache
+        if rows is not None and not (form == "absorbed" and self.kernels != "reference"):
+            # only the decode kernel reads the rows' slots in place; the other forms read them gathered
+            latent_cache, rope_cache = slot_rows.take(latent_cache, rows), slot_rows.take(rope_cache, rows)
+            rows = None
 
         w_kvb = self.kv_b_proj.kernel[...].reshape(self.r, self.h, self.nope + self.vd)
         w_uk, w_uv = w_kvb[..., : self.nope], w_kvb[..., self.nope :]  # [R, H, nope], [R, H, V]
@@ -106,7 +116,7 @@ class MLAttention(nnx.Module):
                                preferred_element_type=jnp.float32).astype(x.dtype)  # [B, T, H, R]
             if kernels != "reference":  # the split-cache decode kernel; query t sits at lengths + t
                 o_lat = mla_decode(q_lat, q_rope, latent_cache, rope_cache, lengths + t, scale=self.scale,
-                                   backend=kernels)
+                                   rows=rows, backend=kernels)
             else:
                 scores = (jnp.einsum("bthr,blr->bhtl", q_lat, c, preferred_element_type=jnp.float32)
                           + jnp.einsum("bthp,blp->bhtl", q_rope, rope_cache.astype(x.dtype),
@@ -118,7 +128,7 @@ class MLAttention(nnx.Module):
         o = o.astype(x.dtype)
         if len(self.widths) == 3:  # the head-wise output gate
             o = o * jax.nn.sigmoid(proj[..., nq + nkv :].astype(jnp.float32)).astype(x.dtype)[..., None]
-        return self.o_proj(o.reshape(b, t, self.h * self.vd)), latent_cache, rope_cache
+        return self.o_proj(o.reshape(b, t, self.h * self.vd)), *whole
 
 
 def _softmax(scores, positions):  # scores [B, H, T, L] fp32, positions [B, T]: causal over the cache

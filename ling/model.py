@@ -119,15 +119,18 @@ class DecoderLayer(nnx.Module):
         return [p if defer else p.total() for p in parts], new
 
     def _attention(self, h, positions, lengths, valid, cache, form: str):
+        """The cache's `rows` (`ling.state.at_rows`) reach the attention, which reads and writes
+        the rows' slots of the whole state."""
         if self.kind == KDA:
-            h, conv, rec = self.attention(h, cache.conv, cache.recurrent, valid,
+            h, conv, rec = self.attention(h, cache.conv, cache.recurrent, valid, rows=cache.rows,
                                           form={"prefill": "chunked", "decode": "decode"}.get(form, "recurrent"))
             if form != "verify":  # prefill and decode return the state after the valid tokens: committed
-                return h, KDAState(conv=conv, recurrent=rec)
-            return h, KDAPending(window=conv, recurrent=rec, initial=cache.recurrent, conv_len=cache.conv[0].shape[1])
+                return h, KDAState(conv=conv, recurrent=rec, rows=cache.rows)
+            return h, KDAPending(window=conv, recurrent=rec, initial=cache.recurrent, conv_len=cache.conv[0].shape[1],
+                                 into=None if cache.rows is None else cache)
         h, latent, k_rope = self.attention(h, positions, cache.latent, cache.k_rope, lengths, valid=valid,
-                                           form="plain" if form == "prefill" else "absorbed")
-        return h, MLACache(latent=latent, k_rope=k_rope)
+                                           form="plain" if form == "prefill" else "absorbed", rows=cache.rows)
+        return h, MLACache(latent=latent, k_rope=k_rope, rows=cache.rows)
 
 
 class NextN(nnx.Module):

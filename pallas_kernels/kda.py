@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import kda_epilogue
+from pallas_kernels import kda_epilogue, slot_rows
 from pallas_kernels.backend import resolve
 from pallas_kernels.kda_reference import gated_norm, recurrent, state_after
 
@@ -190,26 +190,44 @@ def reference(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "safe
 def _kda_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, gate_ref, csq_ref, csk_ref, csv_ref,
                 wq_ref, wk_ref, wv_ref, alog_ref, dtb_ref, wn_ref, s0_ref, *refs,
                 t_len: int, n_taps: int, gate: str, lower_bound: float, eps: float,
-                fuse_norm: bool, all_states: bool, commit: bool):
+                fuse_norm: bool, all_states: bool, commit: bool, slotted: bool):
     """One program = one (sequence b, head h, V-block j). Every tensor is [K], [BV] or [K, BV]:
     the T loop is unrolled in Python, so no block ever needs a power-of-two T.
 
-    refs: (o, states, window q, k, v) outputs; with commit, (valid, o, state): the state after
-    the first valid[b] tokens (the initial one when valid[b] = 0), no windows."""
+    refs: ([valid] with commit, [rows] when slotted; then the outputs) (o, states, window q, k, v),
+    or with commit (o, state): the state after the first valid[b] tokens (the initial one when
+    valid[b] = 0), no windows. slotted: the conv and recurrent states (and with commit the state
+    written) are the whole [B, ...] arrays, read at slot rows[b] (`slot_rows`); a padding row
+    writes nothing."""
     f32 = jnp.float32
     kd = q_ref.shape[1]
-    first_vblock = pl.program_id(2) == 0
+    bv = v_ref.shape[1]
+    j, l = pl.program_id(1), pl.program_id(2)
+    first_vblock = l == 0
+    valid_ref = refs[0] if commit else None
+    refs = refs[commit:]
+    rows_ref, refs = (refs[0], refs[1:]) if slotted else (None, refs)
     if commit:
-        valid_ref, o_ref, st_ref = refs
+        o_ref, st_ref = refs
     else:
         o_ref, st_ref, winq_ref, wink_ref, winv_ref = refs
 
-    s = s0_ref[...].astype(f32)  # [K, BV]: the largest load, issued first
+    if slotted:  # one indexer a load (the Triton lowering's limit): slot, then the block's place
+        row = rows_ref[()]
+        sl = slot_rows.slot(row, s0_ref.shape[0])
+        state_at = (sl, j, slice(None), pl.ds(l * bv, bv))
+        conv_at = lambda i, col, width: (sl, i, pl.ds(col, width))  # noqa: E731
+    else:
+        state_at = ...
+        conv_at = lambda i, col, width: (i, slice(None))  # noqa: E731
+    s = s0_ref[state_at].astype(f32)  # [K, BV]: the largest load, issued first
     # The window rows x[-(W-1)] .. x[T-1], loaded once, up front (independent loads in flight).
-    def window(cs_ref, x_ref):
-        return [cs_ref[i, :] for i in range(n_taps - 1)] + [x_ref[i, :] for i in range(t_len)]
+    def window(cs_ref, x_ref, col, width):
+        return [cs_ref[conv_at(i, col, width)] for i in range(n_taps - 1)] + [x_ref[i, :] for i in range(t_len)]
 
-    xq, xk, xv = window(csq_ref, q_ref), window(csk_ref, k_ref), window(csv_ref, v_ref)
+    nv = pl.num_programs(2)
+    xq, xk = window(csq_ref, q_ref, j * kd, kd), window(csk_ref, k_ref, j * kd, kd)
+    xv = window(csv_ref, v_ref, (j * nv + l) * bv, bv)
     taps_q = [wq_ref[:, i].astype(f32) for i in range(n_taps)]  # [K] each
     taps_k = [wk_ref[:, i].astype(f32) for i in range(n_taps)]
     taps_v = [wv_ref[:, i].astype(f32) for i in range(n_taps)]  # [BV] each
@@ -263,7 +281,11 @@ def _kda_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, gate_ref, csq_ref, csk_ref, c
             kept = jnp.where(i < n, s, kept)
         elif all_states:
             st_ref[i] = s
-    if commit:
+    if commit and slotted:
+        @pl.when(row < s0_ref.shape[0])
+        def _():
+            st_ref[state_at] = kept
+    elif commit:
         st_ref[...] = kept
     elif not all_states:
         st_ref[...] = s
@@ -271,14 +293,16 @@ def _kda_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, gate_ref, csq_ref, csk_ref, c
 
 @functools.partial(jax.jit, static_argnames=("dims", "starts", "gate", "eps", "lower_bound", "bv", "num_warps",
                                              "all_states", "defer_norm", "interpret"))
-def _kda_pallas(xs: tuple, w: KdaWeights, state: KdaState, valid=None, *, dims, starts, gate, eps, lower_bound,
-                bv, num_warps, all_states, interpret, defer_norm=False):
+def _kda_pallas(xs: tuple, w: KdaWeights, state: KdaState, valid=None, rows=None, *, dims, starts, gate, eps,
+                lower_bound, bv, num_warps, all_states, interpret, defer_norm=False):
     """xs: q, k, v, g_in, b_in, gate_in, each a [B, T, N] array whose field starts at column
     starts[i] (a `Columns`, or the field itself flattened to 3-D with start 0). Without valid:
     a `KdaOut`. With valid [B] int32: (o, the recurrent state after valid[b] tokens), the state
     written over state.recurrent's buffer (input_output_aliases). defer_norm: with BV < V, o is
-    returned fp32 before the gated norm (the caller runs it)."""
-    commit = valid is not None
+    returned fp32 before the gated norm (the caller runs it). rows [B] int32 (`slot_rows`): the
+    states hold every slot and row b is slot rows[b]; the committed state is then the whole
+    array, written at the real rows' slots only."""
+    commit, slotted = valid is not None, rows is not None
     b, t, h, kd, vd, nw = dims
     c = h * kd
     nv = vd // bv
@@ -310,7 +334,13 @@ def _kda_pallas(xs: tuple, w: KdaWeights, state: KdaState, valid=None, *, dims, 
         blk((bv,), lambda i, j, l: (l,)),  # o_norm weight
         blk((None, None, kd, bv), lambda i, j, l: (i, j, 0, l)),  # recurrent state
     ]
-    if all_states and not commit:
+    if slotted:  # the states whole: the kernel indexes them at the row's slot
+        whole = lambda x: blk(x.shape, lambda i, j, l, n=x.ndim: (0,) * n)  # noqa: E731
+        in_specs[6:9] = [whole(x) for x in state[:3]]
+        in_specs[15] = whole(state.recurrent)
+    if commit and slotted:
+        st_shape, st_spec = state.recurrent.shape, in_specs[15]
+    elif all_states and not commit:
         st_shape, st_spec = (b, t, h, kd, vd), blk((None, t, None, kd, bv), lambda i, j, l: (i, 0, j, 0, l))
     else:
         st_shape, st_spec = (b, h, kd, vd), blk((None, None, kd, bv), lambda i, j, l: (i, j, 0, l))
@@ -333,15 +363,18 @@ def _kda_pallas(xs: tuple, w: KdaWeights, state: KdaState, valid=None, *, dims, 
     if commit:  # valid, and the state read and written by the same program, in place
         in_specs.append(blk((None,), lambda i, j, l: (i,)))
         args.append(valid)
+    if slotted:
+        in_specs.append(blk((None,), lambda i, j, l: (i,)))
+        args.append(rows)
     kernel = functools.partial(_kda_kernel, t_len=t, n_taps=nw, gate=gate, lower_bound=lower_bound,
-                               eps=eps, fuse_norm=fuse_norm, all_states=all_states, commit=commit)
+                               eps=eps, fuse_norm=fuse_norm, all_states=all_states, commit=commit, slotted=slotted)
     o, states, *windows = pl.pallas_call(
         kernel,
         grid=(b, h, nv),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={len(args) - 2: 1} if commit else {},
+        input_output_aliases={15: 1} if commit else {},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kda_decode" if commit else "kda_verify",
@@ -361,8 +394,9 @@ class Dims(NamedTuple):
     w: int  # conv width
 
 
-def check_args(x: KdaInputs, w: KdaWeights, state: KdaState, gate: str) -> Dims:
-    """The dimensions of a KDA call (decode, verify or prefill); checks that every array agrees."""
+def check_args(x: KdaInputs, w: KdaWeights, state: KdaState, gate: str, rows=None) -> Dims:
+    """The dimensions of a KDA call (decode, verify or prefill); checks that every array agrees.
+    With rows [B] (`slot_rows`) the states may hold any number of slots."""
     x = _shapes(x)
     b, t, c = x.q.shape
     h = x.b_in.shape[2]
@@ -372,8 +406,10 @@ def check_args(x: KdaInputs, w: KdaWeights, state: KdaState, gate: str) -> Dims:
         raise ValueError(f"gate must be 'safe' or 'softplus', got {gate!r}")
     assert x.k.shape == (b, t, c) and x.g_in.shape == (b, t, h, kd) and x.b_in.shape == (b, t, h)
     assert x.v.shape == x.gate_in.shape == (b, t, h * vd)
-    assert state.conv_q.shape == state.conv_k.shape == (b, nw - 1, c)
-    assert state.conv_v.shape == (b, nw - 1, h * vd) and state.recurrent.shape == (b, h, kd, vd)
+    n = b if rows is None else state.recurrent.shape[0]
+    assert rows is None or rows.shape == (b,)
+    assert state.conv_q.shape == state.conv_k.shape == (n, nw - 1, c)
+    assert state.conv_v.shape == (n, nw - 1, h * vd) and state.recurrent.shape == (n, h, kd, vd)
     assert w.conv_k.shape == (c, nw) and w.conv_v.shape == (h * vd, nw)
     assert w.A_log.shape == (h,) and w.dt_bias.shape == (c,) and w.o_norm.shape == (vd,)
     return Dims(b, t, h, kd, vd, nw)
@@ -381,8 +417,10 @@ def check_args(x: KdaInputs, w: KdaWeights, state: KdaState, gate: str) -> Dims:
 
 def kda_verify(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "safe", eps: float = 1e-6,
                lower_bound: float = -5.0, bv: int | None = None, num_warps: int | None = None,
-               all_states: bool = True, backend: str = "auto") -> KdaOut:
+               all_states: bool = True, rows=None, backend: str = "auto") -> KdaOut:
     """KDA over T = 1..8 new tokens of B sequences; see the module docstring for layouts.
+    rows [B] int32 (`slot_rows`): the state holds every slot (any number) and sequence b is slot
+    rows[b], read in place; the outputs are the B sequences'.
 
     Pallas kernel: grid (B, H, V/BV), one program per (sequence, head, V-block of BV columns).
     A program loads the q/k window of its head ((T+W-1)·K each: the q/k conv and L2 norm are
@@ -395,17 +433,18 @@ def kda_verify(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "saf
     + e·T·(3C + H·K + H·V + H·V) (q, k, v, g_in, gate_in, o) + e·(T+2W-2)·3C (conv state in,
     window out). At Ling shapes (H 32, K = V 128) the state dominates: 2 MiB in, T·2 MiB out.
     """
-    dims = check_args(x, w, state, gate)
+    dims = check_args(x, w, state, gate, rows)
     backend = resolve(backend)
     if backend == "reference":  # any T
+        state = state if rows is None else KdaState(*(slot_rows.take(a, rows) for a in state))
         return reference(x, w, state, gate=gate, eps=eps, lower_bound=lower_bound, all_states=all_states)
-    return _launch(x, w, state, None, dims, gate=gate, eps=eps, lower_bound=lower_bound, bv=bv,
+    return _launch(x, w, state, None, dims, rows=rows, gate=gate, eps=eps, lower_bound=lower_bound, bv=bv,
                    num_warps=num_warps, all_states=all_states, backend=backend)
 
 
 def kda_decode(x: KdaInputs, w: KdaWeights, state: KdaState, valid: jax.Array, *, gate: str = "safe",
                eps: float = 1e-6, lower_bound: float = -5.0, bv: int | None = None, num_warps: int | None = None,
-               backend: str = "auto") -> tuple[jax.Array, KdaState]:
+               rows=None, backend: str = "auto") -> tuple[jax.Array, KdaState]:
     """KDA over T = 1..8 new tokens of B sequences (any T on the reference backend), committed at
     once: (o [B, T, H, V], the state after the first valid[b] ∈ 0..T tokens of sequence b; the
     initial state where valid[b] = 0), the conv states in their own dtype. o past valid[b] is
@@ -417,29 +456,35 @@ def kda_decode(x: KdaInputs, w: KdaWeights, state: KdaState, valid: jax.Array, *
     outputs. A second launch after the kernel (`kda_epilogue`) runs the gated norm (when BV < V)
     and writes the conv states, the window's rows valid[b] .. valid[b] + W-2, over the old ones
     (this kernel cannot write them in place: every V-block of a head reads the q/k conv state).
-    Bytes: `kda_verify`'s with all_states=False, less the windows. Decode needs no later `commit`."""
-    dims = check_args(x, w, state, gate)
+    Bytes: `kda_verify`'s with all_states=False, less the windows. Decode needs no later `commit`.
+    rows [B] int32 (`slot_rows`): the state holds every slot (any number), sequence b is slot
+    rows[b]; the states returned are the whole arrays, the real rows' slots advanced in place."""
+    dims = check_args(x, w, state, gate, rows)
     valid = jnp.asarray(valid, jnp.int32).reshape(dims.b)
     backend = resolve(backend)
     xs = [(f.array, f.start) if isinstance(f, Columns) else f for f in x[:3]]
     if backend == "reference":  # any T
-        out = reference(x, w, state, gate=gate, eps=eps, lower_bound=lower_bound, all_states=True)
-        o, rec = out.o, state_after(out.states, valid, state.recurrent)
-        _, conv = kda_epilogue.decode_epilogue(xs, state[:3], valid, backend=backend)
-        return o, KdaState(*conv, rec)
+        mine = state if rows is None else KdaState(*(slot_rows.take(a, rows) for a in state))
+        out = reference(x, w, mine, gate=gate, eps=eps, lower_bound=lower_bound, all_states=True)
+        o, rec = out.o, state_after(out.states, valid, mine.recurrent)
+        _, conv = kda_epilogue.decode_epilogue(xs, mine[:3], valid, backend=backend)
+        new = KdaState(*conv, rec)
+        if rows is not None:
+            new = KdaState(*(slot_rows.put(a, rows, n) for a, n in zip(state, new)))
+        return o, new
     bv = default_bv(dims.v, dims.t) if bv is None else bv
-    o, rec = _launch(x, w, state, valid, dims, gate=gate, eps=eps, lower_bound=lower_bound, bv=bv,
+    o, rec = _launch(x, w, state, valid, dims, rows=rows, gate=gate, eps=eps, lower_bound=lower_bound, bv=bv,
                      num_warps=num_warps, all_states=False, backend=backend, defer_norm=True)
     norm = None
     if bv < dims.v:  # o is fp32 and unnormalised: the norm runs in the epilogue's launch
         g = x.gate_in
         norm = kda_epilogue.Norm(o, (g.array, g.start) if isinstance(g, Columns) else g, w.o_norm, eps)
-    y, conv = kda_epilogue.decode_epilogue(xs, state[:3], valid, norm=norm, after=rec, backend=backend)
+    y, conv = kda_epilogue.decode_epilogue(xs, state[:3], valid, norm=norm, after=rec, rows=rows, backend=backend)
     return (o if y is None else y), KdaState(*conv, rec)
 
 
 def _launch(x: KdaInputs, w: KdaWeights, state: KdaState, valid, dims: Dims, *, gate, eps, lower_bound, bv,
-            num_warps, all_states, backend, defer_norm: bool = False):
+            num_warps, all_states, backend, defer_norm: bool = False, rows=None):
     """The Pallas kernel's plan checked and launched (`_kda_pallas`)."""
     t, kd, vd = dims.t, dims.k, dims.v
     if not 1 <= t <= MAX_T:
@@ -453,7 +498,8 @@ def _launch(x: KdaInputs, w: KdaWeights, state: KdaState, valid, dims: Dims, *, 
     for name, start, block in zip(KdaInputs._fields, starts, (kd, kd, bv, kd, 1, bv)):
         if start % block:
             raise ValueError(f"{name} starts at column {start}, not a multiple of its block width {block}")
-    return _kda_pallas(tuple(a for a, _ in xs), w, state, valid, dims=tuple(dims), starts=starts, gate=gate,
+    rows = None if rows is None else jnp.asarray(rows, jnp.int32)
+    return _kda_pallas(tuple(a for a, _ in xs), w, state, valid, rows, dims=tuple(dims), starts=starts, gate=gate,
                        eps=float(eps), lower_bound=float(lower_bound), bv=bv, num_warps=num_warps,
                        all_states=all_states, defer_norm=defer_norm, interpret=backend == "interpret")
 

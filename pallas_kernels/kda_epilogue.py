@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import slot_rows
 from pallas_kernels.backend import resolve
 from pallas_kernels.kda_reference import conv_state_after, gated_norm
 
@@ -62,23 +63,35 @@ def block(widths) -> int:
 
 
 def _kernel(n_ref, xq, xk, xv, sq, sk, sv, *refs, t: int, nw1: int, blocks: tuple, heads: int, grid: int,
-            norm: bool, eps: float):
+            norm: bool, eps: float, slotted: bool):
+    """slotted: refs start with rows (`slot_rows`), and the states (in and out) are the whole
+    [B, W-1, C] arrays, indexed at the row's slot; a padding row stores no state."""
+    rows_ref, refs = (refs[0], refs[1:]) if slotted else (None, refs)
     if norm:
         o_ref, g_ref, w_ref, oq, ok, ov, y_ref = refs
     else:
         _after, oq, ok, ov = refs
     j = pl.program_id(1)
     n = n_ref[()]
+    if slotted:  # one indexer a load or store (the Triton lowering's limit)
+        row = rows_ref[()]
+        sl = slot_rows.slot(row, sq.shape[0])
+        bc = xq.shape[-1]
+        at = lambda r, nb: (sl, r, pl.ds(jnp.minimum(j, nb - 1) * bc, bc))  # noqa: E731
+    else:
+        at = lambda r, nb: (r, slice(None))  # noqa: E731
     # Every load first (each conv state's and new rows, then the norm's), then the stores.
     fields = list(zip((xq, xk, xv), (sq, sk, sv), (oq, ok, ov), blocks))
-    loaded = [([s[r, :] for r in range(nw1)], [x[r, :] for r in range(t)]) for x, s, _, _ in fields]
+    loaded = [([s[at(r, nb)] for r in range(nw1)], [x[r, :] for r in range(t)]) for x, s, _, nb in fields]
     if norm:
         o = [o_ref[i, :] for i in range(t)]  # [V] fp32 each
         g = [g_ref[i, :] for i in range(t)]
         w = w_ref[...].astype(jnp.float32)
 
-    def when(limit, fn):  # programs past a part's end skip it
-        if limit == grid:
+    def when(limit, fn, state: bool = False):  # programs past a part's end skip it
+        if slotted and state:
+            pl.when((j < limit) & (row < sq.shape[0]))(fn)
+        elif limit == grid:
             fn()
         else:
             pl.when(j < limit)(fn)
@@ -99,16 +112,17 @@ def _kernel(n_ref, xq, xk, xv, sq, sk, sv, *refs, t: int, nw1: int, blocks: tupl
                 v = jnp.where(n >= i, window[r + i], v)
             out.append(v.astype(o_ref_s.dtype))
 
-        def store(o_ref_s=o_ref_s, out=out):
+        def store(o_ref_s=o_ref_s, out=out, nb=nb):
             for r in range(nw1):
-                o_ref_s[r, :] = out[r]
-        when(nb, store)
+                o_ref_s[at(r, nb)] = out[r]
+        when(nb, store, state=True)
 
 
 @functools.partial(jax.jit, static_argnames=("starts", "eps", "interpret"))
-def _epilogue_pallas(xs, states, n, o, gate, w, after, *, starts, eps, interpret):
-    b, nw1, _ = states[0].shape
-    t = xs[0].shape[1]
+def _epilogue_pallas(xs, states, n, o, gate, w, after, rows, *, starts, eps, interpret):
+    b, t = xs[0].shape[:2]
+    nw1 = states[0].shape[1]
+    slotted = rows is not None
     widths = tuple(s.shape[2] for s in states)
     bc = block(widths + starts[:3])
     blocks = tuple(wd // bc for wd in widths)
@@ -118,10 +132,16 @@ def _epilogue_pallas(xs, states, n, o, gate, w, after, *, starts, eps, interpret
     # its end do not store.
     x_specs = [pl.BlockSpec((None, t, bc), lambda i, j, s=s // bc, m=m - 1: (i, 0, s + jnp.minimum(j, m)))
                for s, m in zip(starts, blocks)]
-    s_specs = [pl.BlockSpec((None, nw1, bc), lambda i, j, m=m - 1: (i, 0, jnp.minimum(j, m))) for m in blocks]
+    if slotted:  # the whole states: the kernel indexes them at the row's slot
+        s_specs = [pl.BlockSpec(s.shape, lambda i, j: (0, 0, 0)) for s in states]
+    else:
+        s_specs = [pl.BlockSpec((None, nw1, bc), lambda i, j, m=m - 1: (i, 0, jnp.minimum(j, m))) for m in blocks]
     in_specs = [pl.BlockSpec((None,), lambda i, j: (i,)), *x_specs, *s_specs]
     out_specs, out_shape = list(s_specs), [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states]
     args = [n, *xs, *states]
+    if slotted:
+        in_specs.append(pl.BlockSpec((None,), lambda i, j: (i,)))
+        args.append(rows)
     if o is None:
         in_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
         args.append(after.reshape(-1))
@@ -135,7 +155,7 @@ def _epilogue_pallas(xs, states, n, o, gate, w, after, *, starts, eps, interpret
         out_shape.append(jax.ShapeDtypeStruct(o.shape, xs[0].dtype))
     outs = pl.pallas_call(
         functools.partial(_kernel, t=t, nw1=nw1, blocks=blocks, heads=heads, grid=grid, norm=o is not None,
-                          eps=eps),
+                          eps=eps, slotted=slotted),
         grid=(b, grid),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -148,13 +168,15 @@ def _epilogue_pallas(xs, states, n, o, gate, w, after, *, starts, eps, interpret
     return (None if o is None else outs[3]), tuple(outs[:3])
 
 
-def decode_epilogue(xs, states, n, *, norm: Norm | None = None, after=None, backend: str = "auto"):
+def decode_epilogue(xs, states, n, *, norm: Norm | None = None, after=None, rows=None, backend: str = "auto"):
     """(y, or None without norm; the q, k, v conv states after the first n[b] of T new tokens);
     see the module docstring. xs: three (array [B, T, N], start) pairs or [B, T, C] arrays;
     states: three [B, W-1, C] arrays (written in place when the caller donates them); n [B];
-    after: without norm, an array the launch must follow."""
+    after: without norm, an array the launch must follow. rows [B] int32 (`slot_rows`): the
+    states hold every slot (any number) and row b is slot rows[b]; the states returned are the
+    whole arrays, the real rows' slots advanced."""
     pairs = [x if isinstance(x, tuple) else (x, 0) for x in xs]
-    n = jnp.asarray(n, jnp.int32).reshape(states[0].shape[0])
+    n = jnp.asarray(n, jnp.int32).reshape(pairs[0][0].shape[0])
     backend = resolve(backend)
     starts = tuple(s for _, s in pairs)
     widths = tuple(s.shape[2] for s in states)
@@ -165,10 +187,13 @@ def decode_epilogue(xs, states, n, *, norm: Norm | None = None, after=None, back
     if (backend == "reference" or block(widths + starts) < 16
             or (norm is not None and (norm.gate[1] % v or v & (v - 1)))):
         values = [a[..., s:s + st.shape[2]] for (a, s), st in zip(pairs, states)]
-        return reference(norm, values, states, n)
+        if rows is None:
+            return reference(norm, values, states, n)
+        y, new = reference(norm, values, [slot_rows.take(st, rows) for st in states], n)
+        return y, tuple(slot_rows.put(st, rows, v) for st, v in zip(states, new))
     o, gate, w, eps = (None, (None, 0), None, 0.0) if norm is None else norm
     if after is None:
         after = jnp.zeros((1,), jnp.int32)
     return _epilogue_pallas(tuple(a for a, _ in pairs), tuple(states), n, o, gate[0], w,
-                            None if o is not None else after, starts=starts + (gate[1],), eps=float(eps),
-                            interpret=backend == "interpret")
+                            None if o is not None else after, None if rows is None else jnp.asarray(rows, jnp.int32),
+                            starts=starts + (gate[1],), eps=float(eps), interpret=backend == "interpret")

@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import slot_rows
 from pallas_kernels.backend import resolve
 
 NUM_SMS = 132  # H200; only used to size the default split count
@@ -72,8 +73,8 @@ def reference(q_lat, q_rope, c, k_rope, lengths, *, scale: float):
 # Pallas (Triton lowering): a split kernel and a combine kernel.
 
 
-def _split_kernel(len_ref, ql_ref, qr_ref, c_ref, kr_ref, acc_ref, lse_ref, *,
-                  t_len: int, heads: int, block_l: int, num_splits: int, scale: float):
+def _split_kernel(len_ref, ql_ref, qr_ref, c_ref, kr_ref, *refs,
+                  t_len: int, heads: int, block_l: int, num_splits: int, scale: float, slotted: bool):
     """Program (row block r, split s, sequence b): rows = BM (token, head) pairs against the
     s-th chunk of sequence b's cache. Chunks are sized at run time from lengths[b], so all
     splits of a sequence get equal work whatever the cache capacity.
@@ -84,8 +85,14 @@ def _split_kernel(len_ref, ql_ref, qr_ref, c_ref, kr_ref, acc_ref, lse_ref, *,
     cut the ~4 µs a block costs a program (at BL 32 it was no faster than the untransposed
     kernel); what gained was fewer, larger blocks, more splits and smaller partials."""
     f32 = jnp.float32
+    rows_ref, acc_ref, lse_ref = refs if slotted else (None, *refs)
     bm = ql_ref.shape[0]
     r, s = pl.program_id(0), pl.program_id(1)
+    if slotted:  # the whole caches [B, L, ·], read at the row's slot (one indexer a load)
+        sl = slot_rows.slot(rows_ref[()], c_ref.shape[0])
+        at = lambda pos0: (sl, pl.ds(pos0, block_l), slice(None))  # noqa: E731
+    else:
+        at = lambda pos0: (pl.ds(pos0, block_l), slice(None))  # noqa: E731
     length = len_ref[()]
     chunk = pl.cdiv(pl.cdiv(length, num_splits), block_l) * block_l
     start = s * chunk
@@ -103,10 +110,10 @@ def _split_kernel(len_ref, ql_ref, qr_ref, c_ref, kr_ref, acc_ref, lse_ref, *,
         pos0 = start + i * block_l
         pos = pos0 + jnp.arange(block_l)
         live = pos < length  # rows past the length may hold anything: never read them
-        cb = pltriton.load(c_ref.at[pl.ds(pos0, block_l), :],
-                           mask=jnp.broadcast_to(live[:, None], (block_l, c_ref.shape[1])), other=0)
-        kb = pltriton.load(kr_ref.at[pl.ds(pos0, block_l), :],
-                           mask=jnp.broadcast_to(live[:, None], (block_l, kr_ref.shape[1])), other=0)
+        cb = pltriton.load(c_ref.at[at(pos0)],
+                           mask=jnp.broadcast_to(live[:, None], (block_l, c_ref.shape[-1])), other=0)
+        kb = pltriton.load(kr_ref.at[at(pos0)],
+                           mask=jnp.broadcast_to(live[:, None], (block_l, kr_ref.shape[-1])), other=0)
         sc = (lax.dot_general(cb, q, nt, preferred_element_type=f32)
               + lax.dot_general(kb, qp, nt, preferred_element_type=f32)) * scale  # [BL, BM]
         vis = pos[:, None] <= limit[None, :]
@@ -118,7 +125,7 @@ def _split_kernel(len_ref, ql_ref, qr_ref, c_ref, kr_ref, acc_ref, lse_ref, *,
         acc = acc * alpha[None, :] + lax.dot_general(cb, p.astype(cb.dtype), tn, preferred_element_type=f32)
         return acc, m_new, l
 
-    init = (jnp.zeros((c_ref.shape[1], bm), f32), jnp.full((bm,), _NEG, f32), jnp.zeros((bm,), f32))
+    init = (jnp.zeros((c_ref.shape[-1], bm), f32), jnp.full((bm,), _NEG, f32), jnp.zeros((bm,), f32))
     acc, m, l = lax.fori_loop(0, n_blocks, body, init)
     # Stored normalised (acc / l) in the partials' dtype — the activations' (bf16: half the
     # bytes the combine reads back; it was 8 MB at 8k with 128 splits) — with the split's
@@ -148,23 +155,31 @@ def _combine_kernel(acc_ref, lse_ref, o_ref, *, split_block: int):
 
 
 def split_pass(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l, num_splits, num_warps,
-           num_stages, interpret):
-    """The split kernel's launch: partials accᵀ / l [B, S, R, rows_pad] and lse [B, S, rows_pad]."""
+               num_stages, interpret, rows=None):
+    """The split kernel's launch: partials accᵀ / l [B, S, R, rows_pad] and lse [B, S, rows_pad];
+    rows [B] (`slot_rows`): the caches hold every slot, sequence b reads slot rows[b]."""
     b, t, h, r = q_lat.shape
     p = q_rope.shape[-1]
     l_max = c.shape[1]
-    rows = t * h
-    nr = pl.cdiv(rows, block_rows)
+    q_rows = t * h
+    nr = pl.cdiv(q_rows, block_rows)
     rows_pad = nr * block_rows
-    ql = q_lat.reshape(b, rows, r)  # free: (t, h) rows, contiguous
-    qr = q_rope.reshape(b, rows, p)
-    if rows_pad != rows:  # only when BM does not divide T*H (padded rows are discarded)
-        ql = jnp.pad(ql, ((0, 0), (0, rows_pad - rows), (0, 0)))
-        qr = jnp.pad(qr, ((0, 0), (0, rows_pad - rows), (0, 0)))
+    ql = q_lat.reshape(b, q_rows, r)  # free: (t, h) rows, contiguous
+    qr = q_rope.reshape(b, q_rows, p)
+    if rows_pad != q_rows:  # only when BM does not divide T*H (padded rows are discarded)
+        ql = jnp.pad(ql, ((0, 0), (0, rows_pad - q_rows), (0, 0)))
+        qr = jnp.pad(qr, ((0, 0), (0, rows_pad - q_rows), (0, 0)))
     ns, bm = num_splits, block_rows
 
     kernel = functools.partial(_split_kernel, t_len=t, heads=h, block_l=block_l, num_splits=ns,
-                               scale=scale)
+                               scale=scale, slotted=rows is not None)
+    if rows is None:
+        caches = [pl.BlockSpec((None, l_max, r), lambda i, j, k: (k, 0, 0)),  # latent cache (sliced inside)
+                  pl.BlockSpec((None, l_max, p), lambda i, j, k: (k, 0, 0))]  # rope-key cache
+        extra, extra_specs = [], []
+    else:  # the whole caches; the row's slot is picked inside
+        caches = [pl.BlockSpec(x.shape, lambda i, j, k: (0, 0, 0)) for x in (c, k_rope)]
+        extra, extra_specs = [rows.astype(jnp.int32)], [pl.BlockSpec((None,), lambda i, j, k: (k,))]
     # Grid (row block, split, sequence): row blocks of one chunk are adjacent in launch order,
     # so a chunk read by several row blocks is served from L2 after the first.
     acc, lse = pl.pallas_call(
@@ -174,8 +189,8 @@ def split_pass(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l,
             pl.BlockSpec((None,), lambda i, j, k: (k,)),  # lengths
             pl.BlockSpec((None, bm, r), lambda i, j, k: (k, i, 0)),  # q_lat rows
             pl.BlockSpec((None, bm, p), lambda i, j, k: (k, i, 0)),  # q_rope rows
-            pl.BlockSpec((None, l_max, r), lambda i, j, k: (k, 0, 0)),  # latent cache (sliced inside)
-            pl.BlockSpec((None, l_max, p), lambda i, j, k: (k, 0, 0)),  # rope-key cache
+            *caches,
+            *extra_specs,
         ],
         out_specs=[
             pl.BlockSpec((None, None, r, bm), lambda i, j, k: (k, j, 0, i)),  # accᵀ / l
@@ -188,17 +203,18 @@ def split_pass(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="mla_decode_split",
-    )(lengths.astype(jnp.int32), ql, qr, c, k_rope)
+    )(lengths.astype(jnp.int32), ql, qr, c, k_rope, *extra)
     return acc, lse
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_rows", "block_l", "num_splits",
                                              "num_warps", "num_stages", "interpret"))
-def _mla_pallas(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l, num_splits,
+def _mla_pallas(q_lat, q_rope, c, k_rope, lengths, rows, *, scale, block_rows, block_l, num_splits,
                 num_warps, num_stages, interpret):
     b, t, h, r = q_lat.shape
     acc, lse = split_pass(q_lat, q_rope, c, k_rope, lengths, scale=scale, block_rows=block_rows, block_l=block_l,
-                      num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                          num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                          rows=rows)
     ns, rows_pad, bm = acc.shape[1], acc.shape[3], block_rows
     # Tiles: BMc = 16 rows (the partials' minor dim: 32 contiguous bytes, one sector, per split
     # and column), BR columns for at least two programs an SM (8k, T = 1: BR 2, 512 programs),
@@ -225,8 +241,10 @@ def _mla_pallas(q_lat, q_rope, c, k_rope, lengths, *, scale, block_rows, block_l
 
 def mla_decode(q_lat, q_rope, c, k_rope, lengths, *, scale: float, block_rows: int | None = None,
                block_l: int = 64, num_splits: int | None = None, num_warps: int = 4,
-               num_stages: int = 2, backend: str = "auto"):
+               num_stages: int = 2, rows=None, backend: str = "auto"):
     """Absorbed MLA attention of T query tokens over the latent cache; see the module docstring.
+    rows [B] int32 (`slot_rows`): the caches hold every slot (any number) and sequence b reads
+    slot rows[b]'s, in place.
 
     Pallas: (1) split kernel, grid (T·H/BM, S, B): each program takes BM (token, head) rows and
     one of S chunks of its sequence's cache (chunk = lengths[b]/S rounded up to BL; blocks of BL
@@ -245,20 +263,23 @@ def mla_decode(q_lat, q_rope, c, k_rope, lengths, *, scale: float, block_rows: i
     flops) also approach the tensor-core floor.
     """
     b, t, h, r = q_lat.shape
-    l_max = c.shape[1]
-    assert q_rope.shape[:3] == (b, t, h) and c.shape == (b, l_max, r)
-    assert k_rope.shape == (b, l_max, q_rope.shape[3]) and lengths.shape == (b,)
+    n, l_max = c.shape[:2]
+    assert (n == b if rows is None else rows.shape == (b,))
+    assert q_rope.shape[:3] == (b, t, h) and c.shape == (n, l_max, r)
+    assert k_rope.shape == (n, l_max, q_rope.shape[3]) and lengths.shape == (b,)
     backend = resolve(backend)
     if backend == "reference":
+        if rows is not None:
+            c, k_rope = slot_rows.take(c, rows), slot_rows.take(k_rope, rows)
         return reference(q_lat, q_rope, c, k_rope, lengths, scale=scale)
-    rows = t * h
+    q_rows = t * h
     if block_rows is None:  # 32 rows keep the fp32 accumulator [BM, 512] at 64 registers a thread
-        block_rows = min(32, max(16, 1 << (rows - 1).bit_length()))
+        block_rows = min(32, max(16, 1 << (q_rows - 1).bit_length()))
     if num_splits is None:
-        num_splits = default_num_splits(b, pl.cdiv(rows, block_rows), l_max, block_l)
+        num_splits = default_num_splits(b, pl.cdiv(q_rows, block_rows), l_max, block_l)
     for name, val in (("block_rows", block_rows), ("block_l", block_l), ("num_splits", num_splits)):
         if val & (val - 1):
             raise ValueError(f"{name} must be a power of two, got {val}")
-    return _mla_pallas(q_lat, q_rope, c, k_rope, lengths, scale=float(scale), block_rows=block_rows,
+    return _mla_pallas(q_lat, q_rope, c, k_rope, lengths, rows, scale=float(scale), block_rows=block_rows,
                        block_l=block_l, num_splits=num_splits, num_warps=num_warps,
                        num_stages=num_stages, interpret=backend == "interpret")

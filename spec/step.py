@@ -309,8 +309,8 @@ def schedule(survival, live, *, threshold: float = 0.0, budget: int = 0):
     drafter's estimate that drafts 1..j are all accepted, non-increasing in j). A slot keeps the
     drafts whose survival is at least threshold; with budget > 0 the live slots share `budget`
     drafts a step, given to the most likely to survive over all slots (a prefix of each slot's
-    drafts, survival being non-increasing; under `spec.stepper` batch buckets a padding row, a
-    copy of a live slot, takes its share too). Returns limit [B] int32 in 0..S, on the device.
+    drafts, survival being non-increasing; a padding row of `spec.stepper`'s batch buckets is
+    done and takes no share). Returns limit [B] int32 in 0..S, on the device.
     The verify pass still runs all S drafts: limit masks acceptance, it does not shorten the pass."""
     b, s = survival.shape
     keep = survival >= threshold

@@ -15,7 +15,8 @@ import numpy as np
 from flax import nnx
 
 from ling.model import LingModel
-from ling.state import MLACache
+from ling.state import MLACache, at_rows, from_rows
+from pallas_kernels import slot_rows
 from pallas_kernels.tickets import CAPACITY as TICKETS
 from pallas_kernels.tickets import scope as ticket_scope
 from spec.sampling import SamplingParams
@@ -47,15 +48,16 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(1 << i for i in range(max(max_batch - 1, 0).bit_length()) if 1 << i < max_batch) + (max_batch,)
 
 
-def bucket_rows(live, buckets: tuple[int, ...], batch: int) -> np.ndarray | None:
-    """The slot indices a call over the `live` [B] bool slots runs: the live ones, padded by
-    repeating the first to the smallest bucket that holds them (None: that bucket is the whole
-    batch, run in place)."""
+def bucket_rows(live, buckets: tuple[int, ...], batch: int, pad: int | None = None) -> np.ndarray | None:
+    """The slot indices a call over the `live` [B] bool slots runs: the live ones, padded to the
+    smallest bucket that holds them with `pad` (None: repeats of the first; B: padding rows in
+    the sense of `pallas_kernels.slot_rows`). None: that bucket is the whole batch, run in place."""
     ids = np.flatnonzero(np.asarray(live, bool))
     k = next(b for b in buckets if b >= max(len(ids), 1))
     if k == batch:
         return None
-    return np.concatenate([ids, np.full(k - len(ids), ids[0] if len(ids) else 0)]).astype(np.int32)
+    fill = (ids[0] if len(ids) else 0) if pad is None else pad
+    return np.concatenate([ids, np.full(k - len(ids), fill)]).astype(np.int32)
 
 
 def context_buckets(max_len: int, smallest: int = 256, factor: int = 4) -> tuple[int, ...]:
@@ -87,33 +89,48 @@ def _is_cache(x) -> bool:
 
 
 def gather_rows(tree, rows, context: int | None = None):
-    """Every leaf's rows `rows` (all leaves batch-first), the MLA caches' positions cut to the first
-    `context` (static); the tree itself when both are None."""
+    """Every leaf's rows `rows` (all leaves batch-first; `pallas_kernels.slot_rows.take`), the MLA
+    caches' positions cut to the first `context` (static); the tree itself when both are None."""
     if rows is None and context is None:
         return tree
-    r = slice(None) if rows is None else rows
+    pick = (lambda a: a) if rows is None else (lambda a: slot_rows.take(a, rows))  # noqa: E731
 
     def take(x):
         if _is_cache(x):
-            return jax.tree.map(lambda a: a[r, :context], x)
-        return x if rows is None else x[rows]
+            return jax.tree.map(lambda a: pick(a)[:, :context], x)
+        return pick(x)
 
     return jax.tree_util.tree_map(take, tree, is_leaf=_is_cache)
 
 
 def scatter_rows(tree, rows, sub, context: int | None = None):
     """tree with its rows `rows` (and its MLA caches' first `context` positions) replaced by sub's
-    (a padded duplicate writes its row's own values)."""
+    (a padding row, `slot_rows`, writes nothing; a padded duplicate writes its row's own values)."""
     if rows is None and context is None:
         return sub
     r = slice(None) if rows is None else rows
 
     def put(x, s):
         if _is_cache(x):
-            return jax.tree.map(lambda a, b: a.at[r, :context].set(b), x, s)
-        return s if rows is None else x.at[rows].set(s)
+            return jax.tree.map(lambda a, b: a.at[r, :context].set(b, mode="drop"), x, s)
+        return s if rows is None else slot_rows.put(x, rows, s)
 
     return jax.tree_util.tree_map(put, tree, sub, is_leaf=_is_cache)
+
+
+def view_rows(slots: Slots, rows) -> Slots:
+    """The slots a step over rows [K] (`slot_rows`) runs: each row's bookkeeping taken from its
+    slot (a padding row's marked done, so it emits nothing, routes no token to an expert and
+    writes no state), the model state left whole, marked with the rows (`ling.state.at_rows`):
+    the attention kernels step those slots in place, and a slot no row names is not read."""
+    light = gather_rows(slots.replace(model=None), rows)
+    return light.replace(model=at_rows(slots.model, rows), done=light.done | (rows >= slots.done.shape[0]))
+
+
+def unview_rows(slots: Slots, rows, sub: Slots) -> Slots:
+    """`slots` after the step over `view_rows(slots, rows)` that returned `sub`."""
+    light = scatter_rows(slots.replace(model=None), rows, sub.replace(model=None))
+    return light.replace(model=from_rows(slots.model, rows, sub.model))
 
 
 class KeptBuffers:
@@ -160,17 +177,18 @@ class Stepper:
 
     Batch buckets: `step(live=mask)` steps only the slots the host marks live. The smallest bucket
     K >= their number is picked (`buckets`, default (B,): always every slot); the step's program
-    for K gathers those slots' rows (padded by repeating the first, which computes the same values
-    and reads no other expert) into a batch of K, runs the step on it and scatters the rows back,
-    so an idle slot costs no expert reads, no attention and no state writes; the slots themselves
-    stay where they are. The gather and scatter copy a live slot's state (KDA states, MLA cache)
-    twice: the price of not reading the idle slots'.
+    for K runs a batch of K rows, the live slots padded with padding rows (`view_rows`, in the
+    sense of `pallas_kernels.slot_rows`: marked done, they emit nothing, route nothing to an
+    expert and write no state). Each row's bookkeeping (tokens, sampling parameters, counts) is
+    gathered and scattered back; the model state stays whole, and the attention kernels read and
+    write the rows' slots in place (`ling.state.at_rows`), so an idle slot costs no expert reads,
+    no attention and no state traffic, and a live one no copy of its state.
 
     Context buckets: `step(context=n)` says the live slots hold at most n positions once the step
     has run (lengths plus the step's width). Where the step's attention reads the whole cache (the
     reference backend: plain-jnp attention over [B, L] positions) the step runs over the MLA
-    caches' first C positions only, C the smallest of `contexts` >= n, gathered with the rows and
-    scattered back; the kernels read only each slot's live positions (`mla_decode` sizes its work
+    caches' first C positions only, C the smallest of `contexts` >= n, gathered with the rows (the
+    whole state, not only the caches: that path copies) and scattered back; the kernels read only each slot's live positions (`mla_decode` sizes its work
     from the lengths), so with them the step ignores the context and is compiled once per bucket.
 
     The step is compiled in two variants, all-greedy and sampling (`spec.step.prefill_chunk`);
@@ -217,6 +235,7 @@ class Stepper:
         self.sampling = live_sampling(slots)
         self.width = width = num_steps + 1 if speculative else 1
         slot_def = self._slot_def
+        cuts = bool(self.contexts)  # the step's attention reads a cache cut to the context
 
         def one_step(model, s, counters, sampling, logprobs):
             """One step over the slots s; returns (s, the counters given back zeroed)."""
@@ -228,7 +247,16 @@ class Stepper:
             count, counters = counts
             full = jax.tree_util.tree_unflatten(slot_def, slot_leaves)
             model = merge(param_leaves)
-            s = gather_rows(full, rows, context)
+            # A bucket's rows step their slots in place (the context then only cuts a mixed
+            # iteration's chunk); the reference attention's context buckets take the rows' caches
+            # cut to the context instead.
+            in_place = rows is not None and not cuts
+            if in_place:
+                s = view_rows(full, rows)
+            else:
+                s = gather_rows(full, rows, context)
+                if rows is not None:
+                    s = s.replace(done=s.done | (rows >= full.done.shape[0]))
             before = s.n_out
             if chunk is not None:  # the mixed iteration: the chunk's rows beside the step's, one forward for both
                 chunk_rows, packed = chunk
@@ -250,8 +278,9 @@ class Stepper:
 
                 s, counters, ran = jax.lax.fori_loop(0, steps, body, (s, counters, jnp.zeros_like(before)))
             # in place: a use of count
-            count = count.at[slice(None) if rows is None else rows].set(jnp.stack([s.n_out - before, ran], axis=1))
-            full = scatter_rows(full, rows, s, context)
+            count = count.at[slice(None) if rows is None else rows].set(jnp.stack([s.n_out - before, ran], axis=1),
+                                                                        mode="drop")
+            full = unview_rows(full, rows, s) if in_place else scatter_rows(full, rows, s, context)
             if chunk is not None:  # after the step's rows: a step over every slot also ran the chunk's (done) rows
                 full = scatter_rows(full, chunk[0], p, context)
             return jax.tree_util.tree_leaves(full), (count, counters)
@@ -298,8 +327,10 @@ class Stepper:
         return self._step.trace(*args).lower(lowering_platforms=platforms)
 
     def rows(self, live) -> np.ndarray | None:
-        """The slot indices a step over `live` [B] bool runs (`bucket_rows`; None: every slot)."""
-        return bucket_rows(np.ones(self.batch, bool) if live is None else live, self.buckets, self.batch)
+        """The slot indices a step over `live` [B] bool runs (`bucket_rows`, padded with padding
+        rows, `slot_rows`; None: every slot)."""
+        return bucket_rows(np.ones(self.batch, bool) if live is None else live, self.buckets, self.batch,
+                           pad=self.batch)
 
     def context(self, need: int | None) -> int | None:
         """The cache length a step whose live slots hold at most `need` positions runs over (None:
@@ -370,7 +401,9 @@ class Stepper:
         rows = range(r.shape[0]) if rows is None else rows
         tokens, done, ran = [[] for _ in range(self.batch)], np.zeros(self.batch, bool), np.zeros(self.batch, int)
         logprobs = None if lp is None else [[] for _ in range(self.batch)]
-        for i, b in reversed(list(enumerate(rows))):  # a padded duplicate repeats its slot's row
+        for i, b in enumerate(rows):
+            if b >= self.batch:  # a padding row
+                continue
             n = r[i, w]
             tokens[b], done[b], ran[b] = r[i, :n].tolist(), bool(r[i, w + 1]), r[i, w + 2]
             if logprobs is not None:

@@ -1,5 +1,5 @@
 """Batch buckets (`spec.stepper.Stepper`): a step over the live slots runs the smallest compiled
-batch that holds them, gathering their rows and scattering them back. Outputs are those of plain
+batch that holds them, their slots stepped where they are. Outputs are those of plain
 greedy decoding whatever the bucket, as the live set grows and shrinks across bucket edges; a slot
 left out is untouched; an idle slot adds no (token, expert) pair to the step."""
 
@@ -122,6 +122,36 @@ def test_context_ladders_and_flag():
     for bad in ("1,x", "0,8"):
         with pytest.raises(SystemExit):
             parse_args(["--context-buckets", bad])
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_the_kernels_step_a_buckets_slots_within_the_whole_state(model, speculative):
+    """Through the Pallas kernels (interpret mode), where the attention reads and writes the rows'
+    slots of the whole state (`pallas_kernels.slot_rows`): two steps of slots 1 and 3 in bucket 2
+    leave their state and tokens as the same steps over all four slots do, and slots 0 and 2
+    exactly as they were."""
+    import jax
+
+    kernels = ling.use_kernels(model, "interpret")
+    b, new = 4, 8
+    p = [[3, 4, 5, 6], [7, 8, 9], [10, 11], [12, 13, 14, 15, 16]]
+    live = np.array([False, True, False, True])
+
+    def two_steps(buckets):
+        slots = new_slots(kernels, b, 32, new + S + 1)
+        slots = prefill(kernels, slots, p, np.ones(b, bool), SamplingParams.make(b), np.full(b, new), np.full(b, -1))
+        stepper = Stepper(kernels, slots, speculative=speculative, num_steps=S, buckets=buckets)
+        before = [np.asarray(x) for x in jax.tree_util.tree_leaves(slots)]
+        stepper.step(live=live)
+        stepper.step(live=live)
+        stepper.drain()
+        return before, [np.asarray(x) for x in jax.tree_util.tree_leaves(stepper.slots)]
+
+    before, bucketed = two_steps((2,))
+    _, whole = two_steps(None)
+    for x, y, z in zip(before, bucketed, whole):
+        np.testing.assert_array_equal(y[[0, 2]], x[[0, 2]])
+        np.testing.assert_allclose(y[[1, 3]].astype(np.float64), z[[1, 3]].astype(np.float64), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("tickets", [False, True])

@@ -71,3 +71,17 @@ def test_the_prefill_chunk_and_the_mixed_iteration_lower_for_the_gpu(model, monk
     stepper = Stepper(model, slots, speculative=True, num_steps=3, tickets=True)
     text = stepper.lower(platforms=("cuda",), live=np.array([True, False]), chunk=chunk(np.array([1]))).as_text()
     assert text.count("__gpu$xla.gpu.triton") >= 6 * 6
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["decode", "speculative"])
+def test_a_buckets_step_lowers_with_the_slots_stepped_in_place(model, speculative):
+    """Two live slots of four in bucket 2: the kernels take the rows' slots of the whole state
+    (`pallas_kernels.slot_rows`). The plain step copies no slot's recurrent state: no value of
+    two slots' states [2, H, K, V] is made (a gather of the rows would make one)."""
+    stepper = Stepper(model, new_slots(model, 4, 1024, 64), speculative=speculative, num_steps=3, tickets=True,
+                      buckets=(2,))
+    text = stepper.lower(platforms=("cuda",), live=np.array([False, True, False, True])).as_text()
+    assert text.count("__gpu$xla.gpu.triton") >= 6 * 3
+    cfg = model.cfg
+    two_states = f"tensor<2x{cfg.kda_num_heads}x{cfg.kda_head_dim}x{cfg.kda_head_dim}xf32>"
+    assert (two_states in text) == speculative  # the commit takes the accepted position's state

@@ -232,3 +232,35 @@ def test_columns_of_a_fused_projection(backend, t, bv):
     _close(ref.o, want.o, 1e-2, f"reference on Columns, seed {seed}")
     with pytest.raises(ValueError, match="q starts at column"):
         kda.kda_verify(x._replace(q=kda.Columns(proj, starts[0] + 1, c)), w, s, bv=bv, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["reference", *KERNELS])
+@pytest.mark.parametrize("t", [1, 3])
+def test_slot_rows_step_the_named_slots_in_place(backend, t):
+    """kda_decode over rows of a larger state (`slot_rows`, the last row padding) equals it over
+    those slots gathered, the other slots and the padding row's slot untouched; under jit with
+    the state donated the kernels write the whole state in place. kda_verify reads the rows'
+    slots as the gathered call does."""
+    seed = _seed()
+    n, b = 6, 4
+    x, w, _ = make_inputs(seed, b=b, t=t)
+    _, _, full = make_inputs(seed + 1, b=n, t=t)
+    rows = jnp.asarray([4, 1, 2, n], jnp.int32)  # slot 5 idle, the last row padding (reads slot 5)
+    valid = jnp.asarray([t, 0, 1, t])
+    gathered = kda.KdaState(*(a[jnp.minimum(rows, n - 1)] for a in full))
+    o_want, want = kda.kda_decode(x, w, gathered, valid, bv=8, backend="reference")
+    o, got = kda.kda_decode(x, w, full, valid, bv=8, rows=rows, backend=backend)
+    _close(o[:3], o_want[:3], 1e-5, f"o, seed {seed}")
+    for g, f, wt in zip(got, full, want):
+        assert g.shape == f.shape
+        _close(g[np.array([4, 1, 2])], wt[:3], 1e-5, f"stepped slots, seed {seed}")
+        np.testing.assert_array_equal(np.asarray(g[np.array([0, 3, 5])]), np.asarray(f[np.array([0, 3, 5])]))
+    verify = kda.kda_verify(x, w, full, rows=rows, bv=8, backend=backend)
+    _close(verify.states, kda.kda_verify(x, w, gathered, backend="reference").states, 1e-5, f"verify, seed {seed}")
+
+    step = jax.jit(lambda s, x, v, r: kda.kda_decode(x, w, s, v, bv=8, rows=r, backend=backend), donate_argnums=0)
+    before = [a.unsafe_buffer_pointer() for a in full]
+    _, again = step(full, x, valid, rows)
+    if backend != "reference":
+        assert [a.unsafe_buffer_pointer() for a in again] == before
+    _close(again.recurrent, got.recurrent, 0 if backend != "reference" else 1e-6, f"donated, seed {seed}")

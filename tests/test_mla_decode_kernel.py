@@ -110,3 +110,21 @@ def test_default_splits_and_bad_blocks():
     args = make_inputs(rng, 1, 1, 32)
     with pytest.raises(ValueError):
         md.mla_decode(*args, scale=1.0, num_splits=3, backend="interpret")
+
+
+@pytest.mark.parametrize("backend", ["reference", *KERNELS])
+def test_slot_rows_read_the_named_slots(backend):
+    """With rows (`slot_rows`, the last row padding) each sequence attends to its slot's cache
+    in a larger one, as the same call over those slots' caches gathered."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    t, l_max, n = 2, 64, 5
+    q_lat, q_rope, _, _, lengths = make_inputs(rng, 3, t, l_max, lengths=[t, l_max, 37])
+    _, _, c, k_rope, _ = make_inputs(rng, n, t, l_max, lengths=[l_max] * n)
+    rows = jnp.asarray([3, 0, n], jnp.int32)
+    scale = (R + P) ** -0.5
+    got = md.mla_decode(q_lat, q_rope, c, k_rope, lengths, scale=scale, block_l=16, num_splits=2, rows=rows,
+                        backend=backend)
+    pick = jnp.minimum(rows, n - 1)
+    want = md.mla_decode(q_lat, q_rope, c[pick], k_rope[pick], lengths, scale=scale, backend="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")

@@ -64,7 +64,8 @@ def test_restore_then_prefill_the_rest_equals_a_full_prefill_bit_for_bit(model):
     assert s.model.lengths[0] == s.model.lengths[1] == n
     for c in (*s.model.layers, s.model.nextn):
         for name, a in c.__dict__.items() if not hasattr(c, "recurrent") else (("recurrent", c.recurrent),):
-            np.testing.assert_array_equal(a[1, :n], a[0, :n], err_msg=name)
+            if a is not None:  # an MLA cache's rows (`ling.state.at_rows`) are None between steps
+                np.testing.assert_array_equal(a[1, :n], a[0, :n], err_msg=name)
         if hasattr(c, "recurrent"):
             for a in c.conv:
                 np.testing.assert_array_equal(a[1], a[0])
