@@ -14,8 +14,10 @@ full precision, and why:
   grouped format (`moe.block.QExperts`, int4 or int8, symmetric, B_N 64), which the fused MoE
   kernels (decode, verify) and the grouped GEMM (prefill) read directly; with layout "rows" the
   row layout, which the tensor-core Triton kernels read at every size.
-Decode and verify (up to 16 rows) run `qmatvec`, dequantising in registers; longer inputs
-(prefill) dequantise the weight once per call and multiply.
+Decode and verify run `qmatvec`, dequantising in registers: up to 16 rows in one call, up to 64
+(a verify pass of several slots) in calls of at most 16 rows each, which read the low-bit weight
+once a call (four calls: ~2.1 bytes a weight at int4, against ~4.5 for writing the bf16 weight and
+reading it back); longer inputs (prefill) dequantise the weight once per call and multiply.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ SCHEMES = {"int8": 8, "int4": 4, "int2": 2}
 EXPERT_BITS = (4, 8)  # the fused MoE kernels' tested formats
 EXPERT_BLOCK_N = 64  # the fused MoE kernels' tile of output columns
 KEEP_FULL = ("kv_b_proj",)  # attribute names of Linears that stay in full precision
+CHUNKED_MAX_M = 4 * MAX_M  # rows a projection runs through `qmatvec` (in calls of MAX_M rows)
 
 
 class QLinear(QuantizedParams):
@@ -50,8 +53,12 @@ class QLinear(QuantizedParams):
     def __call__(self, x):  # x [..., K] -> [..., N]
         n, k = self.shape
         flat = x.reshape(-1, k)
-        if flat.shape[0] <= MAX_M:
-            y = qmatvec(flat, self.weight, backend=self.kernels)
+        m = flat.shape[0]
+        if m <= CHUNKED_MAX_M:  # calls of at most MAX_M rows, as even as they split
+            calls = -(-m // MAX_M)
+            size = -(-m // calls)
+            y = jnp.concatenate([qmatvec(flat[i:i + size], self.weight, backend=self.kernels)
+                                 for i in range(0, m, size)])
         else:
             y = jnp.dot(flat, dequantize(self.weight).T.astype(x.dtype), preferred_element_type=jnp.float32)
         return y.astype(x.dtype).reshape(*x.shape[:-1], n)

@@ -221,3 +221,24 @@ def test_ticket_sums_serve_the_same_tokens(backend, speculative=True):
     with_tickets, counters = run(True)
     assert with_tickets == plain and sum(map(len, plain)) > 0
     assert not np.asarray(counters).any()
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("m", [16, 24, 64, 65])
+def test_a_projection_of_up_to_64_rows_runs_qmatvec_in_calls_of_16(backend, m, monkeypatch):
+    """QLinear over m rows: x @ W̃ᵀ of the dequantised weight (qmatvec rounds through bf16), through
+    qmatvec in calls of at most 16 rows up to 64 rows, and by dequantising the weight beyond."""
+    import ling.quantize as lq
+    from pallas_kernels.quant import dequantize, quantize
+
+    calls = []
+    monkeypatch.setattr(lq, "qmatvec", lambda x, w, **kw: calls.append(x.shape[0]) or qmatvec(x, w, **kw))
+    from pallas_kernels.qmatvec import qmatvec
+
+    rng = np.random.default_rng(m)
+    w = quantize(jnp.asarray(rng.standard_normal((256, 128)), jnp.float32), bits=4, group_size=32)
+    x = jnp.asarray(rng.standard_normal((m, 128)), jnp.float32)
+    got = np.asarray(QLinear(w, kernels=backend)(x))
+    want = np.asarray(x @ dequantize(w).T)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    assert calls == ([] if m > 64 else [m] if m <= 16 else [m // -(-m // 16)] * -(-m // 16))
