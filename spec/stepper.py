@@ -133,21 +133,27 @@ def unview_rows(slots: Slots, rows, sub: Slots) -> Slots:
     return light.replace(model=from_rows(slots.model, rows, sub.model))
 
 
+# A kept buffer's rewrite in place (the old buffer donated): one program a shape, for every
+# `KeptBuffers`.
+_rewrite = jax.jit(lambda old, new: old * 0 + new, donate_argnums=0)
+
+
 class KeptBuffers:
     """Host arrays put on the device into one buffer kept per shape, rewritten in place by a small
     program when the values change: a program that reads them sees the same address every call
-    (its CUDA graph is then replayed as recorded, `Stepper`)."""
+    (its CUDA graph is then replayed as recorded, `Stepper`). A shape's first buffer is made by
+    that same program, so it is compiled when the shape first appears (at a server's warm-up),
+    not at the first change of values (a request's)."""
 
     def __init__(self):
         self._held: dict[tuple, tuple[np.ndarray, jax.Array]] = {}
-        self._put = jax.jit(lambda old, new: old * 0 + new, donate_argnums=0)
 
     def __call__(self, values: np.ndarray) -> jax.Array:
         key = (values.shape, values.dtype.str)
         held = self._held.get(key)
         if held is None or not np.array_equal(held[0], values):
-            buf = jnp.asarray(values) if held is None else self._put(held[1], values)
-            held = self._held[key] = (values.copy(), buf)
+            old = jnp.zeros(values.shape, values.dtype) if held is None else held[1]
+            held = self._held[key] = (values.copy(), _rewrite(old, values))
         return held[1]
 
     def buffers(self) -> list[jax.Array]:

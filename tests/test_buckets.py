@@ -219,3 +219,18 @@ def test_ticket_sums_flag():
     with pytest.raises(SystemExit):
         parse_args(["--ticket-sums", "on", "--ep-size", "2"])
     assert parse_args(["--ticket-sums", "auto", "--ep-size", "2"]).ep_size == 2
+
+
+def test_kept_buffers_compile_their_rewrite_when_a_shape_first_appears():
+    """A shape's first buffer is made by the rewrite program, so a later change of its values (a
+    request after a server's warm-up) compiles nothing; one program a shape for every owner."""
+    from spec.stepper import KeptBuffers, _rewrite
+
+    first, second = KeptBuffers(), KeptBuffers()
+    where = first(np.array([1, 2, 3], np.int32)).unsafe_buffer_pointer()
+    compiled = _rewrite._cache_size()
+    b = first(np.array([4, 5, 6], np.int32))
+    c = second(np.array([7, 8, 9], np.int32))
+    assert _rewrite._cache_size() == compiled
+    assert b.unsafe_buffer_pointer() == where  # rewritten in place
+    assert np.asarray(b).tolist() == [4, 5, 6] and np.asarray(c).tolist() == [7, 8, 9]
