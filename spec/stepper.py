@@ -93,12 +93,12 @@ def gather_rows(tree, rows, context: int | None = None):
     caches' positions cut to the first `context` (static); the tree itself when both are None."""
     if rows is None and context is None:
         return tree
-    pick = (lambda a: a) if rows is None else (lambda a: slot_rows.take(a, rows))  # noqa: E731
+    r = (lambda a: slice(None)) if rows is None else (lambda a: slot_rows.slot(rows, a.shape[0]))  # noqa: E731
 
     def take(x):
         if _is_cache(x):
-            return jax.tree.map(lambda a: pick(a)[:, :context], x)
-        return pick(x)
+            return jax.tree.map(lambda a: a[r(a), :context], x)
+        return x[r(x)]
 
     return jax.tree_util.tree_map(take, tree, is_leaf=_is_cache)
 
@@ -193,9 +193,10 @@ class Stepper:
     Context buckets: `step(context=n)` says the live slots hold at most n positions once the step
     has run (lengths plus the step's width). Where the step's attention reads the whole cache (the
     reference backend: plain-jnp attention over [B, L] positions) the step runs over the MLA
-    caches' first C positions only, C the smallest of `contexts` >= n, gathered with the rows (the
-    whole state, not only the caches: that path copies) and scattered back; the kernels read only each slot's live positions (`mla_decode` sizes its work
-    from the lengths), so with them the step ignores the context and is compiled once per bucket.
+    caches' first C positions only, C the smallest of `contexts` >= n: there a bucket's rows are
+    gathered whole (states and caches cut to C) and scattered back. The kernels read only each
+    slot's live positions (`mla_decode` sizes its work from the lengths), so with them the step
+    ignores the context and is compiled once per bucket.
 
     The step is compiled in two variants, all-greedy and sampling (`spec.step.prefill_chunk`);
     `step(sampling=...)` picks one from what the host knows of its slots. Left out, `self.sampling`
