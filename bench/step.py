@@ -10,6 +10,8 @@ whole speculative step; beside each, what the device did (JAX profiler), and the
     python -m bench.step ... --tickets        # cross-program sums in the kernels' own launches
     python -m bench.step ... --steps-per-call 4   # 4 steps a dispatch (the server's --num-scheduler-steps)
     python -m bench.step ... --tickets both --steps-per-call 1 4   # every variant, one model built
+    python -m bench.step ... --batch 16 --slots 17 --modes chunk mixed   # a 256-token prefill chunk
+                                     # alone, and beside the speculative step of 16 live slots
 
 Random weights, batch 1 (`--batch B`: B slots, all live; `--slots N` holds N slots, the first B
 live and stepped in a batch bucket of B rows, as the server steps them), a prompt of --context tokens prefilled
@@ -25,6 +27,12 @@ first. Per mode:
            attention kernels, MoE, sort/top-k, other XLA glue)
 With --steps-per-call N each dispatch runs N steps on the device; every figure is still a step's
 (a call's divided by N; "alone" is then a call of N steps run alone, / N).
+Modes chunk and mixed time the server's prefill chunk (`spec.stepper.ChunkPrefiller`) of --chunk
+new tokens of one prompt in slot --batch (the first idle one, prefilled with --context tokens
+first; each chunk goes on from the last): alone, and in the mixed iteration beside the step of
+the live slots (speculative with --num-steps > 0, else plain), one program (`Stepper.dispatch`
+with a chunk). Their floor counts the weights and the experts of the chunk's tokens (and the
+step's) once.
 The floor is `ling.roofline`'s bytes at the copy ceiling measured in the same run. The verify
 pass is the target's forward over S + 1 tokens and the commit, without drafting or acceptance.
 Writes step.json (all figures and kernel tables) under $OUT (or ./bench_out); prints a table last.
@@ -71,18 +79,21 @@ def floors(cfg, args, bw: float) -> dict:
     bits = {None: 16, "int8": 8, "int4": 4}[args.quantize]
     s, ctx, b = args.num_steps, args.context, args.batch
 
-    def nbytes(t, nextn=False):
+    def nbytes(t, nextn=False, batch=b):
         # Routed experts stay bf16 unless --quantize-experts: count them at their stored width.
-        q = step_bytes(cfg, t, ctx, weight_bits=bits, batch=b, nextn=nextn)
+        q = step_bytes(cfg, t, ctx, weight_bits=bits, batch=batch, nextn=nextn)
         if args.quantize and not args.quantize_experts:
-            full = step_bytes(cfg, t, ctx, batch=b, nextn=nextn)
+            full = step_bytes(cfg, t, ctx, batch=batch, nextn=nextn)
             return q.total - q.experts + full.experts
         return q.total
 
     nextn_only = lambda t: nbytes(t, nextn=True) - nbytes(t)  # noqa: E731
     lm_head = cfg.vocab_size * cfg.hidden_size * (2 if bits == 16 else (bits + 16 / 128) / 8)
-    return {"decode": nbytes(1) / bw, "verify": nbytes(s + 1) / bw,
-            "spec": (nbytes(s + 1) + s * (nextn_only(1) + lm_head) + nextn_only(s + 1)) / bw}
+    drafting = s * (nextn_only(1) + lm_head) + nextn_only(s + 1)
+    width = s + 1 if s > 0 else 1  # the mixed iteration's step: speculative with S > 0
+    return {"decode": nbytes(1) / bw, "verify": nbytes(s + 1) / bw, "spec": (nbytes(s + 1) + drafting) / bw,
+            "chunk": nbytes(args.chunk, batch=1) / bw,
+            "mixed": (nbytes(args.chunk + b * width, batch=1) + (drafting if s > 0 else 0)) / bw}
 
 
 def main():
@@ -96,7 +107,9 @@ def main():
                          "--batch rows (the server's --max-batch with --batch-buckets), the others idle")
     ap.add_argument("--steps", type=int, default=32, help="K: steps back to back per measurement")
     ap.add_argument("--num-steps", type=int, default=5, help="S: NEXTN draft steps per speculative step")
-    ap.add_argument("--modes", nargs="+", default=["decode", "verify", "spec"], choices=["decode", "verify", "spec"])
+    ap.add_argument("--modes", nargs="+", default=["decode", "verify", "spec"],
+                    choices=["decode", "verify", "spec", "chunk", "mixed"])
+    ap.add_argument("--chunk", type=int, default=256, help="prompt tokens of a prefill chunk (modes chunk, mixed)")
     ap.add_argument("--quantize", choices=["int8", "int4"], default=None,
                     help="low-bit projections and lm_head (ling.quantize)")
     ap.add_argument("--quantize-experts", action="store_true", help="the routed experts too")
@@ -120,6 +133,9 @@ def main():
         ap.error(f"--slots must be at least --batch ({args.batch}), got {args.slots}")
     if args.slots > args.batch and "verify" in args.modes:
         ap.error("the verify pass runs every slot: leave it out of --modes with --slots")
+    chunked = {"chunk", "mixed"} & set(args.modes)
+    if chunked and args.slots <= args.batch:
+        ap.error(f"modes {', '.join(sorted(chunked))} prefill slot --batch beside the live ones: give --slots > --batch")
     if not 0 < args.mem_fraction <= 1:
         ap.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(args.mem_fraction))  # read when JAX starts
@@ -129,7 +145,7 @@ def main():
 
     from pallas_kernels.backend import resolve
     from spec.step import new_slots
-    from spec.stepper import Stepper
+    from spec.stepper import ChunkPrefiller, Stepper
     from spec.generate import chunk_for, prefill
     from spec.sampling import SamplingParams
 
@@ -143,17 +159,21 @@ def main():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, args.context).tolist() for _ in range(n_slots)]
     live = np.arange(n_slots) < b  # the slots stepped: the first --batch
+    chunk_slot = np.arange(n_slots) == b  # the slot a prefill chunk goes on in (modes chunk, mixed)
+    chunked = bool({"chunk", "mixed"} & set(args.modes))
     # The step variants measured (ticket sums, steps a call), and each one's label in the tables.
     variants = [(t, n) for t in {"off": [False], "on": [True], "both": [False, True]}[args.tickets]
                 for n in args.steps_per_call]
     label = lambda mode, t, n: mode if len(variants) == 1 else f"{mode}{' tickets' if t else ''} x{n}"  # noqa: E731
     max_new = (3 * k + 8) * (s + 1) * max(args.steps_per_call)
     params = SamplingParams.make(n_slots, temperature=args.temperature, seed=1)
+    # Room for the chunks run between two resets (k timed, two to warm up) after the prompt.
+    room = max(max_new + s + 2, (k + 4) * args.chunk if chunked else 0)
 
     def fresh():
-        slots = new_slots(model, n_slots, args.context + max_new + s + 2, max_new + s + 1)
-        return prefill(model, slots, prompts, live, params, np.full(n_slots, max_new), np.full(n_slots, -1),
-                       chunk=chunk_for(prompts))
+        slots = new_slots(model, n_slots, args.context + room, max_new + s + 1)
+        return prefill(model, slots, prompts, live | chunk_slot if chunked else live, params,
+                       np.full(n_slots, max_new), np.full(n_slots, -1), chunk=chunk_for(prompts))
 
     graphdef, weights = nnx.split(model)
 
@@ -167,13 +187,43 @@ def main():
         return slots.replace(model=state, last_token=jnp.argmax(logits[:, -1], -1).astype(jnp.int32))
 
     verify = jax.jit(verify_fn, donate_argnums=1)
+    prefiller = ChunkPrefiller(model) if chunked else None
+
+    def chunk_args():
+        """A chunk's arguments (`ChunkPrefiller`): --chunk more (new random) tokens of slot --batch's prompt."""
+        tokens = rng.integers(0, cfg.vocab_size, (2, 1, args.chunk))
+        return dict(start=np.zeros(1, np.int32), params=SamplingParams.make(1), max_new=np.full(1, max_new),
+                    eos=np.full(1, -1), tokens=tokens[0], next_tokens=tokens[1], valid=np.full(1, args.chunk),
+                    ends=np.zeros(1, bool), sampling=False, rows=np.array([b], np.int32))
     jax.config.update("jax_compilation_cache_dir", os.path.join(scratch, "jax_cache"))  # the HLO read compiles again
     fl = floors(cfg, args, bw)
     results = {}
-    runs = [(mode, t, n) for mode in args.modes for t, n in ([(False, 1)] if mode == "verify" else variants)]
+    single = ("verify", "chunk")  # no Stepper of their own: one program a call, timed through one()
+    runs = [(mode, t, n) for mode in args.modes
+            for t, n in ([(False, 1)] if mode in single else [(t, 1) for t in dict(variants)] if mode == "mixed"
+                         else variants)]
     for mode, tickets, per_step in runs:  # per_step: steps a call
-        name = "verify" if mode == "verify" else label(mode, tickets, per_step)
-        if mode == "verify":
+        name = mode if mode in single else label(mode, tickets, per_step)
+        if mode == "chunk":
+            holder = {"slots": fresh()}
+
+            def one():
+                holder["slots"] = prefiller(holder["slots"], **chunk_args())[0]
+
+            def sync():
+                jax.block_until_ready(holder["slots"].model.lengths)
+
+            lowered = prefiller.lower(holder["slots"], prefiller.prepare(holder["slots"], **chunk_args()))
+        elif mode == "mixed":
+            stepper = Stepper(model, fresh(), speculative=s > 0, num_steps=max(s, 1), tickets=tickets, buckets=(b,))
+            holder = {"stepper": stepper}
+
+            def one(stepper=stepper):
+                stepper.step(live=live, chunk=prefiller.prepare(stepper.slots, **chunk_args()), steps=1)
+
+            sync = stepper.drain
+            lowered = stepper.lower(live=live, chunk=prefiller.prepare(stepper.slots, **chunk_args()))
+        elif mode == "verify":
             holder = {"slots": fresh()}
 
             def one():
@@ -196,7 +246,7 @@ def main():
         def reset():  # fresh slots, their prefill finished and two steps run before any timing starts
             slots = fresh()
             jax.block_until_ready(slots)
-            if mode == "verify":
+            if mode in single:
                 holder["slots"] = slots
             else:
                 holder["stepper"].slots = slots
@@ -217,17 +267,14 @@ def main():
         served = float(np.median(walls))
         reset()  # the host's own time to dispatch a step: k dispatches queued, none read back
         t = time.perf_counter()
+        queue = one if mode in ("verify", "chunk", "mixed") else (lambda: holder["stepper"].dispatch(live=live))
         for _ in range(k):
-            if mode == "verify":
-                holder["slots"] = verify(weights, holder["slots"])
-            else:
-                holder["stepper"].dispatch(live=live)
+            queue()
         dispatch = (time.perf_counter() - t) / k / per_step
-        sync() if mode == "verify" else jax.block_until_ready(holder["stepper"].slots)
+        sync() if mode in single else jax.block_until_ready(holder["stepper"].slots)
         reset()
-        host = host_table(lambda: [holder["stepper"].dispatch(live=live) if mode != "verify" else one() for _ in range(k)],
-                          k * per_step, scratch)
-        sync() if mode == "verify" else jax.block_until_ready(holder["stepper"].slots)
+        host = host_table(lambda: [queue() for _ in range(k)], k * per_step, scratch)
+        sync() if mode in single else (holder["stepper"].drain(), jax.block_until_ready(holder["stepper"].slots))
         reset()
         stream = stream_trace(back_to_back, k * per_step, scratch)
         reset()
