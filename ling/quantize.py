@@ -14,10 +14,11 @@ full precision, and why:
   grouped format (`moe.block.QExperts`, int4 or int8, symmetric, B_N 64), which the fused MoE
   kernels (decode, verify) and the grouped GEMM (prefill) read directly; with layout "rows" the
   row layout, which the tensor-core Triton kernels read at every size.
-Decode and verify run `qmatvec`, dequantising in registers: up to 16 rows in one call, up to 64
-(a verify pass of several slots) in calls of at most 16 rows each, which read the low-bit weight
-once a call (four calls: ~2.1 bytes a weight at int4, against ~4.5 for writing the bf16 weight and
-reading it back); longer inputs (prefill) dequantise the weight once per call and multiply.
+Decode and verify run `qmatvec`, dequantising in registers: up to 16 rows in one call, and with
+the kernels up to 64 (a verify pass of several slots) in calls of at most 16 rows each, which read
+the low-bit weight once a call (four calls: ~2.1 bytes a weight at int4, against ~4.5 for writing
+the bf16 weight and reading it back); longer inputs (prefill), and on the reference backend more
+than 16 rows, dequantise the weight once per call and multiply.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class QLinear(QuantizedParams):
         n, k = self.shape
         flat = x.reshape(-1, k)
         m = flat.shape[0]
-        if m <= CHUNKED_MAX_M:  # calls of at most MAX_M rows, as even as they split
+        if m <= MAX_M or (m <= CHUNKED_MAX_M and self.kernels != "reference"):  # calls of at most MAX_M rows
             calls = -(-m // MAX_M)
             size = -(-m // calls)
             y = jnp.concatenate([qmatvec(flat[i:i + size], self.weight, backend=self.kernels)

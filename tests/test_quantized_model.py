@@ -227,7 +227,8 @@ def test_ticket_sums_serve_the_same_tokens(backend, speculative=True):
 @pytest.mark.parametrize("m", [16, 24, 64, 65])
 def test_a_projection_of_up_to_64_rows_runs_qmatvec_in_calls_of_16(backend, m, monkeypatch):
     """QLinear over m rows: x @ W̃ᵀ of the dequantised weight (qmatvec rounds through bf16), through
-    qmatvec in calls of at most 16 rows up to 64 rows, and by dequantising the weight beyond."""
+    the qmatvec kernel in calls of at most 16 rows up to 64 rows, and by dequantising the weight
+    beyond (and beyond 16 rows on the reference backend, whose float32 models keep their rounding)."""
     import ling.quantize as lq
     from pallas_kernels.quant import dequantize, quantize
 
