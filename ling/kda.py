@@ -91,9 +91,9 @@ class KDAttention(nnx.Module):
                                         lower_bound=self.lower_bound, rows=rows,
                                         backend=kernels if t <= kda_kernel.MAX_T else "reference")
             return self.o_proj(out.o.reshape(b, t, h * kd)), (out.window_q, out.window_k, out.window_v), out.states
-        mine = state if rows is None else kda_kernel.KdaState(*(slot_rows.take(a, rows) for a in state))
+        mine = state if rows is None else slot_rows.take(state, rows)
         o, new = kda_prefill(kda_kernel.materialize(inputs), weights, mine, valid, gate=self.gate_kind, eps=self.eps,
                              lower_bound=self.lower_bound, backend=kernels)
         if rows is not None:
-            new = kda_kernel.KdaState(*(slot_rows.put(a, rows, n) for a, n in zip(state, new)))
+            new = slot_rows.put(state, rows, new)
         return self.o_proj(o.reshape(b, t, h * kd)), (new.conv_q, new.conv_k, new.conv_v), new.recurrent

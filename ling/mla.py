@@ -90,7 +90,7 @@ class MLAttention(nnx.Module):
         whole = latent_cache, rope_cache
         if rows is not None and not (form == "absorbed" and self.kernels != "reference"):
             # only the decode kernel reads the rows' slots in place; the other forms read them gathered
-            latent_cache, rope_cache = slot_rows.take(latent_cache, rows), slot_rows.take(rope_cache, rows)
+            latent_cache, rope_cache = slot_rows.take(whole, rows)
             rows = None
 
         w_kvb = self.kv_b_proj.kernel[...].reshape(self.r, self.h, self.nope + self.vd)

@@ -55,9 +55,10 @@ class QLinear(QuantizedParams):
         n, k = self.shape
         flat = x.reshape(-1, k)
         m = flat.shape[0]
-        if m <= MAX_M or (m <= CHUNKED_MAX_M and self.kernels != "reference"):  # calls of at most MAX_M rows
-            calls = -(-m // MAX_M)
-            size = -(-m // calls)
+        if m <= MAX_M:
+            y = qmatvec(flat, self.weight, backend=self.kernels)
+        elif m <= CHUNKED_MAX_M and self.kernels != "reference":  # calls of at most MAX_M rows, as even as they split
+            size = -(-m // -(-m // MAX_M))
             y = jnp.concatenate([qmatvec(flat[i:i + size], self.weight, backend=self.kernels)
                                  for i in range(0, m, size)])
         else:

@@ -85,8 +85,7 @@ def at_rows(state: State, rows) -> State:
     mark = lambda c: None if c is None else c.replace(rows=rows)  # noqa: E731
     return state.replace(layers=tuple(mark(c) for c in state.layers), lengths=slot_rows.take(state.lengths, rows),
                          nextn=mark(state.nextn),
-                         dspark=None if state.dspark is None else jax.tree.map(lambda a: slot_rows.take(a, rows),
-                                                                               state.dspark))
+                         dspark=slot_rows.take(state.dspark, rows))
 
 
 def from_rows(whole: State, rows, state: State) -> State:
@@ -95,8 +94,7 @@ def from_rows(whole: State, rows, state: State) -> State:
     unmark = lambda c: None if c is None else c.replace(rows=None)  # noqa: E731
     return whole.replace(layers=tuple(unmark(c) for c in state.layers), nextn=unmark(state.nextn),
                          lengths=slot_rows.put(whole.lengths, rows, state.lengths),
-                         dspark=None if whole.dspark is None else jax.tree.map(
-                             lambda a, s: slot_rows.put(a, rows, s), whole.dspark, state.dspark))
+                         dspark=slot_rows.put(whole.dspark, rows, state.dspark))
 
 
 @jax.named_scope("commit")
@@ -115,10 +113,9 @@ def commit(pending: State, n) -> State:
             rec = c.recurrent
             if rec.ndim == 5:  # per-position states: the one after token n[b]
                 rec = jnp.take_along_axis(rec, jnp.maximum(n - 1, 0)[:, None, None, None, None], axis=1)[:, 0]
-            c = whole.replace(
-                conv=tuple(slot_rows.put(s, kept, conv_state_after(w, n, c.conv_len))
-                           for s, w in zip(whole.conv, c.window)),
-                recurrent=slot_rows.put(whole.recurrent, kept, rec))
+            conv = tuple(conv_state_after(w, n, c.conv_len) for w in c.window)
+            c = whole.replace(conv=slot_rows.put(whole.conv, kept, conv),
+                              recurrent=slot_rows.put(whole.recurrent, kept, rec))
         elif isinstance(c, KDAPending):
             rec = c.recurrent
             if rec.ndim == 5:  # per-position states: the one after token n[b], or the initial one

@@ -436,7 +436,7 @@ def kda_verify(x: KdaInputs, w: KdaWeights, state: KdaState, *, gate: str = "saf
     dims = check_args(x, w, state, gate, rows)
     backend = resolve(backend)
     if backend == "reference":  # any T
-        state = state if rows is None else KdaState(*(slot_rows.take(a, rows) for a in state))
+        state = state if rows is None else slot_rows.take(state, rows)
         return reference(x, w, state, gate=gate, eps=eps, lower_bound=lower_bound, all_states=all_states)
     return _launch(x, w, state, None, dims, rows=rows, gate=gate, eps=eps, lower_bound=lower_bound, bv=bv,
                    num_warps=num_warps, all_states=all_states, backend=backend)
@@ -464,13 +464,13 @@ def kda_decode(x: KdaInputs, w: KdaWeights, state: KdaState, valid: jax.Array, *
     backend = resolve(backend)
     xs = [(f.array, f.start) if isinstance(f, Columns) else f for f in x[:3]]
     if backend == "reference":  # any T
-        mine = state if rows is None else KdaState(*(slot_rows.take(a, rows) for a in state))
+        mine = state if rows is None else slot_rows.take(state, rows)
         out = reference(x, w, mine, gate=gate, eps=eps, lower_bound=lower_bound, all_states=True)
         o, rec = out.o, state_after(out.states, valid, mine.recurrent)
         _, conv = kda_epilogue.decode_epilogue(xs, mine[:3], valid, backend=backend)
         new = KdaState(*conv, rec)
         if rows is not None:
-            new = KdaState(*(slot_rows.put(a, rows, n) for a, n in zip(state, new)))
+            new = slot_rows.put(state, rows, new)
         return o, new
     bv = default_bv(dims.v, dims.t) if bv is None else bv
     o, rec = _launch(x, w, state, valid, dims, rows=rows, gate=gate, eps=eps, lower_bound=lower_bound, bv=bv,

@@ -189,8 +189,8 @@ def decode_epilogue(xs, states, n, *, norm: Norm | None = None, after=None, rows
         values = [a[..., s:s + st.shape[2]] for (a, s), st in zip(pairs, states)]
         if rows is None:
             return reference(norm, values, states, n)
-        y, new = reference(norm, values, [slot_rows.take(st, rows) for st in states], n)
-        return y, tuple(slot_rows.put(st, rows, v) for st, v in zip(states, new))
+        y, new = reference(norm, values, slot_rows.take(list(states), rows), n)
+        return y, slot_rows.put(tuple(states), rows, new)
     o, gate, w, eps = (None, (None, 0), None, 0.0) if norm is None else norm
     if after is None:
         after = jnp.zeros((1,), jnp.int32)

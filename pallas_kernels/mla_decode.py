@@ -270,7 +270,7 @@ def mla_decode(q_lat, q_rope, c, k_rope, lengths, *, scale: float, block_rows: i
     backend = resolve(backend)
     if backend == "reference":
         if rows is not None:
-            c, k_rope = slot_rows.take(c, rows), slot_rows.take(k_rope, rows)
+            c, k_rope = slot_rows.take((c, k_rope), rows)
         return reference(q_lat, q_rope, c, k_rope, lengths, scale=scale)
     q_rows = t * h
     if block_rows is None:  # 32 rows keep the fp32 accumulator [BM, 512] at 64 registers a thread

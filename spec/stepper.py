@@ -120,11 +120,10 @@ def scatter_rows(tree, rows, sub, context: int | None = None):
 
 def view_rows(slots: Slots, rows) -> Slots:
     """The slots a step over rows [K] (`slot_rows`) runs: each row's bookkeeping taken from its
-    slot (a padding row's marked done, so it emits nothing, routes no token to an expert and
-    writes no state), the model state left whole, marked with the rows (`ling.state.at_rows`):
-    the attention kernels step those slots in place, and a slot no row names is not read."""
+    slot, the model state left whole, marked with the rows (`ling.state.at_rows`): the attention
+    kernels step those slots in place, and a slot no row names is not read."""
     light = gather_rows(slots.replace(model=None), rows)
-    return light.replace(model=at_rows(slots.model, rows), done=light.done | (rows >= slots.done.shape[0]))
+    return light.replace(model=at_rows(slots.model, rows))
 
 
 def unview_rows(slots: Slots, rows, sub: Slots) -> Slots:
@@ -258,12 +257,9 @@ class Stepper:
             # iteration's chunk); the reference attention's context buckets take the rows' caches
             # cut to the context instead.
             in_place = rows is not None and not cuts
-            if in_place:
-                s = view_rows(full, rows)
-            else:
-                s = gather_rows(full, rows, context)
-                if rows is not None:
-                    s = s.replace(done=s.done | (rows >= full.done.shape[0]))
+            s = view_rows(full, rows) if in_place else gather_rows(full, rows, context)
+            if rows is not None:  # a padding row is done: it emits nothing, routes nothing, writes no state
+                s = s.replace(done=s.done | (rows >= full.done.shape[0]))
             before = s.n_out
             if chunk is not None:  # the mixed iteration: the chunk's rows beside the step's, one forward for both
                 chunk_rows, packed = chunk
