@@ -21,6 +21,10 @@ PREFILLS = (512, 2048, 8192)
 PROFILE = [(1, 0), (8, 0), (32, 0), (0, 512), (8, 512), (32, 512), (0, 2048), (8, 2048), (32, 2048),
            (8, 4096), (0, 8192), (8, 8192)]  # (decode, prefill); every third is held out
 PROFILE_BM = 64
+# --tile-fmt int4|int8: the shapes a server iteration has (16 slots stepping 1 or 6 tokens each beside
+# a chunk of one prompt), where plan_for picks BM 16; the plan is the server's (plan_for's)
+PROFILE_SERVED = [(16, 0), (96, 0), (0, 64), (16, 64), (96, 64), (0, 128), (16, 128), (96, 128), (0, 256),
+                  (16, 256), (96, 256), (0, 512), (16, 512), (96, 512), (96, 1024)]
 
 
 class Part:
@@ -52,6 +56,8 @@ class Part:
         prefills = getattr(args, "prefills", None)
         self.prefills = [int(v) for v in prefills.split(",")] if prefills else list(PREFILLS)
         self._w = None
+        self.fmt = getattr(args, "tile_fmt", None) or "bf16"  # the experts' format (bf16 | int4 | int8)
+        self.group_size = 128
 
     # ------------------------------------------------------------------ inputs
     def weights(self):
@@ -60,8 +66,15 @@ class Part:
 
         if self._w is None:
             k1, k2 = jax.random.split(self.key)
-            self._w = (jax.random.normal(k1, (self.e, self.d, 2 * self.i), jnp.bfloat16) * 0.03,
-                       jax.random.normal(k2, (self.e, self.i, self.d), jnp.bfloat16) * 0.05)
+            w = (jax.random.normal(k1, (self.e, self.d, 2 * self.i), jnp.bfloat16) * 0.03,
+                 jax.random.normal(k2, (self.e, self.i, self.d), jnp.bfloat16) * 0.05)
+            if self.fmt != "bf16":  # the served format (ling.quantize's)
+                from ling.quantize import EXPERT_BLOCK_N
+                from pallas_kernels.experts import quantize_experts
+
+                q = quantize_experts(*w, bits=int(self.fmt[3:]), group_size=self.group_size, block_n=EXPERT_BLOCK_N)
+                w = (q.w13, q.w2)
+            self._w = w
         return self._w
 
     def routings(self, md, mp, r, salt=0):
@@ -147,11 +160,19 @@ class Part:
 
         from pallas_kernels import expert_tiles as et
 
-        p = et.plan_for((DECODE + mp) * K, self.e, False)
+        p = et.plan_for((DECODE + mp) * K, self.e, self.fmt != "bf16")
         bm = bm or p.block_m
         hot = bm_hot or p.block_m_hot
         return dataclasses.replace(p, block_m=bm, num_warps=warps or p.num_warps, programs=programs or self.programs,
                                    block_m_hot=min(hot, bm) if hot else None)
+
+    def served_plan(self, tokens):
+        """The plan of the server's launch over `tokens` tokens (plan_for's), on this part's grid."""
+        import dataclasses
+
+        from pallas_kernels import expert_tiles as et
+
+        return dataclasses.replace(et.plan_for(tokens * K, self.e, self.fmt != "bf16"), programs=self.programs)
 
     def post_us(self, md, mp):
         """µs of the work after the tile launch: the prefill rows of y32 rounded to bf16 (in the

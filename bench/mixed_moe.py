@@ -20,7 +20,8 @@
               (default: the kernel's own); --prefills picks the chunk sizes. Each traced run's
               claim record and stamps go to $OUT/traces.npz.
 --profile-tiles. The tile kernel at one plan (BM 64) over a grid of (decode, prefill) token
-counts; x_moe from each call's routing (hot and cold blocks, as the kernel aligns them); a least-squares
+counts (with --tile-fmt int4 or int8: the served format, over a server iteration's shapes at the
+server's plan, plan_for's BM 16 there); x_moe from each call's routing (hot and cold blocks, as the kernel aligns them); a least-squares
 fit of moe/tiles.py's model t = alpha + beta x (s = 1) on two thirds of the shapes, its error on
 the held-out third, the model written as JSON (--tile-model PATH, default $OUT/tile_model.json).
 
@@ -167,6 +168,9 @@ def add_args(ap) -> None:
                     "shapes and fit moe/tiles.py's latency model")
     ap.add_argument("--tile-model", metavar="PATH", help="--profile-tiles: where the fitted model goes "
                     "(default $OUT/tile_model.json)")
+    ap.add_argument("--tile-fmt", default="bf16", choices=("bf16", "int4", "int8"),
+                    help="--mixed / --profile-tiles: the experts' format; int4 and int8 profile the server's "
+                    "shapes (16 slots' step beside a chunk) at the server's plan (plan_for's)")
     ap.add_argument("--tile-per-sm", help="--mixed: the tile kernel's persistent programs per SM (comma-separated: "
                     "each is timed; default expert_tiles.PROGRAMS_PER_SM)")
     ap.add_argument("--tile-bm", default="0", help="--mixed: the tile kernel's BM (comma-separated; 0: plan_for's)")

@@ -12,34 +12,42 @@ import os
 import time
 import traceback
 
-from bench.mixed_common import K, PROFILE, PROFILE_BM
+from bench.mixed_common import K, PROFILE, PROFILE_BM, PROFILE_SERVED
 
 
 class ProfilePart:
     def profile(self):
         from moe.tiles import LatencyFit, TileModel
 
-        shapes = [(1, 0), (2, 16), (0, 32), (4, 64)] if self.smoke else PROFILE
+        served = self.fmt != "bf16"  # the server's format: its shapes and plan (plan_for's)
+        smoke = [(1, 0), (2, 8), (0, 16), (4, 16)] if served else [(1, 0), (2, 16), (0, 32), (4, 64)]
+        shapes = smoke if self.smoke else PROFILE_SERVED if served else PROFILE
         for n, (md, mp) in enumerate(shapes):
             if self.left() < 0:
                 self.log(f"budget spent: --profile-tiles stopped before {md}+{mp}")
                 break
             try:
                 x, ids, ws = self.routings(md, mp, 2 if mp > 1024 else 3, salt=7)
-                bm = PROFILE_BM if not self.smoke else 16
-                plan = self.plan(mp, bm, bm_hot=bm)
+                if served:
+                    plan = self.served_plan(md + mp)
+                else:
+                    bm = PROFILE_BM if not self.smoke else 16
+                    plan = self.plan(mp, bm, bm_hot=bm)
                 k = self.kernels(md, plan)
                 us, ys = self.timed(k["tiles"], x, ids, ws)
                 if n == 0 or mp >= 2048:  # spot checks against the union launch
                     self.check(ys[0], self.once(k["union"], x, ids[0], ws[0]), f"tiles {md}+{mp} vs union")
                 row = dict(decode=md, prefill=mp, x_moe=self.x_moe(ids, md, plan), us=us,
-                           held_out=n % 3 == 2, block_m=plan.block_m)
+                           held_out=n % 3 == 2, block_m=plan.block_m, block_m_hot=plan.block_m_hot)
                 self.results["profile"].append(row)
                 self.log(f"profile {md}+{mp}: x_moe {row['x_moe']:.1f}, {us:.1f} µs")
             except Exception as e:
                 self.log(f"FAILED profile {md}+{mp}: {e!r}")
                 self.results["errors"].append(f"profile {md}+{mp}: " + traceback.format_exc(limit=6)[-2000:])
         rows = self.results["profile"]
+        if len({(r["block_m"], r["block_m_hot"]) for r in rows}) > 1:
+            self.log("profile: the shapes ran at several block heights; the model takes one")
+            return
         train = [r for r in rows if not r["held_out"]]
         if self.smoke:  # no times on CPU: fit the shape of the pipeline on a synthetic time
             for r in rows:
@@ -52,8 +60,9 @@ class ProfilePart:
             r["pred_us"] = fit(r["x_moe"])
             r["err"] = r["pred_us"] / r["us"] - 1
         held = [abs(r["err"]) for r in rows if r["held_out"]]
-        info = dict(device=self.results["device"], kernel="pallas_kernels.expert_tiles.tile_moe (bf16)",
-                    plan=str(self.plan(0, rows[0]["block_m"])), samples=rows,
+        plan = self.served_plan(rows[0]["decode"] + rows[0]["prefill"]) if served else self.plan(0, rows[0]["block_m"])
+        info = dict(device=self.results["device"], kernel=f"pallas_kernels.expert_tiles.tile_moe ({self.fmt})",
+                    plan=str(plan), samples=rows,
                     held_out_max_rel_err=max(held) if held else None, date=time.strftime("%Y-%m-%d"),
                     synthetic=self.smoke)
         model = TileModel(fit, rows[0]["block_m"], self.e, K, 0.0, info)

@@ -12,6 +12,9 @@ whole speculative step; beside each, what the device did (JAX profiler), and the
     python -m bench.step ... --tickets both --steps-per-call 1 4   # every variant, one model built
     python -m bench.step ... --batch 16 --slots 17 --modes chunk mixed   # a 256-token prefill chunk
                                      # alone, and beside the speculative step of 16 live slots
+    python -m bench.step ... --batch 16 --slots 17 --modes mixed --tile-model PATH   # the tile model's
+                                     # step_overhead_us: the mixed iteration outside its MoE launches
+    python -m bench.step --tile-model PATH --from-json step.json   # the same from an earlier run
 
 Random weights, batch 1 (`--batch B`: B slots, all live; `--slots N` holds N slots, the first B
 live and stepped in a batch bucket of B rows, as the server steps them), a prompt of --context tokens prefilled
@@ -96,6 +99,38 @@ def floors(cfg, args, bw: float) -> dict:
             "mixed": (nbytes(args.chunk + b * width, batch=1) + (drafting if s > 0 else 0)) / bw}
 
 
+def calibrate(path: str, run: dict, results: dict, device: str) -> None:
+    """Sets the tile model at `path`'s step_overhead_us to the measured mixed iteration's time
+    outside the tile-scheduled MoE launches (served - their kernel time a step), so that
+    `moe.tiles.ChunkSizer` predicts whole iterations; prints the model's MoE time a layer (at the
+    expected x_moe of the iteration's decode and chunk tokens, uniform routing) against the
+    launches' measured one. run: this script's arguments (as step.json keeps them)."""
+    import dataclasses
+
+    from ling.config import MOE, preset
+    from moe.tiles import TileModel
+
+    tm = TileModel.load(path)
+    name = next(n for n in results if n.startswith("mixed"))
+    r = results[name]
+    moe = [us for c, (_, us) in by_category(r["stream"]["kernels"], {}).items() if c.startswith("tile-scheduled MoE")]
+    layers = sum(t == MOE for t in preset(run["preset"]).mlp_types[:run["layers"]])
+    if not moe:
+        print(f"--tile-model: no tile-scheduled MoE launch in the {name} trace; {path} unchanged")
+        return
+    moe_us = sum(moe)
+    tokens = run["batch"] * (run["num_steps"] + 1 if run["num_steps"] > 0 else 1) + run["chunk"]
+    x = tm.expected_tiles(tokens)
+    overhead = r["served_us"] - moe_us
+    info = dict(tm.info, step_overhead=dict(mode=name, served_us=r["served_us"], moe_us=moe_us, layers=layers,
+                                            decode_tokens=tokens - run["chunk"], chunk=run["chunk"], device=device))
+    dataclasses.replace(tm, step_overhead_us=overhead, info=info).save(path)
+    print(f"--tile-model: the {name} iteration {r['served_us']:.0f} µs, of which the tile-scheduled MoE "
+          f"{moe_us:.0f} µs ({moe_us / layers:.0f} µs a layer; the model at x_moe {x:.0f}: "
+          f"{tm.launch_us(x):.0f} µs, {tm.launch_us(x) / (moe_us / layers) - 1:+.1%}); step_overhead_us "
+          f"{overhead:.0f} written to {path}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="ling-3-flash")
@@ -122,10 +157,25 @@ def main():
     ap.add_argument("--steps-per-call", type=int, nargs="+", default=[1],
                     help="decode / speculative steps a dispatch runs on the device (spec.stepper.Stepper); "
                          "several: each measured")
+    ap.add_argument("--tile-model", metavar="PATH",
+                    help="with mode mixed: complete this tile model (bench.fused_moe --profile-tiles --tile-fmt "
+                         "int4) with the iteration's time outside the tile-scheduled MoE (its step_overhead_us), "
+                         "and print the model's MoE time a layer against the measured one")
+    ap.add_argument("--from-json", metavar="STEP_JSON", help="with --tile-model: take the mixed iteration from "
+                    "this step.json (a run with mode mixed) instead of measuring")
     ap.add_argument("--mem-fraction", type=float, default=0.92,
                     help="share of the GPU's memory JAX takes, as serve.run's (XLA_PYTHON_CLIENT_MEM_FRACTION wins "
                          "when set): the whole model in int4 needs ~73 GB while it is built")
     args = ap.parse_args()
+    if args.from_json:
+        if not args.tile_model:
+            ap.error("--from-json goes with --tile-model")
+        with open(args.from_json) as f:
+            doc = json.load(f)
+        if not any(n.startswith("mixed") for n in doc.get("results", {})):
+            ap.error(f"--from-json {args.from_json}: no mode mixed in it")
+        calibrate(args.tile_model, doc["args"], doc["results"], doc.get("device", "?"))
+        return
     if min(args.steps_per_call) < 1:
         ap.error(f"--steps-per-call must be at least 1, got {args.steps_per_call}")
     args.slots = args.batch if args.slots is None else args.slots
@@ -134,6 +184,8 @@ def main():
     if args.slots > args.batch and "verify" in args.modes:
         ap.error("the verify pass runs every slot: leave it out of --modes with --slots")
     chunked = {"chunk", "mixed"} & set(args.modes)
+    if args.tile_model and "mixed" not in args.modes:
+        ap.error("--tile-model takes its overhead from mode mixed: add it to --modes")
     if chunked and args.slots <= args.batch:
         ap.error(f"modes {', '.join(sorted(chunked))} prefill slot --batch beside the live ones: give --slots > --batch")
     if not 0 < args.mem_fraction <= 1:
@@ -322,6 +374,8 @@ def main():
               f"{st['busy_us']:>7.0f}µs {st['idle_us']:>6.0f}µs {st['launches']:>7.0f} "
               f"{st['launches'] / layers:>7.1f} {r['floor_us']:>6.0f}µs {r['floor_us'] / r['served_us']:>12.2f} "
               f"{'' if tps is None else f'{tps:.2f}':>8}")
+    if args.tile_model:
+        calibrate(args.tile_model, vars(args), results, jax.devices()[0].device_kind)
     stats = jax.devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         print(f"device memory: peak {stats['peak_bytes_in_use'] / 1e9:.1f} GB of {stats['bytes_limit'] / 1e9:.1f} GB")

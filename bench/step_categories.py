@@ -38,6 +38,8 @@ def hlo_scopes(hlo_text: str) -> dict[str, str]:
 PALLAS = (  # our kernels are custom calls, whose HLO names are not the kernels': by kernel name
     (r"kda_verify|kda_decode|mla_decode", "attention kernels"),
     (r"moe_align|fused_moe", "fused MoE: routed, shared, dense MLP"),
+    (r"expert_tiles", "tile-scheduled MoE (decode and prefill tokens)"),
+    (r"grouped_(up|down|gemm)", "grouped GEMM MoE (prefill)"),
     (r"router_select", "router"),
     (r"qmatvec", "low-bit matvec (projections, lm_head)"),
     (r"rows_kernel", "low-bit matvec and MoE GEMMs, row layout"),

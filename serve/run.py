@@ -119,6 +119,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "python -m bench.fused_moe --profile-tiles): size prefill chunks to --tpot-slo-ms")
     ap.add_argument("--tpot-slo-ms", type=float, default=None, help="with --tile-model: the budget of one iteration "
                     "(a decode step and the prefill chunk beside it), milliseconds")
+    ap.add_argument("--chunk-widths", default=None, metavar="W,W,..", help="with --tile-model: the chunk widths "
+                    "compiled at start-up and chosen from (each <= --prefill-chunk, which is always one; default: the "
+                    "powers of two from 16 below it); fewer widths, a shorter start-up")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="weights and activations (default auto: bfloat16 on an accelerator, float32 on CPU, where "
                     "XLA has no bf16 x bf16 -> f32 dot)")
@@ -199,6 +202,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "experts (use auto or off)")
     if args.tpot_slo_ms is not None and args.tpot_slo_ms <= 0:
         ap.error(f"--tpot-slo-ms must be positive, got {args.tpot_slo_ms}")
+    if args.chunk_widths is not None:
+        if args.tile_model is None:
+            ap.error("--chunk-widths applies with --tile-model (the widths it chooses from)")
+        try:
+            args.chunk_widths = sorted({int(w) for w in args.chunk_widths.split(",")})
+        except ValueError:
+            ap.error(f"--chunk-widths takes comma-separated integers, got {args.chunk_widths!r}")
+        if args.chunk_widths[0] < 1:
+            ap.error(f"--chunk-widths must be positive, got {args.chunk_widths}")
     if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
         ap.error(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
     if not 0 <= args.shutdown_grace < float("inf"):
@@ -319,8 +331,13 @@ def chunk_sizer(args, cfg):
     if (tm.n_experts, tm.top_k) != (cfg.num_experts, cfg.num_experts_per_tok):
         raise StartupError(f"--tile-model {args.tile_model} was fitted for {tm.n_experts} experts top-{tm.top_k}; "
                            f"the model has {cfg.num_experts} experts top-{cfg.num_experts_per_tok}")
-    return ChunkSizer(tm, args.tpot_slo_ms * 1e3, tuple(chunk_candidates(args.prefill_chunk)), rows=args.max_batch,
-                      layers=layers)
+    widths = chunk_candidates(args.prefill_chunk)
+    if args.chunk_widths is not None:
+        if args.chunk_widths[-1] > args.prefill_chunk:
+            raise StartupError(f"--chunk-widths {','.join(map(str, args.chunk_widths))}: widths must be at most "
+                               f"--prefill-chunk {args.prefill_chunk}")
+        widths = sorted(set(args.chunk_widths) | {args.prefill_chunk})
+    return ChunkSizer(tm, args.tpot_slo_ms * 1e3, tuple(widths), rows=args.max_batch, layers=layers)
 
 
 @dataclasses.dataclass

@@ -6,6 +6,12 @@ iteration (all prefilling slots share one [B, C] chunk call), each iteration als
 decode step for the slots already decoding: chunked prefill interleaved with decode. After its last
 chunk the slot decodes until the request finishes; then the slot is free again.
 
+With `mixed` (the runner runs a chunk of one prompt and the step in one program) a chunk beside
+decoding slots holds one prompt: a request is not admitted while another prefills beside them,
+and of prompts admitted together (when none decoded) the one with the fewest tokens left goes
+on while the others pause. Every iteration then stays one program, and prompts prefill one after
+another, the first starting to decode soonest.
+
 A group of n choices (`Request.copies`) is admitted whole, once n slots are free together (the
 queue stays FIFO: a group at its head waits for them, and since n never exceeds the slots it
 gets them as running requests end). Choice 0 prefills; the others hold their slots, neither
@@ -174,16 +180,27 @@ class Scheduler:
         if self.sizer is None:
             return self.chunk
         decoding = sum(r is not None for r in self.decoding())
-        rows = sum(p is not None for p in self.prefilled)
+        rows = len(self._chunked())
         return self.sizer(decoding * self.decode_width, rows, self.mixed and rows == 1 and decoding > 0)
 
+    def _chunked(self) -> list[int]:
+        """The prefilling slots the next chunk goes on with: all of them, or with `mixed` beside
+        decoding slots the one with the fewest prompt tokens left (the module's docstring)."""
+        prefilling = [b for b, done in enumerate(self.prefilled) if done is not None]
+        if self.mixed and len(prefilling) > 1 and any(self.decoding()):
+            return [min(prefilling, key=lambda b: len(self.slots[b].prompt_ids) - self.prefilled[b])]
+        return prefilling
+
     def next_chunk(self) -> PrefillChunk | None:
-        """Admits waiting requests into free slots, then the next chunk of every prefilling slot."""
+        """Admits waiting requests into free slots, then the next chunk of the prefilling slots
+        (`_chunked`)."""
         b = self.num_slots
         start = np.zeros(b, np.int32)
         free = [slot for slot in range(b) if self.slots[slot] is None]
         restores, lookups = [], []
         while self.waiting:
+            if self.mixed and any(p is not None for p in self.prefilled) and any(self.decoding()):
+                break  # one prompt at a time beside the decoding slots (the module's docstring)
             r = self.waiting[0]
             copies = [c for c in r.copies if not c.finished]  # a copy aborted while queued takes no slot
             if 1 + len(copies) > len(free):
@@ -212,7 +229,7 @@ class Scheduler:
                 self.copies_of[slot] = taken
         if all(p is None for p in self.prefilled):
             return None
-        c = self.chunk_width()
+        c, chunked = self.chunk_width(), self._chunked()
         p = PrefillChunk(start=start, tokens=np.zeros((b, c), np.int32), next_tokens=np.zeros((b, c), np.int32),
                          valid=np.zeros(b, np.int32), ends=np.zeros(b, bool), owners=[None] * b,
                          temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),
@@ -221,10 +238,8 @@ class Scheduler:
                          max_new=np.zeros(b, np.int32),
                          eos=np.full(b, -1, np.int32), logprobs=np.zeros(b, bool),
                          restores=[x for x in restores if x[2]], lookups=lookups)
-        for slot, done in enumerate(self.prefilled):
-            if done is None:
-                continue
-            r = self.slots[slot]
+        for slot in chunked:
+            done, r = self.prefilled[slot], self.slots[slot]
             prompt = r.prompt_ids
             n = min(c, len(prompt) - done)
             if self.prefix is not None:  # no chunk crosses a grid point

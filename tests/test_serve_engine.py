@@ -43,18 +43,28 @@ def mixed_runner(model):
     return make_runner(model, STEPS, mixed=True)
 
 
-def counting_mixed(runner, monkeypatch) -> list:
-    """Counts the runner's mixed iterations (a list that grows by one each)."""
-    calls, real = [], runner.mixed
-    monkeypatch.setattr(runner, "mixed", lambda chunk, owners: calls.append(1) or real(chunk, owners))
-    return calls
+def counting_mixed(runner, monkeypatch) -> tuple[list, list]:
+    """Counts the runner's mixed iterations, and the iterations that ran a chunk and a step of
+    slots decoding before it as two programs (two lists that grow by one each)."""
+    mixes, apart, mixed, iterate = [], [], runner.mixed, runner.iterate
+
+    def counted_iterate(chunk, owners):
+        busy = (np.asarray(chunk.start) > 0) | (np.asarray(chunk.valid) > 0) if chunk is not None else None
+        if chunk is not None and any(r is not None and not busy[b] for b, r in enumerate(owners)) \
+                and runner.mixable(chunk, owners) is None:
+            apart.append(1)
+        return iterate(chunk, owners)
+
+    monkeypatch.setattr(runner, "mixed", lambda chunk, owners: mixes.append(1) or mixed(chunk, owners))
+    monkeypatch.setattr(runner, "iterate", counted_iterate)
+    return mixes, apart
 
 
 def serve(runner, requests, arrivals, check=None):
     """Runs the engine's iteration (admit + chunk, step, deliver one step late) until every request
     has max_tokens tokens; request i joins at iteration arrivals[i]; check(sched) after each
     iteration. Returns the token lists (a group's copies after their request)."""
-    sched = Scheduler(SLOTS, CHUNK, eos_id=None)
+    sched = Scheduler(SLOTS, CHUNK, eos_id=None, mixed=runner.mixing)  # as `serve.engine.Engine` builds it
     everyone = [x for r in requests for x in (r, *r.copies)]
     out = {r.id: [] for r in everyone}
 
@@ -88,12 +98,14 @@ def serve(runner, requests, arrivals, check=None):
 @pytest.mark.parametrize("speculative,mixed", [(True, False), (False, False), (True, True), (False, True)])
 def test_interleaved_serving_equals_plain_greedy(model, runner, mixed_runner, speculative, mixed, monkeypatch):
     """Also with the mixed iteration: a chunk of one prompt and the other slots' step as one
-    program (one MoE call over both kinds of tokens) gives the same outputs."""
+    program (one MoE call over both kinds of tokens) gives the same outputs, and with it no
+    iteration runs a chunk beside decoding slots as two programs (prompts that arrive while
+    another prefills wait for its last chunk)."""
     if speculative:
         runner = mixed_runner if mixed else runner
     else:  # plain: models without a NEXTN layer
         runner = make_runner(model, 0, mixed=mixed)
-    mixes = counting_mixed(runner, monkeypatch)
+    mixes, apart = counting_mixed(runner, monkeypatch)
     rng = np.random.default_rng(0)
     lengths, max_new = (40, 7, 50, 23, 33, 3), (30, 24, 12, 30, 20, 25)
     prompts = [rng.integers(2, model.cfg.vocab_size, n).tolist() for n in lengths]
@@ -101,7 +113,7 @@ def test_interleaved_serving_equals_plain_greedy(model, runner, mixed_runner, sp
     requests = [Request(p, Sampling(max_tokens=n, temperature=0.0)) for p, n in zip(prompts, max_new)]
     got = serve(runner, requests, arrivals=(0, 0, 2, 3, 9, 10))  # 6 requests, 3 slots: queueing and reuse
     assert got == [ref[:n] for ref, n in zip(reference, max_new)]
-    assert (len(mixes) >= 5) if mixed else not mixes
+    assert (len(mixes) >= 5 and not apart) if mixed else (not mixes and apart)
 
 
 def test_mixed_iterations_compile_nothing_after_warm_up(model, mixed_runner):

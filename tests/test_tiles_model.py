@@ -165,5 +165,16 @@ def test_server_flags_build_the_sizer(tmp_path):
     assert chunk_sizer(parse_args([]), cfg) is None
     with pytest.raises(StartupError, match="fitted for 8 experts top-2"):
         chunk_sizer(args, types.SimpleNamespace(mlp_types=("moe",), num_experts=16, num_experts_per_tok=2))
+    chosen = parse_args(["--tile-model", path, "--tpot-slo-ms", "50", "--prefill-chunk", "256", "--chunk-widths",
+                         "128,64"])
+    assert chunk_sizer(chosen, cfg).candidates == (64, 128, 256)  # the widest always among them
+    too_wide = parse_args(["--tile-model", path, "--tpot-slo-ms", "50", "--prefill-chunk", "64", "--chunk-widths",
+                           "128"])
+    with pytest.raises(StartupError, match="at most --prefill-chunk 64"):
+        chunk_sizer(too_wide, cfg)
+    for bad in (["--chunk-widths", "64"], ["--tile-model", path, "--tpot-slo-ms", "5", "--chunk-widths", "a"],
+                ["--tile-model", path, "--tpot-slo-ms", "5", "--chunk-widths", "0,16"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
     with pytest.raises(SystemExit):
         parse_args(["--tile-model", path])  # without a budget
