@@ -22,9 +22,10 @@ PROFILE = [(1, 0), (8, 0), (32, 0), (0, 512), (8, 512), (32, 512), (0, 2048), (8
            (8, 4096), (0, 8192), (8, 8192)]  # (decode, prefill); every third is held out
 PROFILE_BM = 64
 # --tile-fmt int4|int8: the shapes a server iteration has (16 slots stepping 1 or 6 tokens each beside
-# a chunk of one prompt), where plan_for picks BM 16; the plan is the server's (plan_for's)
-PROFILE_SERVED = [(16, 0), (96, 0), (0, 64), (16, 64), (96, 64), (0, 128), (16, 128), (96, 128), (0, 256),
-                  (16, 256), (96, 256), (0, 512), (16, 512), (96, 512), (96, 1024)]
+# a chunk of one prompt), where plan_for picks BM 16; the plan is the server's (plan_for's). Ordered
+# so that a budget that stops early still spans them; every third is held out.
+PROFILE_SERVED = [(96, 0), (96, 128), (0, 256), (96, 256), (16, 64), (0, 512), (96, 512), (16, 0), (96, 64),
+                  (0, 128), (16, 256), (0, 64), (16, 512), (96, 1024), (16, 128)]
 
 
 class Part:
