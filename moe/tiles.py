@@ -232,18 +232,25 @@ def largest_chunk(model: TileModel, *, budget_us: float, candidates, rows: int, 
     (per-expert rows [E]: the exact x_moe) or decode_tokens (its expectation). mixed: the chunk
     and the decode step are one program (one launch a layer over the union of their tokens,
     whose x_moe is the expectation for decode_tokens + rows*C tokens)."""
+    best = 0
+    for c in sorted(candidates):
+        if predicted_iteration_us(model, c, rows=rows, layers=layers, decode_tokens=decode_tokens,
+                                  decode_counts=decode_counts, probs=probs, mixed=mixed) <= budget_us:
+            best = c
+    return best
+
+
+def predicted_iteration_us(model: TileModel, chunk: int, *, rows: int, layers: int, decode_tokens: int = 0,
+                           decode_counts=None, probs=None, mixed: bool = False) -> float:
+    """The model's iteration with a chunk of width `chunk` (arguments as `largest_chunk`)."""
     if decode_counts is not None:
         x_d = float(x_moe(decode_counts, model.block_m))
         decode_tokens = int(np.sum(decode_counts))
     else:
         x_d = model.expected_tiles(decode_tokens, probs)
-    best = 0
-    for c in sorted(candidates):
-        x_p = model.expected_tiles(rows * c, probs)
-        x_u = model.expected_tiles(decode_tokens + rows * c, probs) if mixed else None
-        if model.iteration_us(decode_tiles=x_d, prefill_tiles=x_p, layers=layers, union_tiles=x_u) <= budget_us:
-            best = c
-    return best
+    x_p = model.expected_tiles(rows * chunk, probs)
+    x_u = model.expected_tiles(decode_tokens + rows * chunk, probs) if mixed else None
+    return model.iteration_us(decode_tiles=x_d, prefill_tiles=x_p, layers=layers, union_tiles=x_u)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,20 +258,26 @@ class ChunkSizer:
     """The scheduler's chunk width for the decode work of an iteration.
 
     No decode work: the widest candidate (nothing to protect). Otherwise the largest candidate
-    whose predicted iteration fits budget_us; when none fits, the narrowest (prefill must make
-    progress; the budget is then missed by the decode step itself or by the least prefill)."""
+    whose predicted iteration fits budget_us. When none fits, the decode step and the least
+    prefill already miss the budget: the largest candidate whose predicted iteration is within
+    `slack` of the narrowest's. The streams then lose at most that share beyond what they must,
+    and the prompts go on at the width that the iteration's fixed cost makes nearly free (a
+    narrow chunk would cost almost as much time an iteration and prefill a fraction as much)."""
 
     model: TileModel
     budget_us: float
     candidates: tuple[int, ...]
     rows: int  # the chunk call's rows when the caller does not say: the server's slots
     layers: int  # MoE layers per step
+    slack: float = 0.1
 
     def __post_init__(self):
         if not self.candidates or min(self.candidates) < 1:
             raise ValueError(f"candidates must be positive chunk widths, got {self.candidates}")
         if self.budget_us <= 0:
             raise ValueError(f"the TPOT budget must be positive, got {self.budget_us} µs")
+        if self.slack < 0:
+            raise ValueError(f"slack must be >= 0, got {self.slack}")
 
     @functools.lru_cache(maxsize=256)
     def __call__(self, decode_tokens: int, rows: int | None = None, mixed: bool = False) -> int:
@@ -272,7 +285,10 @@ class ChunkSizer:
         one program with the decode step (`largest_chunk`)."""
         if decode_tokens <= 0:
             return max(self.candidates)
-        c = largest_chunk(self.model, budget_us=self.budget_us, candidates=self.candidates,
-                          rows=self.rows if rows is None else rows, layers=self.layers, decode_tokens=decode_tokens,
-                          mixed=mixed)
-        return c or min(self.candidates)
+        shape = dict(rows=self.rows if rows is None else rows, layers=self.layers, decode_tokens=decode_tokens,
+                     mixed=mixed)
+        c = largest_chunk(self.model, budget_us=self.budget_us, candidates=self.candidates, **shape)
+        if c:
+            return c
+        least = predicted_iteration_us(self.model, min(self.candidates), **shape)
+        return largest_chunk(self.model, budget_us=least * (1 + self.slack), candidates=self.candidates, **shape)

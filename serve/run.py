@@ -15,8 +15,9 @@ one line with the address.
 
 With --tile-model (a fitted moe.tiles.TileModel: `python -m bench.fused_moe --profile-tiles`) and
 --tpot-slo-ms, the prefill chunk is sized per iteration: --prefill-chunk wide when no request
-decodes, else the widest power-of-two width (>= 16) the model predicts to keep an iteration (decode
-step + chunk) within the budget; every such width is compiled at start-up.
+decodes, else the widest power-of-two width (>= 16, or of --chunk-widths) the model predicts to keep an
+iteration (decode step + chunk) within the budget, or where none does the widest within 10% of the
+narrowest's iteration (`moe.tiles.ChunkSizer`); every such width is compiled at start-up.
 
 With --mixed-iteration on (auto: with the Pallas kernels), an iteration that prefills one prompt
 while other requests decode runs the chunk and their step as one program: attention apart, each

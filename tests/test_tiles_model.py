@@ -148,10 +148,25 @@ def test_scheduler_sizes_chunks_with_the_model(mixed):
     assert fixed.next_chunk().tokens.shape == (slots, 64)
 
 
-def test_sizer_falls_back_to_the_narrowest_chunk():
-    sizer = tiles.ChunkSizer(_model(step_overhead_us=1e6), budget_us=1_000.0, candidates=(16, 32), rows=2,
-                             layers=4)
-    assert sizer(8) == 16 and sizer(0) == 32
+@pytest.mark.parametrize("decode,overhead_us,expect", [(16, 0.0, "narrowest"), (96, 1e6, "widest"),
+                                                       (96, 5_000.0, "between")])
+def test_sizer_beyond_reach_takes_the_widest_chunk_within_slack_of_the_narrowest(decode, overhead_us, expect):
+    """The budget below even the narrowest chunk's iteration: the widest chunk whose predicted
+    iteration is within the slack (10%) of the narrowest's. What the chunk adds to the iteration
+    decides: much (few decode tokens, no fixed part: the chunk's experts are the MoE's work) keeps
+    the narrowest, little (a dominant fixed part) the widest. The served int4 cut's fit (one tile
+    launch a layer over 16 speculative streams' 96 tokens and the chunk)."""
+    m = tiles.TileModel(tiles.LatencyFit(31.09, 2.948), block_m=16, n_experts=512, top_k=8,
+                        step_overhead_us=overhead_us)
+    widths = tuple(tiles.chunk_candidates(256))
+    sizer = tiles.ChunkSizer(m, budget_us=1.0, candidates=widths, rows=1, layers=14)
+    it = {c: tiles.predicted_iteration_us(m, c, rows=1, layers=14, decode_tokens=decode, mixed=True) for c in widths}
+    c = sizer(decode, 1, True)
+    assert it[c] <= 1.1 * it[16] and all(it[w] > 1.1 * it[16] for w in widths if w > c)
+    assert c == {"narrowest": 16, "widest": 256}.get(expect, c)
+    if expect == "between":
+        assert 16 < c < 256
+    assert sizer(0) == 256  # nothing decodes: the widest
 
 
 def test_server_flags_build_the_sizer(tmp_path):
