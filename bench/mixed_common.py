@@ -58,6 +58,7 @@ class Part:
         self.prefills = [int(v) for v in prefills.split(",")] if prefills else list(PREFILLS)
         self._w = None
         self.fmt = getattr(args, "tile_fmt", None) or "bf16"  # the experts' format (bf16 | int4 | int8)
+        self.decode = getattr(args, "decode", None) or DECODE  # --mixed: decode tokens beside each chunk
         self.group_size = 128
 
     # ------------------------------------------------------------------ inputs
@@ -161,7 +162,7 @@ class Part:
 
         from pallas_kernels import expert_tiles as et
 
-        p = et.plan_for((DECODE + mp) * K, self.e, self.fmt != "bf16")
+        p = et.plan_for((self.decode + mp) * K, self.e, self.fmt != "bf16")
         bm = bm or p.block_m
         hot = bm_hot or p.block_m_hot
         return dataclasses.replace(p, block_m=bm, num_warps=warps or p.num_warps, programs=programs or self.programs,

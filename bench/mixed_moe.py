@@ -1,6 +1,6 @@
 """`bench/fused_moe.py --mixed` and `--profile-tiles`: one MoE layer with decode and prefill tokens.
 
---mixed. Ling's MoE (E 512, top-8, D 2560, I 768), 8 decode tokens plus a prefill chunk of 512,
+--mixed. Ling's MoE (E 512, top-8, D 2560, I 768), 8 decode tokens (--decode) plus a prefill chunk of 512,
 2048 and 8192 tokens, three ways:
   (a) union   one grouped launch over all tokens (grouped_gemm.grouped_moe: the large-M path);
               the decode rows are done when it is (its combine sums at the end)
@@ -43,7 +43,7 @@ import traceback
 
 import numpy as np
 
-from bench.mixed_common import DECODE, K, Part
+from bench.mixed_common import K, Part
 from bench.mixed_profile import ProfilePart
 
 
@@ -53,7 +53,7 @@ class Bench(Part, ProfilePart):
         from pallas_kernels.grouped_gemm import reference
 
         prefills = (32, 64) if self.smoke else self.prefills
-        md = DECODE
+        md = self.decode
         for mp in prefills:
             if self.left() < 0:
                 self.log(f"budget spent: --mixed stopped before prefill {mp}")
@@ -178,6 +178,8 @@ def add_args(ap) -> None:
                     help="--mixed: the tile kernel's warps (comma-separated; 0: plan_for's)")
     ap.add_argument("--tile-bm-hot", default="0",
                     help="--mixed: the tile kernel's hot-block BM (comma-separated; 0: plan_for's)")
+    ap.add_argument("--decode", type=int, default=None, help="--mixed: decode tokens beside each chunk (default 8; "
+                    "16 speculative slots of 5 drafts: 96)")
     ap.add_argument("--prefills", help="--mixed: prefill chunk sizes (comma-separated; default 512,2048,8192)")
 
 
