@@ -15,6 +15,7 @@ whole speculative step; beside each, what the device did (JAX profiler), and the
     python -m bench.step ... --batch 16 --slots 17 --modes mixed --tile-model PATH   # the tile model's
                                      # step_overhead_us: the mixed iteration outside its MoE launches
     python -m bench.step --tile-model PATH --from-json step.json   # the same from an earlier run
+    python -m bench.step ... --modes mixed --mixed-moe grouped   # the union through the grouped GEMM
 
 Random weights, batch 1 (`--batch B`: B slots, all live; `--slots N` holds N slots, the first B
 live and stepped in a batch bucket of B rows, as the server steps them), a prompt of --context tokens prefilled
@@ -157,6 +158,8 @@ def main():
     ap.add_argument("--steps-per-call", type=int, nargs="+", default=[1],
                     help="decode / speculative steps a dispatch runs on the device (spec.stepper.Stepper); "
                          "several: each measured")
+    ap.add_argument("--mixed-moe", default="tiles", choices=["tiles", "grouped"],
+                    help="mode mixed: the MoE over both kinds of tokens (as serve.run's --mixed-moe)")
     ap.add_argument("--tile-model", metavar="PATH",
                     help="with mode mixed: complete this tile model (bench.fused_moe --profile-tiles --tile-fmt "
                          "int4) with the iteration's time outside the tile-scheduled MoE (its step_overhead_us), "
@@ -195,6 +198,7 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="bench_step_")  # traces and the compilation cache: not results
 
+    from moe.block import use_mixed_launch
     from pallas_kernels.backend import resolve
     from spec.step import new_slots
     from spec.stepper import ChunkPrefiller, Stepper
@@ -202,7 +206,7 @@ def main():
     from spec.sampling import SamplingParams
 
     bw = copy_ceiling_tbs() * 1e12
-    model = build_model(args)
+    model = use_mixed_launch(build_model(args), args.mixed_moe)
     cfg = model.cfg
     print(f"device {jax.devices()[0].device_kind}; kernels {resolve()}; {args.preset} cut to {cfg.num_hidden_layers} "
           f"layers + NEXTN; weights {args.quantize or 'bf16'}{' (experts too)' if args.quantize_experts else ''}; "

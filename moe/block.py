@@ -124,6 +124,25 @@ class SwiGLUMLP(nnx.Module):
         return y.reshape(x.shape)
 
 
+# How a mixed iteration's decode and prefill tokens run through the routed experts: "tiles", one
+# tile-scheduled launch with the decode rows' tiles first (`pallas_kernels.expert_tiles`); "grouped",
+# the union as any other tokens of its size (the grouped GEMM beyond GATHER_MAX_PAIRS pairs). In one
+# program the next layer waits for the whole launch, so the decode rows finishing first shortens
+# nothing there; the faster launch of the union wins.
+MIXED_LAUNCHES = ("tiles", "grouped")
+
+
+def use_mixed_launch(model: nnx.Module, launch: str) -> nnx.Module:
+    """Sets every MoE under model to run a mixed iteration's tokens by `launch` (MIXED_LAUNCHES), in
+    place, and returns it; as `ling.model.use_kernels`, before the programs that trace it are built."""
+    if launch not in MIXED_LAUNCHES:
+        raise ValueError(f"the mixed launch must be one of {MIXED_LAUNCHES}, got {launch!r}")
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, MoE):
+            node.mixed_launch = launch
+    return model
+
+
 class MoE(nnx.Module):
     def __init__(self, d: int, *, num_experts: int, top_k: int, inter: int, num_shared: int, n_group: int,
                  topk_group: int, routed_scaling_factor: float, norm_topk_prob: bool,
@@ -142,6 +161,7 @@ class MoE(nnx.Module):
         self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
         self.swiglu_limit = swiglu_limit
         self.mesh = mesh  # a jax.sharding.Mesh with an "expert" axis: the experts run expert-parallel
+        self.mixed_launch = "tiles"  # a mixed iteration's tokens: MIXED_LAUNCHES (`use_mixed_launch`)
 
     def expert_weights(self):
         """(w13, w2): arrays, or stacked `QuantizedWeight`s where `ling.quantize` made them `QExperts`."""
@@ -167,6 +187,8 @@ class MoE(nnx.Module):
         (`shared_in_launch`)."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
+        if self.mixed_launch == "grouped":  # the union as any other tokens (`MIXED_LAUNCHES`)
+            n_decode = None
         weights, ids = route(flat, self.gate_weight[...], self.expert_bias[...], top_k=self.top_k,
                              n_group=self.n_group, topk_group=self.topk_group,
                              routed_scaling_factor=self.routed_scaling_factor, norm_topk_prob=self.norm_topk_prob,

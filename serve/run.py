@@ -102,6 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "CPU; off: always --max-seq-len)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per slot per prefill chunk "
                     "(with --tile-model: the widest chunk; default 256 on an accelerator, 64 on CPU)")
+    ap.add_argument("--mixed-moe", default="tiles", choices=["tiles", "grouped"], help="a mixed iteration's MoE: "
+                    "one tile-scheduled launch with the decode rows' tiles first, or the union's tokens through the "
+                    "grouped GEMM as any others of their count (`moe.block.MIXED_LAUNCHES`)")
     ap.add_argument("--mixed-iteration", default="auto", choices=["auto", "on", "off"], help="run a chunk of one "
                     "prompt and the step of the requests decoding beside it as one program, the MoE over both kinds "
                     "of tokens in one tile-scheduled launch, decode tiles first (default auto: on with the Pallas "
@@ -356,6 +359,7 @@ def start(args, bar) -> Loaded:
     one per stage."""
     import jax
 
+    from moe.block import use_mixed_launch
     from serve.runner import Runner
     from serve.tokenizer import Tokenizer
 
@@ -424,6 +428,7 @@ def start(args, bar) -> Loaded:
     buckets = {"auto": None, "off": ()}.get(args.batch_buckets) if args.batch_buckets in ("auto", "off") else \
         tuple(int(x) for x in args.batch_buckets.split(","))
     mixed = args.mixed_iteration == "on" or (args.mixed_iteration == "auto" and model.kernels != "reference")
+    use_mixed_launch(model, args.mixed_moe)
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, speculative_steps=steps,
                     buckets=buckets, contexts=context_ladder(args, platform, max_seq_len),
                     prefix_entries=memory.prefix_entries, prefix_interval=args.prefix_cache_interval,

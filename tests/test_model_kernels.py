@@ -89,12 +89,28 @@ def test_serve_run_builds_the_model_with_its_kernels_flag():
     assert {m.kernels for _, m in nnx.iter_graph(model) if hasattr(m, "kernels")} == {"interpret"}
 
 
+def test_the_mixed_launch_is_set_on_every_moe_and_checked():
+    from moe.block import MoE, use_mixed_launch
+    from serve.run import parse_args
+
+    model = ling.load("ling-tiny", dtype="float32", seed=4)
+    moes = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoE)]
+    assert moes and {m.mixed_launch for m in moes} == {"tiles"}  # the default
+    assert {m.mixed_launch for m in moes if use_mixed_launch(model, "grouped")} == {"grouped"}
+    with pytest.raises(ValueError, match="mixed launch must be one of"):
+        use_mixed_launch(model, "tile")
+    assert parse_args(["--mixed-moe", "grouped"]).mixed_moe == "grouped" and parse_args([]).mixed_moe == "tiles"
+    with pytest.raises(SystemExit):
+        parse_args(["--mixed-moe", "union"])
+
+
+@pytest.mark.parametrize("launch", ["tiles", "grouped"])
 @pytest.mark.parametrize("backend", ["reference", *KERNELS])
-def test_a_grouped_forward_equals_separate_calls(backend, monkeypatch):
+def test_a_grouped_forward_equals_separate_calls(backend, launch, monkeypatch):
     """`LingModel.forward` over a verify batch and a prefill batch (the mixed iteration: attention
     per batch, one MoE call over both, through the tile-scheduled kernel with the verify tokens
-    first) equals the two calls made apart on the reference path: logits, hidden states and
-    every layer's new state."""
+    first, or with `use_mixed_launch(model, "grouped")` as any other tokens) equals the two calls
+    made apart on the reference path: logits, hidden states and every layer's new state."""
     import moe.block
     from ling.model import Batch
 
@@ -113,9 +129,10 @@ def test_a_grouped_forward_equals_separate_calls(backend, monkeypatch):
     real = moe.block.tile_moe
     monkeypatch.setattr(moe.block, "tile_moe", lambda *a, **kw: tiles.append(kw["n_decode"]) or real(*a, **kw))
     ling.use_kernels(model, backend)
+    moe.block.use_mixed_launch(model, launch)
     together = model.forward([Batch(verify, decoding, None, "verify"), Batch(prompt, fresh, valid, "prefill")])
     moe_layers = sum(t == "moe" for t in cfg.mlp_types)
-    assert tiles == ([] if backend == "reference" else [2 * 4] * moe_layers)
+    assert tiles == ([] if backend == "reference" or launch == "grouped" else [2 * 4] * moe_layers)
     for (want_logits, want_hidden, want_state), (logits, hidden, state) in zip(apart, together):
         assert_model_close(logits, want_logits, "interpret" if backend == "reference" else backend, "logits")
         assert_model_close(hidden, want_hidden, "interpret" if backend == "reference" else backend, "hidden")
