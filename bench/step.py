@@ -170,11 +170,21 @@ def main():
                     help="share of the GPU's memory JAX takes, as serve.run's (XLA_PYTHON_CLIENT_MEM_FRACTION wins "
                          "when set): the whole model in int4 needs ~73 GB while it is built")
     args = ap.parse_args()
+    if args.tile_model:  # before minutes of building the model
+        from moe.tiles import TileModel
+
+        try:
+            TileModel.load(args.tile_model)
+        except (OSError, ValueError) as e:
+            ap.error(f"--tile-model: {e}")
     if args.from_json:
         if not args.tile_model:
             ap.error("--from-json goes with --tile-model")
-        with open(args.from_json) as f:
-            doc = json.load(f)
+        try:
+            with open(args.from_json) as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as e:
+            ap.error(f"--from-json: {e}")
         if not any(n.startswith("mixed") for n in doc.get("results", {})):
             ap.error(f"--from-json {args.from_json}: no mode mixed in it")
         calibrate(args.tile_model, doc["args"], doc["results"], doc.get("device", "?"))

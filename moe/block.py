@@ -182,7 +182,8 @@ class MoE(nnx.Module):
     def __call__(self, x, n_decode=None):
         """x [B, T, D]. n_decode (static): None, or the flattened rows [0, n_decode) are a mixed
         iteration's decode tokens and the rest a prefill chunk's (one tile-scheduled launch, decode
-        tiles first, on one device; expert parallelism runs them as any other tokens). At decode
+        tiles first, on one device; expert parallelism, and `mixed_launch` "grouped", run them as
+        any other tokens). At decode
         and verify sizes the shared expert runs in the routed experts' launches
         (`shared_in_launch`)."""
         b, t, d = x.shape
