@@ -173,14 +173,13 @@ class Scheduler:
 
     # -- planning ------------------------------------------------------------------------------
 
-    def chunk_width(self) -> int:
-        """This iteration's chunk width, from the slots decoding before it and the prompts it
+    def chunk_width(self, rows: int) -> int:
+        """This iteration's chunk width, from the slots decoding before it and the `rows` prompts it
         prefills (a prompt that ends in this chunk decodes in this iteration already, under the
         width chosen without it; in a mixed iteration, from the next one)."""
         if self.sizer is None:
             return self.chunk
         decoding = sum(r is not None for r in self.decoding())
-        rows = len(self._chunked())
         return self.sizer(decoding * self.decode_width, rows, self.mixed and rows == 1 and decoding > 0)
 
     def _chunked(self) -> list[int]:
@@ -229,7 +228,8 @@ class Scheduler:
                 self.copies_of[slot] = taken
         if all(p is None for p in self.prefilled):
             return None
-        c, chunked = self.chunk_width(), self._chunked()
+        chunked = self._chunked()
+        c = self.chunk_width(len(chunked))
         p = PrefillChunk(start=start, tokens=np.zeros((b, c), np.int32), next_tokens=np.zeros((b, c), np.int32),
                          valid=np.zeros(b, np.int32), ends=np.zeros(b, bool), owners=[None] * b,
                          temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),

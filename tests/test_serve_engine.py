@@ -49,10 +49,11 @@ def counting_mixed(runner, monkeypatch) -> tuple[list, list]:
     mixes, apart, mixed, iterate = [], [], runner.mixed, runner.iterate
 
     def counted_iterate(chunk, owners):
-        busy = (np.asarray(chunk.start) > 0) | (np.asarray(chunk.valid) > 0) if chunk is not None else None
-        if chunk is not None and any(r is not None and not busy[b] for b, r in enumerate(owners)) \
-                and runner.mixable(chunk, owners) is None:
-            apart.append(1)
+        if chunk is not None:
+            busy = (np.asarray(chunk.start) > 0) | (np.asarray(chunk.valid) > 0)  # the chunk's own slots
+            others = any(r is not None and not busy[b] for b, r in enumerate(owners))
+            if others and runner.mixable(chunk, owners) is None:
+                apart.append(1)
         return iterate(chunk, owners)
 
     monkeypatch.setattr(runner, "mixed", lambda chunk, owners: mixes.append(1) or mixed(chunk, owners))
