@@ -145,8 +145,8 @@ class Bench(Part, ProfilePart):
                          "spans: the decode span over the decode-only launch's kernel span (one clock, no "
                          "host timing)")
         if self.results["profile"]:
-            lines.append("profile (tiles, BM %d): decode+prefill  x_moe  µs  predicted  err" %
-                         self.results["profile"][0]["block_m"])
+            lines.append("profile (%s, BM %d): decode+prefill  x_moe  µs  predicted  err" %
+                         (self.results["profile"][0]["launch"], self.results["profile"][0]["block_m"]))
             for r in self.results["profile"]:
                 lines.append(f"  {r['decode']:3}+{r['prefill']:<6} {r['x_moe']:8.1f} {r['us']:9.1f} "
                              f"{r.get('pred_us', float('nan')):9.1f} {100 * r.get('err', float('nan')):+6.1f}%"
@@ -166,6 +166,9 @@ def add_args(ap) -> None:
                     "launch, two launches, the tile-scheduled kernel (bench/mixed_moe.py)")
     ap.add_argument("--profile-tiles", action="store_true", help="profile the tile kernel over (decode, prefill) "
                     "shapes and fit moe/tiles.py's latency model")
+    ap.add_argument("--profile-launch", default="tiles", choices=("tiles", "grouped"),
+                    help="--profile-tiles: the launch profiled and fitted: the tile-scheduled kernel, or the grouped "
+                    "GEMM over the union of the tokens (serve.run's --mixed-moe)")
     ap.add_argument("--tile-model", metavar="PATH", help="--profile-tiles: where the fitted model goes "
                     "(default $OUT/tile_model.json)")
     ap.add_argument("--tile-fmt", default="bf16", choices=("bf16", "int4", "int8"),

@@ -16,6 +16,7 @@ whole speculative step; beside each, what the device did (JAX profiler), and the
                                      # step_overhead_us: the mixed iteration outside its MoE launches
     python -m bench.step --tile-model PATH --from-json step.json   # the same from an earlier run
     python -m bench.step ... --modes mixed --mixed-moe grouped   # the union through the grouped GEMM
+    python -m bench.step ... --modes mixed --chunk 16 256 --mixed-moe tiles grouped   # each pair
 
 Random weights, batch 1 (`--batch B`: B slots, all live; `--slots N` holds N slots, the first B
 live and stepped in a batch bucket of B rows, as the server steps them), a prompt of --context tokens prefilled
@@ -77,7 +78,7 @@ def build_model(args):
     return model
 
 
-def floors(cfg, args, bw: float) -> dict:
+def floors(cfg, args, bw: float, chunk: int) -> dict:
     from ling.roofline import step_bytes
 
     bits = {None: 16, "int8": 8, "int4": 4}[args.quantize]
@@ -96,37 +97,50 @@ def floors(cfg, args, bw: float) -> dict:
     drafting = s * (nextn_only(1) + lm_head) + nextn_only(s + 1)
     width = s + 1 if s > 0 else 1  # the mixed iteration's step: speculative with S > 0
     return {"decode": nbytes(1) / bw, "verify": nbytes(s + 1) / bw, "spec": (nbytes(s + 1) + drafting) / bw,
-            "chunk": nbytes(args.chunk, batch=1) / bw,
-            "mixed": (nbytes(args.chunk + b * width, batch=1) + (drafting if s > 0 else 0)) / bw}
+            "chunk": nbytes(chunk, batch=1) / bw,
+            "mixed": (nbytes(chunk + b * width, batch=1) + (drafting if s > 0 else 0)) / bw}
 
 
 def calibrate(path: str, run: dict, results: dict, device: str) -> None:
     """Sets the tile model at `path`'s step_overhead_us to the measured mixed iteration's time
-    outside the tile-scheduled MoE launches (served - their kernel time a step), so that
-    `moe.tiles.ChunkSizer` predicts whole iterations; prints the model's MoE time a layer (at the
-    expected x_moe of the iteration's decode and chunk tokens, uniform routing) against the
-    launches' measured one. run: this script's arguments (as step.json keeps them)."""
+    outside the MoE launches the model was fitted on (its info's launch: the tile-scheduled kernel,
+    or the grouped GEMM; served - their kernel time a step), so that `moe.tiles.ChunkSizer`
+    predicts whole iterations; prints the model's MoE time a layer (at the expected x_moe of the
+    iteration's decode and chunk tokens, uniform routing) against the launches' measured one. The
+    first mixed result of that launch is taken. run: this script's arguments (as step.json keeps
+    them)."""
     import dataclasses
 
     from ling.config import MOE, preset
     from moe.tiles import TileModel
 
     tm = TileModel.load(path)
-    name = next(n for n in results if n.startswith("mixed"))
+    launch = tm.info.get("launch", "tiles")
+    # a step.json of one launch and chunk width keeps them in its arguments only
+    ran = run.get("mixed_moe") or "tiles"
+    ran = ran if isinstance(ran, str) else ran[0]
+    same = [n for n in results if n.startswith("mixed") and (results[n].get("mixed_moe") or ran) == launch]
+    if not same:
+        print(f"--tile-model: {path} models the {launch} launch; no mixed iteration ran it; {path} unchanged")
+        return
+    name = same[0]
     r = results[name]
-    moe = [us for c, (_, us) in by_category(r["stream"]["kernels"], {}).items() if c.startswith("tile-scheduled MoE")]
+    chunk = r.get("chunk") or run["chunk"]
+    chunk = chunk[0] if isinstance(chunk, list) else chunk
+    category = {"tiles": "tile-scheduled MoE", "grouped": "grouped GEMM MoE"}[launch]
+    moe = [us for c, (_, us) in by_category(r["stream"]["kernels"], {}).items() if c.startswith(category)]
     layers = sum(t == MOE for t in preset(run["preset"]).mlp_types[:run["layers"]])
     if not moe:
-        print(f"--tile-model: no tile-scheduled MoE launch in the {name} trace; {path} unchanged")
+        print(f"--tile-model: no {category} launch in the {name} trace; {path} unchanged")
         return
     moe_us = sum(moe)
-    tokens = run["batch"] * (run["num_steps"] + 1 if run["num_steps"] > 0 else 1) + run["chunk"]
+    tokens = run["batch"] * (run["num_steps"] + 1 if run["num_steps"] > 0 else 1) + chunk
     x = tm.expected_tiles(tokens)
     overhead = r["served_us"] - moe_us
     info = dict(tm.info, step_overhead=dict(mode=name, served_us=r["served_us"], moe_us=moe_us, layers=layers,
-                                            decode_tokens=tokens - run["chunk"], chunk=run["chunk"], device=device))
+                                            decode_tokens=tokens - chunk, chunk=chunk, device=device))
     dataclasses.replace(tm, step_overhead_us=overhead, info=info).save(path)
-    print(f"--tile-model: the {name} iteration {r['served_us']:.0f} µs, of which the tile-scheduled MoE "
+    print(f"--tile-model: the {name} iteration {r['served_us']:.0f} µs, of which the {category} "
           f"{moe_us:.0f} µs ({moe_us / layers:.0f} µs a layer; the model at x_moe {x:.0f}: "
           f"{tm.launch_us(x):.0f} µs, {tm.launch_us(x) / (moe_us / layers) - 1:+.1%}); step_overhead_us "
           f"{overhead:.0f} written to {path}")
@@ -145,7 +159,8 @@ def main():
     ap.add_argument("--num-steps", type=int, default=5, help="S: NEXTN draft steps per speculative step")
     ap.add_argument("--modes", nargs="+", default=["decode", "verify", "spec"],
                     choices=["decode", "verify", "spec", "chunk", "mixed"])
-    ap.add_argument("--chunk", type=int, default=256, help="prompt tokens of a prefill chunk (modes chunk, mixed)")
+    ap.add_argument("--chunk", type=int, nargs="+", default=[256],
+                    help="prompt tokens of a prefill chunk (modes chunk, mixed); several: each measured")
     ap.add_argument("--quantize", choices=["int8", "int4"], default=None,
                     help="low-bit projections and lm_head (ling.quantize)")
     ap.add_argument("--quantize-experts", action="store_true", help="the routed experts too")
@@ -158,8 +173,9 @@ def main():
     ap.add_argument("--steps-per-call", type=int, nargs="+", default=[1],
                     help="decode / speculative steps a dispatch runs on the device (spec.stepper.Stepper); "
                          "several: each measured")
-    ap.add_argument("--mixed-moe", default="tiles", choices=["tiles", "grouped"],
-                    help="mode mixed: the MoE over both kinds of tokens (as serve.run's --mixed-moe)")
+    ap.add_argument("--mixed-moe", nargs="+", default=["tiles"], choices=["tiles", "grouped"],
+                    help="mode mixed: the MoE over both kinds of tokens (as serve.run's --mixed-moe); both: each "
+                         "measured")
     ap.add_argument("--tile-model", metavar="PATH",
                     help="with mode mixed: complete this tile model (bench.fused_moe --profile-tiles --tile-fmt "
                          "int4) with the iteration's time outside the tile-scheduled MoE (its step_overhead_us), "
@@ -216,7 +232,7 @@ def main():
     from spec.sampling import SamplingParams
 
     bw = copy_ceiling_tbs() * 1e12
-    model = use_mixed_launch(build_model(args), args.mixed_moe)
+    model = build_model(args)
     cfg = model.cfg
     print(f"device {jax.devices()[0].device_kind}; kernels {resolve()}; {args.preset} cut to {cfg.num_hidden_layers} "
           f"layers + NEXTN; weights {args.quantize or 'bf16'}{' (experts too)' if args.quantize_experts else ''}; "
@@ -234,7 +250,7 @@ def main():
     max_new = (3 * k + 8) * (s + 1) * max(args.steps_per_call)
     params = SamplingParams.make(n_slots, temperature=args.temperature, seed=1)
     # Room for the chunks run between two resets (k timed, two to warm up) after the prompt.
-    room = max(max_new + s + 2, (k + 4) * args.chunk if chunked else 0)
+    room = max(max_new + s + 2, (k + 4) * max(args.chunk) if chunked else 0)
 
     def fresh():
         slots = new_slots(model, n_slots, args.context + room, max_new + s + 1)
@@ -255,40 +271,54 @@ def main():
     verify = jax.jit(verify_fn, donate_argnums=1)
     prefiller = ChunkPrefiller(model) if chunked else None
 
-    def chunk_args():
-        """A chunk's arguments (`ChunkPrefiller`): --chunk more (new random) tokens of slot --batch's prompt."""
-        tokens = rng.integers(0, cfg.vocab_size, (2, 1, args.chunk))
+    def chunk_args(width):
+        """A chunk's arguments (`ChunkPrefiller`): width more (new random) tokens of slot --batch's prompt."""
+        tokens = rng.integers(0, cfg.vocab_size, (2, 1, width))
         return dict(start=np.zeros(1, np.int32), params=SamplingParams.make(1), max_new=np.full(1, max_new),
-                    eos=np.full(1, -1), tokens=tokens[0], next_tokens=tokens[1], valid=np.full(1, args.chunk),
+                    eos=np.full(1, -1), tokens=tokens[0], next_tokens=tokens[1], valid=np.full(1, width),
                     ends=np.zeros(1, bool), sampling=False, rows=np.array([b], np.int32))
     jax.config.update("jax_compilation_cache_dir", os.path.join(scratch, "jax_cache"))  # the HLO read compiles again
-    fl = floors(cfg, args, bw)
     results = {}
+
+    def save():
+        with open(os.path.join(out_dir, "step.json"), "w") as f:
+            json.dump(dict(args=vars(args), copy_tbs=bw / 1e12, device=jax.devices()[0].device_kind, results=results),
+                      f, indent=1)
+
     single = ("verify", "chunk")  # no Stepper of their own: one program a call, timed through one()
-    runs = [(mode, t, n) for mode in args.modes
+    # (mode, ticket sums, steps a call, chunk width, mixed launch) of each measurement
+    runs = [(mode, t, n, c, launch) for mode in args.modes
             for t, n in ([(False, 1)] if mode in single else [(t, 1) for t in dict(variants)] if mode == "mixed"
-                         else variants)]
-    for mode, tickets, per_step in runs:  # per_step: steps a call
+                         else variants)
+            for c in (args.chunk if mode in ("chunk", "mixed") else [None])
+            for launch in (args.mixed_moe if mode == "mixed" else [None])]
+    for mode, tickets, per_step, width, launch in runs:  # per_step: steps a call
         name = mode if mode in single else label(mode, tickets, per_step)
+        if width is not None and len(args.chunk) > 1:
+            name += f" {width}"
+        if launch is not None and len(args.mixed_moe) > 1:
+            name += f" {launch}"
+        fl = floors(cfg, args, bw, width or 0)
         if mode == "chunk":
             holder = {"slots": fresh()}
 
             def one():
-                holder["slots"] = prefiller(holder["slots"], **chunk_args())[0]
+                holder["slots"] = prefiller(holder["slots"], **chunk_args(width))[0]
 
             def sync():
                 jax.block_until_ready(holder["slots"].model.lengths)
 
-            lowered = prefiller.lower(holder["slots"], prefiller.prepare(holder["slots"], **chunk_args()))
+            lowered = prefiller.lower(holder["slots"], prefiller.prepare(holder["slots"], **chunk_args(width)))
         elif mode == "mixed":
+            use_mixed_launch(model, launch)  # read when the Stepper's program is traced, below
             stepper = Stepper(model, fresh(), speculative=s > 0, num_steps=max(s, 1), tickets=tickets, buckets=(b,))
             holder = {"stepper": stepper}
 
             def one(stepper=stepper):
-                stepper.step(live=live, chunk=prefiller.prepare(stepper.slots, **chunk_args()), steps=1)
+                stepper.step(live=live, chunk=prefiller.prepare(stepper.slots, **chunk_args(width)), steps=1)
 
             sync = stepper.drain
-            lowered = stepper.lower(live=live, chunk=prefiller.prepare(stepper.slots, **chunk_args()))
+            lowered = stepper.lower(live=live, chunk=prefiller.prepare(stepper.slots, **chunk_args(width)))
         elif mode == "verify":
             holder = {"slots": fresh()}
 
@@ -353,11 +383,13 @@ def main():
             produced = float(jax.device_get(sl.produced.sum())) / max(float(jax.device_get(sl.steps.sum())), 1.0)
         results[name] = dict(served_us=served * 1e6, dispatch_us=dispatch * 1e6, span_us=alone.get("span_us"),
                              stream=stream, host=host[:40], sequence=alone.get("sequence"),
-                             floor_us=fl[mode] * 1e6, tokens_per_step=produced, walls_us=[w * 1e6 for w in walls])
+                             floor_us=fl[mode] * 1e6, tokens_per_step=produced, walls_us=[w * 1e6 for w in walls],
+                             chunk=width, mixed_moe=launch)
         cats = by_category(stream["kernels"], hlo_scopes(lowered.compile().as_text()))
         if stream["span_us"] is None:
             print(f"{name}: served {served * 1e6:.0f} µs a step; no device kernels in the trace (not a GPU?)")
             results[name]["categories"] = cats
+            save()
             continue
         reps = ", ".join(f"{w * 1e6:.0f}" for w in walls)
         print(f"{name}: served {served * 1e6:.0f} µs a step (repetitions {reps}), "
@@ -373,18 +405,16 @@ def main():
         for r in host[:16]:
             print(f"      {r['name'][:64]:64s} x{r['count']:5.1f} {r['us_per_call']:8.1f} µs", flush=True)
         results[name]["categories"] = cats
+        save()  # after each measurement: a run cut short keeps what it measured
 
-    with open(os.path.join(out_dir, "step.json"), "w") as f:
-        json.dump(dict(args=vars(args), copy_tbs=bw / 1e12, device=jax.devices()[0].device_kind, results=results), f,
-                  indent=1)
     layers = cfg.num_hidden_layers
-    print(f"\n{'mode':<18} {'served':>9} {'dispatch':>9} {'span':>9} {'busy':>9} {'idle':>8} {'launch':>7} "
+    print(f"\n{'mode':<22} {'served':>9} {'dispatch':>9} {'span':>9} {'busy':>9} {'idle':>8} {'launch':>7} "
           f"{'/layer':>7} {'floor':>8} {'floor/served':>12} {'tok/step':>8}")
     for mode, r in results.items():
         st, tps = r["stream"], r["tokens_per_step"]
         if st["span_us"] is None:
             continue
-        print(f"{mode:<18} {r['served_us']:>7.0f}µs {r['dispatch_us']:>7.0f}µs {r['span_us']:>7.0f}µs "
+        print(f"{mode:<22} {r['served_us']:>7.0f}µs {r['dispatch_us']:>7.0f}µs {r['span_us']:>7.0f}µs "
               f"{st['busy_us']:>7.0f}µs {st['idle_us']:>6.0f}µs {st['launches']:>7.0f} "
               f"{st['launches'] / layers:>7.1f} {r['floor_us']:>6.0f}µs {r['floor_us'] / r['served_us']:>12.2f} "
               f"{'' if tps is None else f'{tps:.2f}':>8}")

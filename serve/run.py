@@ -120,7 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "a shorter dispatch, a slightly longer device span (default auto: on with one device's Pallas "
                     "kernels)")
     ap.add_argument("--tile-model", default=None, metavar="PATH", help="fitted MoE tile model (JSON from "
-                    "python -m bench.fused_moe --profile-tiles): size prefill chunks to --tpot-slo-ms")
+                    "python -m bench.fused_moe --profile-tiles [--profile-launch grouped]: of the --mixed-moe "
+                    "launch): size prefill chunks to --tpot-slo-ms")
     ap.add_argument("--tpot-slo-ms", type=float, default=None, help="with --tile-model: the budget of one iteration "
                     "(a decode step and the prefill chunk beside it), milliseconds")
     ap.add_argument("--chunk-widths", default=None, metavar="W,W,..", help="with --tile-model: the chunk widths "
@@ -335,6 +336,11 @@ def chunk_sizer(args, cfg):
     if (tm.n_experts, tm.top_k) != (cfg.num_experts, cfg.num_experts_per_tok):
         raise StartupError(f"--tile-model {args.tile_model} was fitted for {tm.n_experts} experts top-{tm.top_k}; "
                            f"the model has {cfg.num_experts} experts top-{cfg.num_experts_per_tok}")
+    launch = tm.info.get("launch", "tiles")  # the MoE launch the model was fitted on
+    if args.mixed_iteration != "off" and launch != args.mixed_moe:
+        raise StartupError(f"--tile-model {args.tile_model} models the {launch} launch, but a mixed iteration's MoE "
+                           f"is --mixed-moe {args.mixed_moe}: fit its model (python -m bench.fused_moe --profile-tiles "
+                           f"--profile-launch {args.mixed_moe}) or pass --mixed-moe {launch}")
     widths = chunk_candidates(args.prefill_chunk)
     if args.chunk_widths is not None:
         if args.chunk_widths[-1] > args.prefill_chunk:

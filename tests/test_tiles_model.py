@@ -193,3 +193,11 @@ def test_server_flags_build_the_sizer(tmp_path):
             parse_args(bad)
     with pytest.raises(SystemExit):
         parse_args(["--tile-model", path])  # without a budget
+    grouped = str(tmp_path / "grouped.json")
+    tiles.TileModel(tiles.LatencyFit(5.0, 1.0), block_m=16, n_experts=8, top_k=2, info={"launch": "grouped"}).save(
+        grouped)
+    flags = ["--tile-model", grouped, "--tpot-slo-ms", "50", "--prefill-chunk", "64"]
+    with pytest.raises(StartupError, match="models the grouped launch, but .* --mixed-moe tiles"):
+        chunk_sizer(parse_args(flags), cfg)
+    assert chunk_sizer(parse_args(flags + ["--mixed-moe", "grouped"]), cfg).model.info["launch"] == "grouped"
+    assert chunk_sizer(parse_args(flags + ["--mixed-iteration", "off"]), cfg) is not None  # no mixed launch
