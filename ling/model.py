@@ -4,7 +4,7 @@ draft layer.
 A forward takes tokens [B, T] and the state of B slots and returns logits, the final hidden states
 and the new state; prefilling a prompt and then stepping token by token gives the logits of one
 prefill of the whole sequence. `form` picks the algorithm, not the result: "prefill" (chunked KDA,
-plain MLA) or "decode" (recurrent KDA, absorbed MLA); "auto" takes decode up to DECODE_MAX_T tokens.
+plain MLA; absorbed MLA for a chunk of up to ABSORBED_CHUNK_MAX_T tokens) or "decode" (recurrent KDA, absorbed MLA); "auto" takes decode up to DECODE_MAX_T tokens.
 "verify" is decode that keeps the KDA state after every position and leaves the state uncommitted:
 `commit(pending, n)` then keeps any number of the tokens without recomputation. `forward` runs
 several batches of slots in one pass, each in its own form (a decode step beside a prefill chunk):
@@ -33,6 +33,11 @@ from moe.nn import Linear, param
 from pallas_kernels.backend import resolve
 
 DECODE_MAX_T = 16
+# A prefill chunk of up to this many tokens runs MLA in the absorbed form (the decode kernel, T
+# queries over the latents up to each slot's length: work ~ T x the prefix) rather than the plain
+# one, whose expansion of the latents to keys and values costs the cache's whole capacity every
+# chunk (~8.4 MFLOP a position for Ling, against ~70 kFLOP a position and query absorbed).
+ABSORBED_CHUNK_MAX_T = 32
 
 
 def pick_form(form: str, t: int) -> str:
@@ -128,8 +133,9 @@ class DecoderLayer(nnx.Module):
                 return h, KDAState(conv=conv, recurrent=rec, rows=cache.rows)
             return h, KDAPending(window=conv, recurrent=rec, initial=cache.recurrent, conv_len=cache.conv[0].shape[1],
                                  into=None if cache.rows is None else cache)
+        plain = form == "prefill" and h.shape[1] > ABSORBED_CHUNK_MAX_T
         h, latent, k_rope = self.attention(h, positions, cache.latent, cache.k_rope, lengths, valid=valid,
-                                           form="plain" if form == "prefill" else "absorbed", rows=cache.rows)
+                                           form="plain" if plain else "absorbed", rows=cache.rows)
         return h, MLACache(latent=latent, k_rope=k_rope, rows=cache.rows)
 
 

@@ -7,7 +7,9 @@ is one latent c_l [R] (shared by all heads, MQA-like) plus one rope key k_rope_l
   out[t, h]  = Σ_l softmax_l(s[t, h, l]) c_l            over l ≤ lengths[b] - T + t
 Query token t of sequence b sits at position lengths[b] - T + t (the T tokens are already in
 the cache), so it attends causally to its own position and everything before it. Requires
-T ≤ lengths[b] ≤ L. Softmax statistics and accumulation in fp32.
+T ≤ lengths[b]; lengths[b] may exceed L (a prefill chunk's padding queries past a nearly full
+cache), and no position ≥ L is read: a query sees the positions < L up to its own. Softmax
+statistics and accumulation in fp32.
 
 Layouts: q_lat [B, T, H, R], q_rope [B, T, H, P], c [B, L, R], k_rope [B, L, P], lengths [B]
 int32; output [B, T, H, R] in q_lat's dtype. Ling: H 32, R 512, P 64.
@@ -87,6 +89,7 @@ def _split_kernel(len_ref, ql_ref, qr_ref, c_ref, kr_ref, *refs,
     f32 = jnp.float32
     rows_ref, acc_ref, lse_ref = refs if slotted else (None, *refs)
     bm = ql_ref.shape[0]
+    l_max = c_ref.shape[-2]  # the cache's capacity L
     r, s = pl.program_id(0), pl.program_id(1)
     if slotted:  # the whole caches [B, L, ·], read at the row's slot (one indexer a load)
         sl = slot_rows.slot(rows_ref[()], c_ref.shape[0])
@@ -109,14 +112,14 @@ def _split_kernel(len_ref, ql_ref, qr_ref, c_ref, kr_ref, *refs,
         acc, m, l = carry  # acc [R, BM]; m, l [BM]
         pos0 = start + i * block_l
         pos = pos0 + jnp.arange(block_l)
-        live = pos < length  # rows past the length may hold anything: never read them
+        live = pos < jnp.minimum(length, l_max)  # rows past the length may hold anything, past L none exist
         cb = pltriton.load(c_ref.at[at(pos0)],
                            mask=jnp.broadcast_to(live[:, None], (block_l, c_ref.shape[-1])), other=0)
         kb = pltriton.load(kr_ref.at[at(pos0)],
                            mask=jnp.broadcast_to(live[:, None], (block_l, kr_ref.shape[-1])), other=0)
         sc = (lax.dot_general(cb, q, nt, preferred_element_type=f32)
               + lax.dot_general(kb, qp, nt, preferred_element_type=f32)) * scale  # [BL, BM]
-        vis = pos[:, None] <= limit[None, :]
+        vis = (pos[:, None] <= limit[None, :]) & live[:, None]  # a query's limit may pass L
         sc = jnp.where(vis, sc, _NEG)
         m_new = jnp.maximum(m, jnp.max(sc, axis=0))
         alpha = jnp.exp(m - m_new)

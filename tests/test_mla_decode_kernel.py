@@ -101,6 +101,26 @@ def test_interpret_matches_reference(backend, t, l_max, block_l, num_splits, blo
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=msg)
 
 
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("slotted", [False, True])
+def test_lengths_past_the_cache_read_no_position_beyond_it(backend, slotted):
+    """A prefill chunk of T queries whose padding runs past a nearly full cache (lengths[b] > L):
+    each query sees the positions < L up to its own, as the reference over the L positions; a
+    read past L (the neighbouring slot's rows, or clamped ones in interpret mode) shows."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    t, l_max = 16, 60  # L not a multiple of the block
+    lengths = [l_max + 5, l_max + t, 20]
+    q_lat, q_rope, c, k_rope, lengths = make_inputs(rng, 3, t, l_max, lengths=lengths)
+    rows = jnp.asarray([2, 0, 1], jnp.int32) if slotted else None
+    scale = (R + P) ** -0.5
+    got = md.mla_decode(q_lat, q_rope, c, k_rope, lengths, scale=scale, block_l=16, num_splits=4, rows=rows,
+                        backend=backend)
+    pick = (lambda a: a) if rows is None else (lambda a: a[rows])  # noqa: E731
+    want = md.mla_decode(q_lat, q_rope, pick(c), pick(k_rope), lengths, scale=scale, backend="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
+
+
 def test_default_splits_and_bad_blocks():
     assert md.default_num_splits(1, 1, 8192, 64) == 128  # one block a program, one program an SM
     assert md.default_num_splits(1, 6, 8192, 64) == 16  # T = 6: six row blocks share the SMs
