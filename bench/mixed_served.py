@@ -1,7 +1,7 @@
 """A prompt arriving beside running streams, as the server drives it: `serve.runner.Runner.iterate`
 over --streams decoding slots while one prompt of --context tokens is prefilled in --chunk chunks,
 the iterations back to back; the mixed iteration (the chunk and the step as one program, the MoE
-tile-scheduled with the decode tiles first) against the chunk and the step as two programs, in one
+one launch over both: `moe.block.DEFAULT_MIXED_LAUNCH`) against the chunk and the step as two programs, in one
 process. What the running streams' inter-token latency becomes while a long prompt arrives.
 
     python -m bench.mixed_served --layers 16 --streams 15 --context 8192 --chunk 256

@@ -117,7 +117,7 @@ def calibrate(path: str, run: dict, results: dict, device: str) -> None:
     tm = TileModel.load(path)
     launch = tm.info.get("launch", "tiles")
     # a step.json of one launch and chunk width keeps them in its arguments only
-    ran = run.get("mixed_moe") or "tiles"
+    ran = run.get("mixed_moe") or "tiles"  # a step.json from before the flag: the tile kernel
     ran = ran if isinstance(ran, str) else ran[0]
     same = [n for n in results if n.startswith("mixed") and (results[n].get("mixed_moe") or ran) == launch]
     if not same:
@@ -173,7 +173,7 @@ def main():
     ap.add_argument("--steps-per-call", type=int, nargs="+", default=[1],
                     help="decode / speculative steps a dispatch runs on the device (spec.stepper.Stepper); "
                          "several: each measured")
-    ap.add_argument("--mixed-moe", nargs="+", default=["tiles"], choices=["tiles", "grouped"],
+    ap.add_argument("--mixed-moe", nargs="+", default=["grouped"], choices=["tiles", "grouped"],
                     help="mode mixed: the MoE over both kinds of tokens (as serve.run's --mixed-moe); both: each "
                          "measured")
     ap.add_argument("--tile-model", metavar="PATH",

@@ -128,8 +128,10 @@ class SwiGLUMLP(nnx.Module):
 # tile-scheduled launch with the decode rows' tiles first (`pallas_kernels.expert_tiles`); "grouped",
 # the union as any other tokens of its size (the grouped GEMM beyond GATHER_MAX_PAIRS pairs). In one
 # program the next layer waits for the whole launch, so the decode rows finishing first shortens
-# nothing there; the faster launch of the union wins.
+# nothing there; the faster launch of the union wins: the grouped GEMM, the default (int4 on an
+# H100: 2.27 µs an expert tile against the tile kernel's 2.95, bench/tile_model_h100_int4*.json).
 MIXED_LAUNCHES = ("tiles", "grouped")
+DEFAULT_MIXED_LAUNCH = "grouped"
 
 
 def use_mixed_launch(model: nnx.Module, launch: str) -> nnx.Module:
@@ -161,7 +163,7 @@ class MoE(nnx.Module):
         self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
         self.swiglu_limit = swiglu_limit
         self.mesh = mesh  # a jax.sharding.Mesh with an "expert" axis: the experts run expert-parallel
-        self.mixed_launch = "tiles"  # a mixed iteration's tokens: MIXED_LAUNCHES (`use_mixed_launch`)
+        self.mixed_launch = DEFAULT_MIXED_LAUNCH  # a mixed iteration's tokens (`use_mixed_launch`)
 
     def expert_weights(self):
         """(w13, w2): arrays, or stacked `QuantizedWeight`s where `ling.quantize` made them `QExperts`."""

@@ -13,7 +13,8 @@ trained by `python -m offline.train` on the Python standard library's sources, a
 decode step (JAX's persistent compilation cache makes a restart skip the compiling), then prints
 one line with the address.
 
-With --tile-model (a fitted moe.tiles.TileModel: `python -m bench.fused_moe --profile-tiles`) and
+With --tile-model (a fitted moe.tiles.TileModel of the --mixed-moe launch: `python -m bench.fused_moe
+--profile-tiles --profile-launch grouped|tiles`) and
 --tpot-slo-ms, the prefill chunk is sized per iteration: --prefill-chunk wide when no request
 decodes, else the widest power-of-two width (>= 16, or of --chunk-widths) the model predicts to keep an
 iteration (decode step + chunk) within the budget, or where none does the widest within 10% of the
@@ -21,8 +22,9 @@ narrowest's iteration (`moe.tiles.ChunkSizer`); every such width is compiled at 
 
 With --mixed-iteration on (auto: with the Pallas kernels), an iteration that prefills one prompt
 while other requests decode runs the chunk and their step as one program: attention apart, each
-MoE layer one tile-scheduled launch over both kinds of tokens with the decode tokens' tiles first,
-so a long prompt arriving holds the running streams back less (`serve.runner.Runner.mixable`).
+MoE layer one launch over both kinds of tokens (--mixed-moe: the grouped GEMM, or the tile-scheduled
+kernel with the decode tokens' tiles first), so a long prompt arriving holds the running streams
+back less (`serve.runner.Runner.mixable`).
 
 The prefix cache (on unless --disable-prefix-cache) keeps checkpoints of prefilled prompts, every
 --prefix-cache-interval tokens, and of finished requests, in a pool of --prefix-cache-gb on the
@@ -102,12 +104,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "CPU; off: always --max-seq-len)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per slot per prefill chunk "
                     "(with --tile-model: the widest chunk; default 256 on an accelerator, 64 on CPU)")
-    ap.add_argument("--mixed-moe", default="tiles", choices=["tiles", "grouped"], help="a mixed iteration's MoE: "
-                    "one tile-scheduled launch with the decode rows' tiles first, or the union's tokens through the "
-                    "grouped GEMM as any others of their count (`moe.block.MIXED_LAUNCHES`)")
+    ap.add_argument("--mixed-moe", default="grouped", choices=["tiles", "grouped"], help="a mixed iteration's MoE: "
+                    "the union's tokens through the grouped GEMM as any others of their count (default: the faster "
+                    "per expert tile), or one tile-scheduled launch with the decode rows' tiles first "
+                    "(`moe.block.MIXED_LAUNCHES`)")
     ap.add_argument("--mixed-iteration", default="auto", choices=["auto", "on", "off"], help="run a chunk of one "
                     "prompt and the step of the requests decoding beside it as one program, the MoE over both kinds "
-                    "of tokens in one tile-scheduled launch, decode tiles first (default auto: on with the Pallas "
+                    "of tokens in one launch (--mixed-moe) (default auto: on with the Pallas "
                     "kernels; off on the plain-jnp reference a CPU runs, where it has no such launch and its "
                     "programs add ~40 s to the first start; off: two programs, for comparison)")
     ap.add_argument("--num-scheduler-steps", type=int, default=1, help="decode (or speculative) steps a call runs "

@@ -95,11 +95,11 @@ def test_the_mixed_launch_is_set_on_every_moe_and_checked():
 
     model = ling.load("ling-tiny", dtype="float32", seed=4)
     moes = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoE)]
-    assert moes and {m.mixed_launch for m in moes} == {"tiles"}  # the default
-    assert {m.mixed_launch for m in moes if use_mixed_launch(model, "grouped")} == {"grouped"}
+    assert moes and {m.mixed_launch for m in moes} == {"grouped"}  # the default
+    assert {m.mixed_launch for m in moes if use_mixed_launch(model, "tiles")} == {"tiles"}
     with pytest.raises(ValueError, match="mixed launch must be one of"):
         use_mixed_launch(model, "tile")
-    assert parse_args(["--mixed-moe", "grouped"]).mixed_moe == "grouped" and parse_args([]).mixed_moe == "tiles"
+    assert parse_args(["--mixed-moe", "grouped"]).mixed_moe == "grouped" and parse_args([]).mixed_moe == "grouped"
     with pytest.raises(SystemExit):
         parse_args(["--mixed-moe", "union"])
 

@@ -170,8 +170,9 @@ def test_sizer_beyond_reach_takes_the_widest_chunk_within_slack_of_the_narrowest
 
 
 def test_server_flags_build_the_sizer(tmp_path):
-    path = str(tmp_path / "tm.json")
-    tiles.TileModel(tiles.LatencyFit(5.0, 1.0), block_m=16, n_experts=8, top_k=2).save(path)
+    path = str(tmp_path / "tm.json")  # a model of the default mixed launch's
+    tiles.TileModel(tiles.LatencyFit(5.0, 1.0), block_m=16, n_experts=8, top_k=2, info={"launch": "grouped"}).save(
+        path)
     cfg = types.SimpleNamespace(mlp_types=("dense", "moe", "moe"), num_experts=8, num_experts_per_tok=2)
     args = parse_args(["--tile-model", path, "--tpot-slo-ms", "50", "--prefill-chunk", "64", "--max-batch", "3"])
     sizer = chunk_sizer(args, cfg)
@@ -193,11 +194,10 @@ def test_server_flags_build_the_sizer(tmp_path):
             parse_args(bad)
     with pytest.raises(SystemExit):
         parse_args(["--tile-model", path])  # without a budget
-    grouped = str(tmp_path / "grouped.json")
-    tiles.TileModel(tiles.LatencyFit(5.0, 1.0), block_m=16, n_experts=8, top_k=2, info={"launch": "grouped"}).save(
-        grouped)
-    flags = ["--tile-model", grouped, "--tpot-slo-ms", "50", "--prefill-chunk", "64"]
-    with pytest.raises(StartupError, match="models the grouped launch, but .* --mixed-moe tiles"):
+    kernel = str(tmp_path / "tiles.json")  # fitted before models named their launch: the tile kernel's
+    tiles.TileModel(tiles.LatencyFit(5.0, 1.0), block_m=16, n_experts=8, top_k=2).save(kernel)
+    flags = ["--tile-model", kernel, "--tpot-slo-ms", "50", "--prefill-chunk", "64"]
+    with pytest.raises(StartupError, match="models the tiles launch, but .* --mixed-moe grouped"):
         chunk_sizer(parse_args(flags), cfg)
-    assert chunk_sizer(parse_args(flags + ["--mixed-moe", "grouped"]), cfg).model.info["launch"] == "grouped"
+    assert chunk_sizer(parse_args(flags + ["--mixed-moe", "tiles"]), cfg).model.info.get("launch") is None
     assert chunk_sizer(parse_args(flags + ["--mixed-iteration", "off"]), cfg) is not None  # no mixed launch
