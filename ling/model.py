@@ -4,7 +4,8 @@ draft layer.
 A forward takes tokens [B, T] and the state of B slots and returns logits, the final hidden states
 and the new state; prefilling a prompt and then stepping token by token gives the logits of one
 prefill of the whole sequence. `form` picks the algorithm, not the result: "prefill" (chunked KDA,
-plain MLA; absorbed MLA for a chunk of up to ABSORBED_CHUNK_MAX_T tokens) or "decode" (recurrent KDA, absorbed MLA); "auto" takes decode up to DECODE_MAX_T tokens.
+plain MLA; absorbed MLA for a chunk of up to ABSORBED_CHUNK_MAX_T tokens) or "decode" (recurrent
+KDA, absorbed MLA); "auto" takes decode up to DECODE_MAX_T tokens.
 "verify" is decode that keeps the KDA state after every position and leaves the state uncommitted:
 `commit(pending, n)` then keeps any number of the tokens without recomputation. `forward` runs
 several batches of slots in one pass, each in its own form (a decode step beside a prefill chunk):

@@ -110,9 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "(`moe.block.MIXED_LAUNCHES`)")
     ap.add_argument("--mixed-iteration", default="auto", choices=["auto", "on", "off"], help="run a chunk of one "
                     "prompt and the step of the requests decoding beside it as one program, the MoE over both kinds "
-                    "of tokens in one launch (--mixed-moe) (default auto: on with the Pallas "
-                    "kernels; off on the plain-jnp reference a CPU runs, where it has no such launch and its "
-                    "programs add ~40 s to the first start; off: two programs, for comparison)")
+                    "of tokens in one launch (--mixed-moe) (default auto: on with the Pallas kernels; off on the "
+                    "plain-jnp reference a CPU runs, which gains nothing from one launch and whose programs add "
+                    "~40 s to the first start; off: two programs, for comparison)")
     ap.add_argument("--num-scheduler-steps", type=int, default=1, help="decode (or speculative) steps a call runs "
                     "on the device while no prompt is being prefilled and no request asks for log-probabilities "
                     "(default 1; more pays the host's dispatch of a step once for that many, where it bounds the "
