@@ -15,7 +15,7 @@ whole speculative step; beside each, what the device did (JAX profiler), and the
     python -m bench.step ... --batch 16 --slots 17 --modes mixed --tile-model PATH   # the tile model's
                                      # step_overhead_us: the mixed iteration outside its MoE launches
     python -m bench.step --tile-model PATH --from-json step.json   # the same from an earlier run
-    python -m bench.step ... --modes mixed --mixed-moe grouped   # the union through the grouped GEMM
+    python -m bench.step ... --modes mixed --mixed-moe tiles   # the tile-scheduled launch (default: grouped GEMM)
     python -m bench.step ... --modes mixed --chunk 16 256 --mixed-moe tiles grouped   # each pair
 
 Random weights, batch 1 (`--batch B`: B slots, all live; `--slots N` holds N slots, the first B
