@@ -1,0 +1,37 @@
+"""`python -m bench.served`: servers started in turn, each benchmarked and stopped; one that cannot
+start is reported and the next still runs."""
+
+import json
+import os
+
+import pytest
+
+from bench import served
+
+
+def test_flags_are_checked():
+    with pytest.raises(SystemExit):
+        served.main(["--server", "no-equals-sign"])
+    with pytest.raises(SystemExit):
+        served.main(["--server", "a=--max-batch 2", "--server", "a=--max-batch 4"])  # one name twice
+    with pytest.raises(SystemExit):
+        served.main(["--server", "a=", "--bench", "--base-url http://x"])  # the tool's own flag
+    assert served.named("mixed=--mixed-iteration on --max-batch 2") == ("mixed", "--mixed-iteration on --max-batch 2")
+
+
+def test_servers_run_in_turn_and_a_failed_start_is_reported(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    cache = tmp_path / "jax-cache"
+    rc = served.main(["--server", "broken=--max-batch 0",
+                      "--server", f"small=--max-batch 2 --max-seq-len 512 --compile-cache {cache}",
+                      "--bench", "--num-prompts 2 --random-input-len 16 --random-output-len 4 --concurrency 2",
+                      "--start-timeout", "600"])
+    doc = json.loads((tmp_path / "served.json").read_text())["results"]
+    assert rc == 1 and "exited" in doc["broken"]["error"] and doc["broken"]["bench"] is None
+    small = doc["small"]
+    assert small["error"] is None and small["bench_status"] == 0 and small["startup_s"] > 0
+    assert small["bench"]["completed"] == 2 and small["bench"]["failed"] == 0
+    assert os.path.exists(tmp_path / "small.server.log") and os.path.exists(tmp_path / "small.bench.json")
+    out = capsys.readouterr().out
+    assert "mean TPOT ms" in out and "broken: the server exited" in out
