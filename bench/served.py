@@ -79,18 +79,22 @@ def table(results: dict) -> str:
 
 
 def stop(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM to the server's process group (the server and anything it started), SIGKILL after
-    `grace` seconds."""
-    if proc.poll() is not None:
-        return
+    """SIGTERM to the server's process group (the server and anything it started), then, after the
+    server has exited or `grace` seconds, SIGKILL to whatever of the group is left."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        proc.wait()
+        return  # the group is gone
+    try:
         proc.wait(grace)
     except subprocess.TimeoutExpired:
+        pass
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
     except ProcessLookupError:
         pass
+    proc.wait()
 
 
 def serve_and_bench(name: str, server_args: str, bench_args: list[str], out_dir: str, start_timeout: float,
@@ -120,6 +124,8 @@ def serve_and_bench(name: str, server_args: str, bench_args: list[str], out_dir:
                     return result
             result["startup_s"] = time.perf_counter() - t0
             print(f"[{name}] serving at {url} after {result['startup_s']:.0f} s", flush=True)
+            if os.path.exists(json_path):  # an earlier run's: never read as this one's
+                os.remove(json_path)
             try:
                 done = subprocess.run([sys.executable, "-m", "serve.bench", "--base-url", url, "--disable-tqdm",
                                        "--output-json", json_path, *bench_args], stdout=log, stderr=subprocess.STDOUT,
@@ -153,7 +159,7 @@ def main(argv=None) -> int:
         ap.error(f"--server names must differ, got {names}")
     bench_args = shlex.split(args.bench)
     for own in ("--base-url", "--output-json"):
-        if own in bench_args:
+        if any(a == own or a.startswith(own + "=") for a in bench_args):
             ap.error(f"--bench must not set {own}: this tool sets it per server")
     out_dir = os.environ.get("OUT", "bench_out")
     os.makedirs(out_dir, exist_ok=True)

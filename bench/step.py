@@ -102,13 +102,14 @@ def floors(cfg, args, bw: float, chunk: int) -> dict:
 
 
 def calibrate(path: str, run: dict, results: dict, device: str) -> None:
-    """Sets the tile model at `path`'s step_overhead_us to the measured mixed iteration's time
-    outside the MoE launches the model was fitted on (its info's launch: the tile-scheduled kernel,
-    or the grouped GEMM; served - their kernel time a step), so that `moe.tiles.ChunkSizer`
-    predicts whole iterations; prints the model's MoE time a layer (at the expected x_moe of the
-    iteration's decode and chunk tokens, uniform routing) against the launches' measured one. The
-    first mixed result of that launch is taken. run: this script's arguments (as step.json keeps
-    them)."""
+    """Sets the tile model at `path`'s step_overhead_us so that `moe.tiles.ChunkSizer` predicts
+    the measured mixed iteration whole: served - layers x the model's own launch time at the
+    iteration's expected x_moe (its decode and chunk tokens, uniform routing). The mixed result
+    taken is the widest chunk of the launch the model was fitted on (its info's launch: the
+    tile-scheduled kernel, or the grouped GEMM). Prints, beside it, that kernel's measured time a
+    layer (every launch of it in the trace, the NEXTN layer's and, for the grouped GEMM, the
+    drafting steps' too: an upper bound on the layers' launches). run: this script's arguments
+    (as step.json keeps them)."""
     import dataclasses
 
     from ling.config import MOE, preset
@@ -119,31 +120,27 @@ def calibrate(path: str, run: dict, results: dict, device: str) -> None:
     # a step.json of one launch and chunk width keeps them in its arguments only
     ran = run.get("mixed_moe") or "tiles"  # a step.json from before the flag: the tile kernel
     ran = ran if isinstance(ran, str) else ran[0]
+    width = run["chunk"] if isinstance(run["chunk"], int) else run["chunk"][0]
     same = [n for n in results if n.startswith("mixed") and (results[n].get("mixed_moe") or ran) == launch]
     if not same:
         print(f"--tile-model: {path} models the {launch} launch; no mixed iteration ran it; {path} unchanged")
         return
-    name = same[0]
+    name = max(same, key=lambda n: results[n].get("chunk") or width)
     r = results[name]
-    chunk = r.get("chunk") or run["chunk"]
-    chunk = chunk[0] if isinstance(chunk, list) else chunk
-    category = {"tiles": "tile-scheduled MoE", "grouped": "grouped GEMM MoE"}[launch]
-    moe = [us for c, (_, us) in by_category(r["stream"]["kernels"], {}).items() if c.startswith(category)]
+    chunk = r.get("chunk") or width
     layers = sum(t == MOE for t in preset(run["preset"]).mlp_types[:run["layers"]])
-    if not moe:
-        print(f"--tile-model: no {category} launch in the {name} trace; {path} unchanged")
-        return
-    moe_us = sum(moe)
     tokens = run["batch"] * (run["num_steps"] + 1 if run["num_steps"] > 0 else 1) + chunk
     x = tm.expected_tiles(tokens)
-    overhead = r["served_us"] - moe_us
-    info = dict(tm.info, step_overhead=dict(mode=name, served_us=r["served_us"], moe_us=moe_us, layers=layers,
-                                            decode_tokens=tokens - chunk, chunk=chunk, device=device))
+    overhead = r["served_us"] - layers * tm.launch_us(x)
+    category = {"tiles": "tile-scheduled MoE", "grouped": "grouped GEMM MoE"}[launch]
+    measured = sum(us for c, (_, us) in by_category(r["stream"]["kernels"], {}).items() if c.startswith(category))
+    info = dict(tm.info, step_overhead=dict(mode=name, served_us=r["served_us"], layers=layers, x_moe=x,
+                                            kernel_us=measured, decode_tokens=tokens - chunk, chunk=chunk,
+                                            device=device))
     dataclasses.replace(tm, step_overhead_us=overhead, info=info).save(path)
-    print(f"--tile-model: the {name} iteration {r['served_us']:.0f} µs, of which the {category} "
-          f"{moe_us:.0f} µs ({moe_us / layers:.0f} µs a layer; the model at x_moe {x:.0f}: "
-          f"{tm.launch_us(x):.0f} µs, {tm.launch_us(x) / (moe_us / layers) - 1:+.1%}); step_overhead_us "
-          f"{overhead:.0f} written to {path}")
+    print(f"--tile-model: the {name} iteration {r['served_us']:.0f} µs; the model's launch at x_moe {x:.0f} "
+          f"{tm.launch_us(x):.0f} µs a layer x {layers} (the trace's {category} kernels: {measured / layers:.0f} µs "
+          f"a layer, every launch); step_overhead_us {overhead:.0f} written to {path}")
 
 
 def main():
@@ -178,8 +175,8 @@ def main():
                          "measured")
     ap.add_argument("--tile-model", metavar="PATH",
                     help="with mode mixed: complete this tile model (bench.fused_moe --profile-tiles --tile-fmt "
-                         "int4) with the iteration's time outside the tile-scheduled MoE (its step_overhead_us), "
-                         "and print the model's MoE time a layer against the measured one")
+                         "int4 [--profile-launch grouped]) with the iteration's time outside its MoE launches (its "
+                         "step_overhead_us), and print the model's MoE time a layer against the measured one")
     ap.add_argument("--from-json", metavar="STEP_JSON", help="with --tile-model: take the mixed iteration from "
                     "this step.json (a run with mode mixed) instead of measuring")
     ap.add_argument("--mem-fraction", type=float, default=0.92,

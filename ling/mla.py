@@ -66,12 +66,14 @@ class MLAttention(nnx.Module):
         self.mesh = mesh  # the model's device mesh (its cuDNN prefill pins its inputs replicated on it)
 
     @jax.named_scope("mla")
-    def __call__(self, x, positions, latent_cache, rope_cache, lengths, *, form: str, valid=None, rows=None):
+    def __call__(self, x, positions, latent_cache, rope_cache, lengths, *, form: str, valid=None, rows=None,
+                 prefill: bool = False):
         """x [B, T, D]; positions [B, T] = lengths[:, None] + arange(T); caches [B, L, R], [B, L, P];
         valid [B] (optional): real tokens per slot. Returns (y [B, T, D], latent_cache, rope_cache)
-        with the T new entries written. The rows of slots with valid 0 are garbage in the prefill
-        kernel path (nobody reads them: the engine interleaves idle and decoding slots into a
-        prefill chunk this way, and their cached prefixes are not worth attending to).
+        with the T new entries written. prefill: x is a prefill chunk (either form); on the kernel
+        paths the rows of its slots with valid 0 are then garbage (nobody reads them: the engine
+        interleaves idle and decoding slots into a prefill chunk this way, and their cached
+        prefixes are not worth attending to); otherwise every row is computed as if real.
         rows [B] int32 (`pallas_kernels.slot_rows`): the caches hold every slot (any number) and
         row b is slot rows[b]; the whole caches are returned, the rows' entries written."""
         b, t, _ = x.shape
@@ -115,7 +117,8 @@ class MLAttention(nnx.Module):
             q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk.astype(x.dtype),
                                preferred_element_type=jnp.float32).astype(x.dtype)  # [B, T, H, R]
             if kernels != "reference":  # the split-cache decode kernel; query t sits at lengths + t
-                o_lat = mla_decode(q_lat, q_rope, latent_cache, rope_cache, lengths + t, scale=self.scale,
+                prefix = lengths if not prefill or valid is None else jnp.where(valid > 0, lengths, 0)
+                o_lat = mla_decode(q_lat, q_rope, latent_cache, rope_cache, prefix + t, scale=self.scale,
                                    rows=rows, backend=kernels)
             else:
                 scores = (jnp.einsum("bthr,blr->bhtl", q_lat, c, preferred_element_type=jnp.float32)

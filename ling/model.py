@@ -136,7 +136,8 @@ class DecoderLayer(nnx.Module):
                                  into=None if cache.rows is None else cache)
         plain = form == "prefill" and h.shape[1] > ABSORBED_CHUNK_MAX_T
         h, latent, k_rope = self.attention(h, positions, cache.latent, cache.k_rope, lengths, valid=valid,
-                                           form="plain" if plain else "absorbed", rows=cache.rows)
+                                           form="plain" if plain else "absorbed", rows=cache.rows,
+                                           prefill=form == "prefill")
         return h, MLACache(latent=latent, k_rope=k_rope, rows=cache.rows)
 
 

@@ -96,10 +96,11 @@ def _split_kernel(len_ref, ql_ref, qr_ref, c_ref, kr_ref, *refs,
         at = lambda pos0: (sl, pl.ds(pos0, block_l), slice(None))  # noqa: E731
     else:
         at = lambda pos0: (pl.ds(pos0, block_l), slice(None))  # noqa: E731
-    length = len_ref[()]
-    chunk = pl.cdiv(pl.cdiv(length, num_splits), block_l) * block_l
+    length = len_ref[()]  # the queries' positions follow from it; the positions read stop at L
+    readable = jnp.minimum(length, l_max)
+    chunk = pl.cdiv(pl.cdiv(readable, num_splits), block_l) * block_l
     start = s * chunk
-    n_blocks = pl.cdiv(jnp.maximum(jnp.minimum(start + chunk, length) - start, 0), block_l)
+    n_blocks = pl.cdiv(jnp.maximum(jnp.minimum(start + chunk, readable) - start, 0), block_l)
 
     row = r * bm + jnp.arange(bm)
     limit = length - t_len + row // heads  # [BM] last position each row may see
@@ -112,7 +113,7 @@ def _split_kernel(len_ref, ql_ref, qr_ref, c_ref, kr_ref, *refs,
         acc, m, l = carry  # acc [R, BM]; m, l [BM]
         pos0 = start + i * block_l
         pos = pos0 + jnp.arange(block_l)
-        live = pos < jnp.minimum(length, l_max)  # rows past the length may hold anything, past L none exist
+        live = pos < readable  # rows past the length may hold anything, past L none exist
         cb = pltriton.load(c_ref.at[at(pos0)],
                            mask=jnp.broadcast_to(live[:, None], (block_l, c_ref.shape[-1])), other=0)
         kb = pltriton.load(kr_ref.at[at(pos0)],

@@ -23,10 +23,10 @@ reads a file. A JSONL line is {"prompt": "text" | [token ids]} or {"messages": [
 `--streams N`: decode tokens waiting behind prefill. N running streams (short prompts, long outputs)
 run alone, then again while the --num-prompts prompts (e.g. --random-input-len 8192
 --random-range-ratio 0.25: 2k-8k tokens) arrive at --request-rate. Reported per phase: the streams'
-TPOT and median / P99 ITL (once every stream decodes: alone, from the last stream's first token;
-with arrivals, from then or the first arrival, whichever is later, to the last arrival's
-completion), the arrivals' TTFT, throughput, and the ratio of the streams' P99 ITL with arrivals
-to without.
+TPOT and median / P99 ITL (the gaps that begin once every stream decodes, from the last stream's
+first token; with arrivals, of those the ones that end between the first arrival and the last
+one's completion), the arrivals' TTFT, throughput, and the ratio of the streams' P99 ITL with
+arrivals to without.
 
 `--multi-turn`: synthetic chats for the prefix cache. --num-prompts conversations, each opening with
 a --random-input-len prompt; turn t + 1 resends turn t's prompt, its output (re-tokenised from the
@@ -301,21 +301,24 @@ async def multi_turn(args, tokenizer) -> dict:
     return out
 
 
-def gaps_within(results: list[Result], lo: float = -math.inf, hi: float = math.inf) -> list[float]:
-    """The inter-token gaps of `results` that end within [lo, hi] (time.perf_counter())."""
-    return [g for r in results for t, g in zip(r.token_times()[1:], r.itl) if lo <= t <= hi]
+def gaps_within(results: list[Result], lo: float = -math.inf, hi: float = math.inf,
+                since: float = -math.inf) -> list[float]:
+    """The inter-token gaps of `results` that end within [lo, hi] and begin at `since` or later
+    (time.perf_counter())."""
+    return [g for r in results for t, g in zip(r.token_times()[1:], r.itl) if lo <= t <= hi and t - g >= since]
 
 
 def steady_from(streams: list[Result]) -> float:
-    """When every stream decodes: the last one's first token. Gaps before it are the streams'
-    own start (their prompts prefilled one after another), not the decode they wait on."""
+    """When every stream decodes: the last one's first token. A gap that begins before it spans
+    the streams' own start (their prompts prefilled one after another), not the decode they wait
+    on."""
     return max((r.start + r.ttft for r in streams if r.ok), default=-math.inf)
 
 
 async def with_streams(args, items: list[Item], tokenizer) -> dict:
     """The --streams workload (module docstring): the streams alone, then the streams again with
     `items` arriving at --request-rate beside them. Returns {"alone": ..., "arrivals": ...}: the
-    streams' TPOT and ITL (the gaps that end once every stream decodes, `steady_from`; in the
+    streams' TPOT and ITL (the gaps that begin once every stream decodes, `steady_from`; in the
     second phase only those that end between the first arrival and the last one's completion),
     the arrivals' TTFT, and each phase's output throughput."""
     stream_args = argparse.Namespace(**{**vars(args), "num_prompts": args.streams, "random_output_len":
@@ -353,10 +356,10 @@ async def with_streams(args, items: list[Item], tokenizer) -> dict:
             if phase == "arrivals" and new:
                 lo = min(r.start for r in new)
                 hi = max((r.start + r.latency for r in new if r.ok), default=lo)
-                gaps = gaps_within(ok, max(lo, steady), hi)
+                gaps = gaps_within(ok, lo, hi, since=steady)
                 covered = max((r.start + r.latency for r in ok), default=lo) >= hi
             else:
-                gaps, covered = gaps_within(ok, steady), True
+                gaps, covered = gaps_within(ok, since=steady), True
             tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
             done = [r for r in (*streams, *new) if r.ok]
             failed = [r for r in (*streams, *new) if not r.ok]

@@ -321,9 +321,11 @@ def _load_model(args):
                      quantize_layout=args.quantize_layout)
 
 
-def chunk_sizer(args, cfg):
+def chunk_sizer(args, cfg, mixed: bool | None = None):
     """The moe.tiles.ChunkSizer of --tile-model / --tpot-slo-ms for the model config cfg, or None
-    without them. StartupError when the file is unusable or was fitted for other experts."""
+    without them. StartupError when the file is unusable, was fitted for other experts, or, where
+    mixed iterations run (mixed; default: unless --mixed-iteration off), on another launch than
+    --mixed-moe."""
     if args.tile_model is None:
         return None
     from ling.config import MOE
@@ -340,7 +342,8 @@ def chunk_sizer(args, cfg):
         raise StartupError(f"--tile-model {args.tile_model} was fitted for {tm.n_experts} experts top-{tm.top_k}; "
                            f"the model has {cfg.num_experts} experts top-{cfg.num_experts_per_tok}")
     launch = tm.info.get("launch", "tiles")  # the MoE launch the model was fitted on
-    if args.mixed_iteration != "off" and launch != args.mixed_moe:
+    mixed = args.mixed_iteration != "off" if mixed is None else mixed  # whether mixed iterations run
+    if mixed and launch != args.mixed_moe:
         raise StartupError(f"--tile-model {args.tile_model} models the {launch} launch, but a mixed iteration's MoE "
                            f"is --mixed-moe {args.mixed_moe}: fit its model (python -m bench.fused_moe --profile-tiles "
                            f"--profile-launch {args.mixed_moe}) or pass --mixed-moe {launch}")
@@ -422,7 +425,8 @@ def start(args, bar) -> Loaded:
     elif steps > 0 and model.nextn is None:
         bar.write("warning: the model has no NEXTN layer: speculative decoding is off", file=sys.stderr)
         steps = 0
-    sizer = chunk_sizer(args, cfg)
+    mixed = args.mixed_iteration == "on" or (args.mixed_iteration == "auto" and model.kernels != "reference")
+    sizer = chunk_sizer(args, cfg, mixed)
     memory = memory_plan(model, max_seq_len=max_seq_len, speculative_steps=steps,
                          prefix_interval=0 if args.disable_prefix_cache else args.prefix_cache_interval)
     try:
@@ -436,7 +440,6 @@ def start(args, bar) -> Loaded:
     bar.set_description(f"slots ({args.max_batch} x {max_seq_len})")
     buckets = {"auto": None, "off": ()}.get(args.batch_buckets) if args.batch_buckets in ("auto", "off") else \
         tuple(int(x) for x in args.batch_buckets.split(","))
-    mixed = args.mixed_iteration == "on" or (args.mixed_iteration == "auto" and model.kernels != "reference")
     use_mixed_launch(model, args.mixed_moe)
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, speculative_steps=steps,
                     buckets=buckets, contexts=context_ladder(args, platform, max_seq_len),

@@ -16,6 +16,8 @@ def test_flags_are_checked():
         served.main(["--server", "a=--max-batch 2", "--server", "a=--max-batch 4"])  # one name twice
     with pytest.raises(SystemExit):
         served.main(["--server", "a=", "--bench", "--base-url http://x"])  # the tool's own flag
+    with pytest.raises(SystemExit):
+        served.main(["--server", "a=", "--bench", "--num-prompts 2 --output-json=x.json"])
     assert served.named("mixed=--mixed-iteration on --max-batch 2") == ("mixed", "--mixed-iteration on --max-batch 2")
 
 

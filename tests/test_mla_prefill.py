@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 import ling
+import ling.model
 import oracle
 from ling.mla import MLAttention
 from ling.state import init_state
@@ -196,12 +197,15 @@ def test_layer_kernel_path_matches_plain(backend):
         assert oracle.rel_err(a, b) < 1e-5
 
 
+@pytest.mark.parametrize("absorbed_max_t", [0, 32])
 @pytest.mark.parametrize("backend", KERNELS)
-def test_chunked_prefill_then_decode_equals_full_forward(backend):
+def test_chunked_prefill_then_decode_equals_full_forward(backend, absorbed_max_t, monkeypatch):
     """Kernel path (interpret): prompts of 29 and 17 tokens prefilled in chunks of 16 (the second
     chunk attends to a cached prefix; 13 and 1 real tokens in it), then 3 decode steps; the
     logits at the last prompt position and at every decoded position equal those of one prefill
-    of the whole sequences through the plain-jnp path."""
+    of the whole sequences through the plain-jnp path. MLA runs the chunks in the plain form
+    (absorbed_max_t 0) and in the absorbed one (`ling.model.ABSORBED_CHUNK_MAX_T`)."""
+    monkeypatch.setattr(ling.model, "ABSORBED_CHUNK_MAX_T", absorbed_max_t)
     model = ling.load("ling-tiny", dtype="float32", seed=5)
     cfg = model.cfg
     r = np.random.default_rng(_seed())

@@ -633,17 +633,18 @@ def test_serve_bench_streams_with_arrivals(server, tmp_path):
 
 
 def test_serve_bench_streams_count_gaps_once_every_stream_decodes():
-    """The streams' gaps are counted from the last stream's first token on (before it, a stream
-    waits on the others' prompts, not on decode), up to the window's end."""
+    """The streams' gaps are counted from the last stream's first token on (a gap that begins
+    before it spans the others' prompts, not decode), those that end in the window."""
     from serve.bench import Result, gaps_within, steady_from
 
     a = Result(ok=True, start=0.0, ttft=0.1, itl=[0.01, 0.5, 0.01])  # tokens at 0.1, 0.11, 0.61, 0.62
     b = Result(ok=True, start=0.0, ttft=0.6, itl=[0.02, 0.02])  # tokens at 0.6, 0.62, 0.64
     late = Result(ok=False, start=0.0, ttft=9.0)
     assert steady_from([a, b, late]) == 0.6
-    assert sorted(gaps_within([a, b], steady_from([a, b]))) == pytest.approx([0.01, 0.02, 0.02, 0.5])
-    assert gaps_within([a, b], 0.6, 0.63) == pytest.approx([0.5, 0.01, 0.02])
-    assert steady_from([late]) == -float("inf") and len(gaps_within([a], steady_from([late]))) == 3
+    assert sorted(gaps_within([a, b], since=steady_from([a, b]))) == pytest.approx([0.01, 0.02, 0.02])
+    assert gaps_within([a, b], 0.6, 0.63) == pytest.approx([0.5, 0.01, 0.02])  # by their ends only
+    assert gaps_within([a, b], 0.6, 0.63, since=0.6) == pytest.approx([0.01, 0.02])
+    assert steady_from([late]) == -float("inf") and len(gaps_within([a], since=steady_from([late]))) == 3
 
 
 def test_serve_bench_multi_turn(server, client, tmp_path):

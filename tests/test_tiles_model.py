@@ -201,3 +201,4 @@ def test_server_flags_build_the_sizer(tmp_path):
         chunk_sizer(parse_args(flags), cfg)
     assert chunk_sizer(parse_args(flags + ["--mixed-moe", "tiles"]), cfg).model.info.get("launch") is None
     assert chunk_sizer(parse_args(flags + ["--mixed-iteration", "off"]), cfg) is not None  # no mixed launch
+    assert chunk_sizer(parse_args(flags), cfg, mixed=False) is not None  # auto, resolved off (the reference)
