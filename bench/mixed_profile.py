@@ -88,7 +88,7 @@ class ProfilePart:
                     plan=str(plan), samples=rows,
                     held_out_max_rel_err=max(held) if held else None, date=time.strftime("%Y-%m-%d"),
                     synthetic=self.smoke)
-        model = TileModel(fit, rows[0]["block_m"], self.e, K, 0.0, info)
+        model = TileModel(fit, rows[0]["block_m"], self.e, K, info=info)
         path = self.args.tile_model or os.path.join(self.out_dir, "tile_model.json")
         model.save(path)
         self.results["fit"] = dict(path=path, **{c: getattr(fit, c) for c in ("alpha", "beta")})

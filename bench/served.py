@@ -9,7 +9,9 @@ side.
         --server mixed="--model ling-3-flash --num-layers 16 ... --mixed-iteration on"
 
 The servers run one after another, in the order given (put the one that must not be lost first);
-a shared --compile-cache in their arguments shortens the later starts. Writes NAME.server.log,
+a shared --compile-cache in their arguments shortens the later starts. With --together they all
+start at once (their compilations overlap on the host's cores; each needs a --mem-fraction that
+leaves the others room) and are benchmarked in turn, the others idle meanwhile. Writes NAME.server.log,
 NAME.bench.json and served.json (each server's start-up seconds, exit status and benchmark result)
 under $OUT (or ./bench_out); prints a table last. Exit status 1 when a server did not serve or its
 benchmark failed.
@@ -97,50 +99,81 @@ def stop(proc: subprocess.Popen, grace: float) -> None:
     proc.wait()
 
 
-def serve_and_bench(name: str, server_args: str, bench_args: list[str], out_dir: str, start_timeout: float,
-                    bench_timeout: float | None, grace: float) -> dict:
-    """One server's run: {"startup_s", "bench", "bench_status", "error"}."""
+def launch(name: str, server_args: str, out_dir: str) -> tuple[subprocess.Popen, str, float]:
+    """Starts `python -m serve.run` with server_args on a free port, in a process group of its own,
+    its output to NAME.server.log: (process, log path, start time)."""
     log_path = os.path.join(out_dir, f"{name}.server.log")
-    json_path = os.path.join(out_dir, f"{name}.bench.json")
-    result: dict = {"server": server_args, "startup_s": None, "bench": None, "bench_status": None, "error": None}
-    t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "serve.run", *shlex.split(server_args), "--port", "0"],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            url = None
-            while url is None:
-                time.sleep(0.5)
-                with open(log_path) as f:
-                    found = READY.search(f.read())
-                url = found.group(1) if found else None
-                if url is None and proc.poll() is not None:
-                    with open(log_path) as f:
-                        last = ([line.strip() for line in f if line.strip()] or ["(nothing logged)"])[-1]
-                    result["error"] = f"the server exited ({proc.returncode}) before serving: {last} ({log_path})"
-                    return result
-                if url is None and time.perf_counter() - t0 > start_timeout:
-                    result["error"] = f"the server did not serve within {start_timeout:.0f} s; see {log_path}"
-                    return result
+    return proc, log_path, time.perf_counter()
+
+
+def wait_ready(proc: subprocess.Popen, log_path: str, t0: float, start_timeout: float, result: dict) -> str | None:
+    """The server's URL once its log says it serves (result's startup_s set), or None with
+    result's error set (it exited, or did not serve within start_timeout of t0)."""
+    while True:
+        with open(log_path) as f:
+            found = READY.search(f.read())
+        if found:
             result["startup_s"] = time.perf_counter() - t0
-            print(f"[{name}] serving at {url} after {result['startup_s']:.0f} s", flush=True)
-            if os.path.exists(json_path):  # an earlier run's: never read as this one's
-                os.remove(json_path)
-            try:
-                done = subprocess.run([sys.executable, "-m", "serve.bench", "--base-url", url, "--disable-tqdm",
-                                       "--output-json", json_path, *bench_args], stdout=log, stderr=subprocess.STDOUT,
-                                      timeout=bench_timeout)
-                result["bench_status"] = done.returncode
-            except subprocess.TimeoutExpired:
-                result["error"] = f"serve.bench outran --bench-timeout {bench_timeout:.0f} s"
-            if os.path.exists(json_path):
-                with open(json_path) as f:
-                    result["bench"] = json.load(f)
-            elif result["error"] is None:
-                result["error"] = f"serve.bench wrote no result (exit {result['bench_status']}); see {log_path}"
+            return found.group(1)
+        if proc.poll() is not None:
+            with open(log_path) as f:
+                last = ([line.strip() for line in f if line.strip()] or ["(nothing logged)"])[-1]
+            result["error"] = f"the server exited ({proc.returncode}) before serving: {last} ({log_path})"
+            return None
+        if time.perf_counter() - t0 > start_timeout:
+            result["error"] = f"the server did not serve within {start_timeout:.0f} s; see {log_path}"
+            return None
+        time.sleep(0.5)
+
+
+def run_bench(name: str, url: str, bench_args: list[str], out_dir: str, log_path: str, bench_timeout: float | None,
+              result: dict) -> None:
+    """`python -m serve.bench` against url; its result (NAME.bench.json) into result's bench."""
+    json_path = os.path.join(out_dir, f"{name}.bench.json")
+    if os.path.exists(json_path):  # an earlier run's: never read as this one's
+        os.remove(json_path)
+    try:
+        with open(log_path, "a") as log:
+            done = subprocess.run([sys.executable, "-m", "serve.bench", "--base-url", url, "--disable-tqdm",
+                                   "--output-json", json_path, *bench_args], stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=bench_timeout)
+        result["bench_status"] = done.returncode
+    except subprocess.TimeoutExpired:
+        result["error"] = f"serve.bench outran --bench-timeout {bench_timeout:.0f} s"
+    if os.path.exists(json_path):
+        with open(json_path) as f:
+            result["bench"] = json.load(f)
+    elif result["error"] is None:
+        result["error"] = f"serve.bench wrote no result (exit {result['bench_status']}); see {log_path}"
+
+
+def run_all(servers: list[tuple[str, str]], bench_args: list[str], out_dir: str, *, together: bool,
+            start_timeout: float, bench_timeout: float | None, grace: float, results: dict) -> None:
+    """Each server's run into results[name] = {"server", "startup_s", "bench", "bench_status",
+    "error"}: in turn (started, benchmarked, stopped), or `together` (all started at once, each
+    benchmarked in turn once all that can serve do, all stopped at the end)."""
+    for name, server_args in servers:
+        results[name] = {"server": server_args, "startup_s": None, "bench": None, "bench_status": None, "error": None}
+    groups = [servers] if together else [[s] for s in servers]
+    for group in groups:
+        started = {}
+        try:
+            for name, server_args in group:
+                started[name] = launch(name, server_args, out_dir)
+            urls = {}
+            for name, (proc, log_path, t0) in started.items():
+                urls[name] = wait_ready(proc, log_path, t0, start_timeout, results[name])
+                if urls[name]:
+                    print(f"[{name}] serving at {urls[name]} after {results[name]['startup_s']:.0f} s", flush=True)
+            for name, url in urls.items():
+                if url:
+                    run_bench(name, url, bench_args, out_dir, started[name][1], bench_timeout, results[name])
         finally:
-            stop(proc, grace)
-    return result
+            for proc, _, _ in started.values():
+                stop(proc, grace)
 
 
 def main(argv=None) -> int:
@@ -153,6 +186,9 @@ def main(argv=None) -> int:
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to serve")
     ap.add_argument("--bench-timeout", type=float, default=None, help="seconds a benchmark may take (default: none)")
     ap.add_argument("--grace", type=float, default=30.0, help="seconds a stopped server has before SIGKILL")
+    ap.add_argument("--together", action="store_true", help="start every server at once (their compilations "
+                    "overlap), then benchmark each in turn while the others idle; give each a --mem-fraction "
+                    "that leaves room for the others")
     args = ap.parse_args(argv)
     names = [n for n, _ in args.server]
     if len(set(names)) != len(names):
@@ -165,11 +201,10 @@ def main(argv=None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     # SIGTERM (a timeout's) ends this tool through its finally clauses: the running server is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    results = {}
+    results: dict = {}
     try:
-        for name, server_args in args.server:
-            results[name] = serve_and_bench(name, server_args, bench_args, out_dir, args.start_timeout,
-                                            args.bench_timeout, args.grace)
+        run_all(args.server, bench_args, out_dir, together=args.together, start_timeout=args.start_timeout,
+                bench_timeout=args.bench_timeout, grace=args.grace, results=results)
     finally:
         with open(os.path.join(out_dir, "served.json"), "w") as f:
             json.dump({"bench": args.bench, "results": results}, f, indent=1)

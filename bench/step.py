@@ -102,14 +102,16 @@ def floors(cfg, args, bw: float, chunk: int) -> dict:
 
 
 def calibrate(path: str, run: dict, results: dict, device: str) -> None:
-    """Sets the tile model at `path`'s step_overhead_us so that `moe.tiles.ChunkSizer` predicts
-    the measured mixed iteration whole: served - layers x the model's own launch time at the
-    iteration's expected x_moe (its decode and chunk tokens, uniform routing). The mixed result
-    taken is the widest chunk of the launch the model was fitted on (its info's launch: the
-    tile-scheduled kernel, or the grouped GEMM). Prints, beside it, that kernel's measured time a
-    layer (every launch of it in the trace, the NEXTN layer's and, for the grouped GEMM, the
-    drafting steps' too: an upper bound on the layers' launches). run: this script's arguments
-    (as step.json keeps them)."""
+    """Sets the tile model at `path`'s overhead outside its MoE launches so that
+    `moe.tiles.ChunkSizer` predicts the measured mixed iterations whole. Each mixed result of the
+    launch the model was fitted on (its info's launch: the tile-scheduled kernel, or the grouped
+    GEMM) gives rest(C) = served - layers x the model's own launch time at the iteration's
+    expected x_moe (its decode and chunk tokens, uniform routing). Chunks of two or more widths:
+    rest(C) = step_overhead_us + chunk_us_per_token * C fitted by least squares (a slope below 0,
+    noise, taken as 0); one width: the model's chunk_us_per_token kept and step_overhead_us set to match it. Prints, beside it, that
+    kernel's measured time a layer (every launch of it in the trace, the NEXTN layer's and, for the
+    grouped GEMM, the drafting steps' too: an upper bound on the layers' launches). run: this
+    script's arguments (as step.json keeps them)."""
     import dataclasses
 
     from ling.config import MOE, preset
@@ -125,22 +127,38 @@ def calibrate(path: str, run: dict, results: dict, device: str) -> None:
     if not same:
         print(f"--tile-model: {path} models the {launch} launch; no mixed iteration ran it; {path} unchanged")
         return
-    name = max(same, key=lambda n: results[n].get("chunk") or width)
-    r = results[name]
-    chunk = r.get("chunk") or width
     layers = sum(t == MOE for t in preset(run["preset"]).mlp_types[:run["layers"]])
-    tokens = run["batch"] * (run["num_steps"] + 1 if run["num_steps"] > 0 else 1) + chunk
-    x = tm.expected_tiles(tokens)
-    overhead = r["served_us"] - layers * tm.launch_us(x)
+    decode = run["batch"] * (run["num_steps"] + 1 if run["num_steps"] > 0 else 1)
     category = {"tiles": "tile-scheduled MoE", "grouped": "grouped GEMM MoE"}[launch]
-    measured = sum(us for c, (_, us) in by_category(r["stream"]["kernels"], {}).items() if c.startswith(category))
-    info = dict(tm.info, step_overhead=dict(mode=name, served_us=r["served_us"], layers=layers, x_moe=x,
-                                            kernel_us=measured, decode_tokens=tokens - chunk, chunk=chunk,
-                                            device=device))
-    dataclasses.replace(tm, step_overhead_us=overhead, info=info).save(path)
-    print(f"--tile-model: the {name} iteration {r['served_us']:.0f} µs; the model's launch at x_moe {x:.0f} "
-          f"{tm.launch_us(x):.0f} µs a layer x {layers} (the trace's {category} kernels: {measured / layers:.0f} µs "
-          f"a layer, every launch); step_overhead_us {overhead:.0f} written to {path}")
+    points = []  # (name, chunk, served, x_moe, rest, measured MoE µs)
+    for name in sorted(same, key=lambda n: results[n].get("chunk") or width):
+        r = results[name]
+        chunk = r.get("chunk") or width
+        x = tm.expected_tiles(decode + chunk)
+        measured = sum(us for c, (_, us) in by_category(r["stream"]["kernels"], {}).items() if c.startswith(category))
+        points.append((name, chunk, r["served_us"], x, r["served_us"] - layers * tm.launch_us(x), measured))
+    chunks = np.array([p[1] for p in points], float)
+    rest = np.array([p[4] for p in points])
+    if len(set(chunks)) > 1:
+        per_token, overhead = np.polyfit(chunks, rest, 1)
+        if per_token < 0:  # noise over too narrow a spread of widths: no cost grows with the chunk
+            print(f"--tile-model: the overhead falls with the chunk ({per_token:.2f} µs a token): taken as fixed")
+            per_token, overhead = 0.0, float(np.mean(rest))
+    else:
+        per_token = tm.chunk_us_per_token
+        overhead = float(np.mean(rest - per_token * chunks))
+    info = dict(tm.info, step_overhead=dict(
+        layers=layers, decode_tokens=decode, device=device,
+        points=[dict(mode=n, chunk=c, served_us=us, x_moe=x, rest_us=o, kernel_us=m) for n, c, us, x, o, m in points]))
+    fitted = dataclasses.replace(tm, step_overhead_us=float(overhead), chunk_us_per_token=float(per_token), info=info)
+    fitted.save(path)
+    for name, chunk, served, x, _, measured in points:
+        predicted = fitted.iteration_us(decode_tiles=0, prefill_tiles=0, layers=layers, union_tiles=x,
+                                        chunk_tokens=chunk)
+        print(f"--tile-model: the {name} iteration {served:.0f} µs, predicted {predicted:.0f} "
+              f"({predicted / served - 1:+.1%}); the model's launch at x_moe {x:.0f} {tm.launch_us(x):.0f} µs a "
+              f"layer x {layers} (the trace's {category} kernels: {measured / layers:.0f} µs a layer, every launch)")
+    print(f"--tile-model: step_overhead_us {overhead:.0f} + chunk_us_per_token {per_token:.2f} x chunk written to {path}")
 
 
 def main():

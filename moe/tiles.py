@@ -154,6 +154,9 @@ class TileModel:
 
     step_overhead_us: the rest of a server iteration (attention, dense layers, drafting, lm_head,
     sampling), added once per iteration; the MoE profile does not measure it (0 unless set).
+    chunk_us_per_token: the part of that rest that grows with the prefill chunk (the chunk rows'
+    projections and attention), per prompt token: an iteration with a chunk of n tokens costs
+    step_overhead_us + chunk_us_per_token * n outside its MoE launches (0 unless set).
     info: provenance (device, kernel, samples, held-out error), informational."""
 
     moe: LatencyFit
@@ -161,6 +164,7 @@ class TileModel:
     n_experts: int
     top_k: int
     step_overhead_us: float = 0.0
+    chunk_us_per_token: float = 0.0
     info: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     def launch_us(self, x) -> float:
@@ -171,19 +175,21 @@ class TileModel:
         return expected_x_moe(tokens, self.n_experts, self.top_k, self.block_m, probs)
 
     def iteration_us(self, *, decode_tiles: float, prefill_tiles: float, layers: int,
-                     union_tiles: float | None = None) -> float:
-        """A server iteration plus the fixed overhead. Separate programs for the decode step and
-        the prefill chunk: each MoE layer is two launches (one per class present). A mixed
-        iteration (union_tiles given: the x_moe of both classes' tokens aligned together, as the
-        tile-scheduled kernel does): one launch a layer."""
+                     union_tiles: float | None = None, chunk_tokens: int = 0) -> float:
+        """A server iteration plus the overhead outside its MoE launches (for a chunk of
+        chunk_tokens prompt tokens). Separate programs for the decode step and the prefill chunk:
+        each MoE layer is two launches (one per class present). A mixed iteration (union_tiles
+        given: the x_moe of both classes' tokens aligned together, as the tile-scheduled kernel
+        does): one launch a layer."""
+        rest = self.step_overhead_us + self.chunk_us_per_token * chunk_tokens
         if union_tiles is not None:
-            return self.step_overhead_us + layers * self.launch_us(union_tiles)
-        return self.step_overhead_us + layers * (self.launch_us(decode_tiles) + self.launch_us(prefill_tiles))
+            return rest + layers * self.launch_us(union_tiles)
+        return rest + layers * (self.launch_us(decode_tiles) + self.launch_us(prefill_tiles))
 
     def save(self, path: str) -> None:
         doc = {"format": FORMAT, "moe": dataclasses.asdict(self.moe), "block_m": self.block_m,
                "n_experts": self.n_experts, "top_k": self.top_k, "step_overhead_us": self.step_overhead_us,
-               "info": self.info}
+               "chunk_us_per_token": self.chunk_us_per_token, "info": self.info}
         with open(path, "w") as f:
             json.dump(doc, f, indent=1, default=str)
             f.write("\n")
@@ -202,7 +208,8 @@ class TileModel:
             coeffs = doc["moe"]
             fit = LatencyFit(*[float(coeffs.get(c, 0.0)) for c in COEFFS])
             model = cls(fit, int(doc["block_m"]), int(doc["n_experts"]), int(doc["top_k"]),
-                        float(doc.get("step_overhead_us", 0.0)), dict(doc.get("info", {})))
+                        float(doc.get("step_overhead_us", 0.0)), float(doc.get("chunk_us_per_token", 0.0)),
+                        dict(doc.get("info", {})))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{path}: missing or malformed field ({type(e).__name__}: {e})") from None
         if model.block_m < 1 or not 0 < model.top_k <= model.n_experts:
@@ -250,7 +257,8 @@ def predicted_iteration_us(model: TileModel, chunk: int, *, rows: int, layers: i
         x_d = model.expected_tiles(decode_tokens, probs)
     x_p = model.expected_tiles(rows * chunk, probs)
     x_u = model.expected_tiles(decode_tokens + rows * chunk, probs) if mixed else None
-    return model.iteration_us(decode_tiles=x_d, prefill_tiles=x_p, layers=layers, union_tiles=x_u)
+    return model.iteration_us(decode_tiles=x_d, prefill_tiles=x_p, layers=layers, union_tiles=x_u,
+                              chunk_tokens=rows * chunk)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""`python -m bench.served`: servers started in turn, each benchmarked and stopped; one that cannot
-start is reported and the next still runs."""
+"""`python -m bench.served`: servers started in turn (or together), each benchmarked and stopped;
+one that cannot start is reported and the next still runs."""
 
 import json
 import os
@@ -21,14 +21,15 @@ def test_flags_are_checked():
     assert served.named("mixed=--mixed-iteration on --max-batch 2") == ("mixed", "--mixed-iteration on --max-batch 2")
 
 
-def test_servers_run_in_turn_and_a_failed_start_is_reported(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("together", [False, True])
+def test_servers_run_and_a_failed_start_is_reported(tmp_path, monkeypatch, capsys, together):
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     cache = tmp_path / "jax-cache"
     rc = served.main(["--server", "broken=--max-batch 0",
                       "--server", f"small=--max-batch 2 --max-seq-len 512 --compile-cache {cache}",
                       "--bench", "--num-prompts 2 --random-input-len 16 --random-output-len 4 --concurrency 2",
-                      "--start-timeout", "600"])
+                      "--start-timeout", "600"] + (["--together"] if together else []))
     doc = json.loads((tmp_path / "served.json").read_text())["results"]
     assert rc == 1 and "exited" in doc["broken"]["error"] and doc["broken"]["bench"] is None
     small = doc["small"]
@@ -37,3 +38,24 @@ def test_servers_run_in_turn_and_a_failed_start_is_reported(tmp_path, monkeypatc
     assert os.path.exists(tmp_path / "small.server.log") and os.path.exists(tmp_path / "small.bench.json")
     out = capsys.readouterr().out
     assert "mean TPOT ms" in out and "broken: the server exited" in out
+
+
+def test_together_stops_every_server_that_never_serves(tmp_path, monkeypatch):
+    """Started together, servers that do not serve within --start-timeout are each reported, none
+    is benchmarked, and every process group is gone at the end."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    started = []
+    launch = served.launch
+
+    def spy(name, server_args, out_dir):
+        started.append(launch(name, server_args, out_dir))
+        return started[-1]
+
+    monkeypatch.setattr(served, "launch", spy)
+    results = {}
+    served.run_all([("slow", "--max-batch 1 --max-seq-len 256"), ("slower", "--max-batch 2 --max-seq-len 256")],
+                   ["--num-prompts", "1", "--random-input-len", "8", "--random-output-len", "2"], str(tmp_path),
+                   together=True, start_timeout=1.0, bench_timeout=None, grace=5.0, results=results)
+    assert all("did not serve within 1 s" in r["error"] and r["bench"] is None for r in results.values())
+    assert len(started) == 2 and all(proc.poll() is not None for proc, _, _ in started)

@@ -1,6 +1,8 @@
 """The tile-aware latency model (moe/tiles.py): the fit, x_moe and its expectation, the chunk
-picker, and the server's scheduler sizing chunks with it. No JAX: host arithmetic only."""
+picker, the server's scheduler sizing chunks with it, and bench.step's calibration of its overhead
+(host arithmetic on measured figures)."""
 
+import dataclasses
 import types
 
 import numpy as np
@@ -66,7 +68,7 @@ def _model(**kw):
 
 
 def test_json_round_trip_and_clear_errors(tmp_path):
-    m = _model(step_overhead_us=300.0, info={"device": "test"})
+    m = _model(step_overhead_us=300.0, chunk_us_per_token=12.5, info={"device": "test"})
     path = str(tmp_path / "tm.json")
     m.save(path)
     assert tiles.TileModel.load(path) == m
@@ -167,6 +169,48 @@ def test_sizer_beyond_reach_takes_the_widest_chunk_within_slack_of_the_narrowest
     if expect == "between":
         assert 16 < c < 256
     assert sizer(0) == 256  # nothing decodes: the widest
+
+
+def test_chunk_tokens_cost_narrows_the_chunk():
+    """The overhead's part per chunk token is the sizer's too: a budget that the widest chunk
+    fits on its MoE work alone takes a narrower one once each prompt token costs outside the MoE."""
+    widths = tuple(tiles.chunk_candidates(256))
+    free = tiles.TileModel(tiles.LatencyFit(17.3, 2.273), block_m=16, n_experts=512, top_k=8, step_overhead_us=15_000.0)
+    costly = dataclasses.replace(free, chunk_us_per_token=25.0)
+    budget = tiles.predicted_iteration_us(free, 256, rows=1, layers=14, decode_tokens=96, mixed=True)
+    assert tiles.ChunkSizer(free, budget, widths, rows=1, layers=14)(96, 1, True) == 256
+    c = tiles.ChunkSizer(costly, budget, widths, rows=1, layers=14)(96, 1, True)
+    assert 16 <= c < 256
+    for w in (16, 256):  # the per-token part of the prediction, exactly
+        assert tiles.predicted_iteration_us(costly, w, rows=2, layers=14, decode_tokens=96) == pytest.approx(
+            tiles.predicted_iteration_us(free, w, rows=2, layers=14, decode_tokens=96) + 25.0 * 2 * w)
+
+
+@pytest.mark.parametrize("widths", [(16, 64, 256), (256,)])
+def test_step_calibration_fits_the_overhead_from_mixed_iterations(tmp_path, widths):
+    """bench.step's calibration: mixed iterations made of a known overhead line and the model's own
+    launches give that line back (two or more widths); one width keeps the model's slope."""
+    from bench.step import calibrate
+    from ling.config import MOE, preset
+
+    path = str(tmp_path / "tm.json")
+    base = tiles.TileModel(tiles.LatencyFit(17.3, 2.273), block_m=16, n_experts=512, top_k=8, chunk_us_per_token=9.0,
+                           info={"launch": "grouped"})
+    base.save(path)
+    run = dict(preset="ling-3-flash", layers=16, batch=16, num_steps=5, chunk=list(widths), mixed_moe=["grouped"])
+    layers = sum(t == MOE for t in preset("ling-3-flash").mlp_types[:16])
+    a, b = 15_000.0, 20.0 if len(widths) > 1 else 9.0
+    results = {f"mixed {c}": dict(chunk=c, mixed_moe="grouped", stream={"kernels": []},
+                                  served_us=a + b * c + layers * base.launch_us(base.expected_tiles(96 + c)))
+               for c in widths}
+    results["spec"] = dict(chunk=None, mixed_moe=None, served_us=1.0, stream={"kernels": []})  # not a mixed one
+    calibrate(path, run, results, "test")
+    fitted = tiles.TileModel.load(path)
+    assert fitted.step_overhead_us == pytest.approx(a) and fitted.chunk_us_per_token == pytest.approx(b)
+    assert [p["chunk"] for p in fitted.info["step_overhead"]["points"]] == list(widths)
+    for c in widths:
+        assert tiles.predicted_iteration_us(fitted, c, rows=1, layers=layers, decode_tokens=96, mixed=True) == (
+            pytest.approx(results[f"mixed {c}"]["served_us"]))
 
 
 def test_server_flags_build_the_sizer(tmp_path):
