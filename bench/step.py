@@ -289,7 +289,7 @@ def main():
     def chunk_args(width):
         """A chunk's arguments (`ChunkPrefiller`): width more (new random) tokens of slot --batch's prompt."""
         tokens = rng.integers(0, cfg.vocab_size, (2, 1, width))
-        return dict(start=np.zeros(1, np.int32), params=SamplingParams.make(1), max_new=np.full(1, max_new),
+        return dict(start=np.zeros(1, np.int32), params=SamplingParams.make(1, on_host=True), max_new=np.full(1, max_new),
                     eos=np.full(1, -1), tokens=tokens[0], next_tokens=tokens[1], valid=np.full(1, width),
                     ends=np.zeros(1, bool), sampling=False, rows=np.array([b], np.int32))
     jax.config.update("jax_compilation_cache_dir", os.path.join(scratch, "jax_cache"))  # the HLO read compiles again

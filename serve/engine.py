@@ -111,7 +111,10 @@ class Engine:
             self.metrics.record_prefix(chunk.lookups, self.scheduler.prefix.used)
         if result is not None:
             self._on_step(result)
-        if chunk is not None:
+        if chunk is not None and any(r is not None for r in chunk.owners):
+            # A prompt ends here (or a copy is made): its first token is read now, a host sync.
+            # A chunk that ends none has nothing to read, and the host goes on to the next
+            # iteration while the device runs this one.
             self._on_first_tokens(chunk, *self.runner.read_first(first))
         self.metrics.waiting.set(self.scheduler.num_waiting)
         self.metrics.running.set(self.scheduler.num_running)

@@ -28,11 +28,17 @@ class SamplingParams:
 
     @classmethod
     def make(cls, batch: int, temperature=0.0, top_k=0, top_p=1.0, seed=0, presence=0.0, frequency=0.0,
-             repetition=1.0) -> "SamplingParams":
-        full = lambda v, dt: jnp.array(np.broadcast_to(np.asarray(v), (batch,)), dt)  # own buffers: donated
-        return cls(full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
-                   full(seed, jnp.uint32), full(presence, jnp.float32), full(frequency, jnp.float32),
-                   full(repetition, jnp.float32))
+             repetition=1.0, *, on_host: bool = False) -> "SamplingParams":
+        """Each field [B] broadcast from its value, as device arrays (buffers of their own: a step
+        may donate them), or with on_host as numpy arrays (what `spec.stepper.ChunkPrefiller`
+        takes: a device array there would be read back, waiting for every queued step)."""
+        if on_host:
+            full = lambda v, dt: np.array(np.broadcast_to(np.asarray(v), (batch,)), dt)  # noqa: E731
+        else:
+            full = lambda v, dt: jnp.array(np.broadcast_to(np.asarray(v), (batch,)), dt)  # noqa: E731
+        return cls(full(temperature, np.float32), full(top_k, np.int32), full(top_p, np.float32),
+                   full(seed, np.uint32), full(presence, np.float32), full(frequency, np.float32),
+                   full(repetition, np.float32))
 
     @property
     def greedy(self):

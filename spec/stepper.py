@@ -532,7 +532,15 @@ class ChunkPrefiller:
 
     @staticmethod
     def _pack(start, params: SamplingParams, max_new, eos, tokens, next_tokens, valid, ends) -> np.ndarray:
-        """The chunk's arguments as one int32 array [K, 2C + 12] (`_unpack_chunk` reads it)."""
+        """The chunk's arguments as one int32 array [K, 2C + 12] (`_unpack_chunk` reads it), from
+        host arrays only: TypeError names a device array (reading it back would wait for every
+        step queued before it, and the host could no longer run ahead of the device)."""
+        given = dict(start=start, max_new=max_new, eos=eos, tokens=tokens, next_tokens=next_tokens, valid=valid,
+                     ends=ends, **{f"params.{f.name}": getattr(params, f.name) for f in dataclasses.fields(params)})
+        on_device = [name for name, a in given.items() if isinstance(a, jax.Array)]
+        if on_device:
+            raise TypeError(f"a prefill chunk's arguments are host arrays; {', '.join(on_device)} on the device "
+                            f"(SamplingParams.make(..., on_host=True) makes host parameters)")
         host = lambda a, dt: np.asarray(a, dt).reshape(-1)  # noqa: E731
         ints = dict(start=host(start, np.int32), valid=host(valid, np.int32), ends=host(ends, np.int32),
                     max_new=host(max_new, np.int32), eos=host(eos, np.int32), top_k=host(params.top_k, np.int32),

@@ -187,7 +187,7 @@ def test_a_prefill_chunk_keeps_every_buffer_it_touches_in_place(model):
 
     def chunk(rows, ends):
         k = b if rows is None else len(rows)
-        first = prefiller(stepper.slots, start=np.zeros(k, bool), params=SamplingParams.make(k),
+        first = prefiller(stepper.slots, start=np.zeros(k, bool), params=SamplingParams.make(k, on_host=True),
                           max_new=np.full(k, 12), eos=np.full(k, -1), tokens=rng.integers(2, 50, (k, c)),
                           next_tokens=rng.integers(2, 50, (k, c)), valid=np.full(k, c), ends=np.asarray(ends),
                           sampling=False, rows=rows)

@@ -61,7 +61,7 @@ def test_the_prefill_chunk_and_the_mixed_iteration_lower_for_the_gpu(model, monk
 
     def chunk(rows):
         k = b if rows is None else len(rows)
-        return prefiller.prepare(slots, start=np.ones(k, bool), params=SamplingParams.make(k),
+        return prefiller.prepare(slots, start=np.ones(k, bool), params=SamplingParams.make(k, on_host=True),
                                  max_new=np.ones(k, np.int32), eos=np.full(k, -1, np.int32),
                                  tokens=np.zeros((k, width), np.int32), next_tokens=np.zeros((k, width), np.int32),
                                  valid=np.full(k, width, np.int32), ends=np.ones(k, bool), sampling=False, rows=rows)

@@ -40,7 +40,7 @@ def test_restore_then_prefill_the_rest_equals_a_full_prefill_bit_for_bit(model):
         succ[slot, :len(prompt[lo + 1:hi + 1])] = prompt[lo + 1:hi + 1]
         valid, ends, st = np.zeros(b, np.int32), np.zeros(b, bool), np.zeros(b, np.int32)
         valid[slot], ends[slot], st[slot] = hi - lo, hi == len(prompt), start
-        slots, _ = prefiller(slots, start=st, params=SamplingParams.make(b), max_new=np.full(b, 8),
+        slots, _ = prefiller(slots, start=st, params=SamplingParams.make(b, on_host=True), max_new=np.full(b, 8),
                              eos=np.full(b, -1), tokens=tokens, next_tokens=succ, valid=valid, ends=ends,
                              sampling=False)
         return slots

@@ -346,3 +346,42 @@ def test_a_group_removed_mid_prefill_or_queued_leaves_no_slot_taken():
     for r in busy:
         sched.remove(r)
     assert sched.free_slots == SLOTS and not sched.has_work()
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_engine_reads_a_chunks_first_tokens_only_where_a_prompt_ends(runner, mixed_runner, monkeypatch, mixed):
+    """Reading a chunk's first tokens waits for the chunk's program (in a mixed iteration, for the
+    whole iteration): the engine reads them only after a chunk that ends a prompt, so the host
+    runs ahead of the device through a long prompt's other chunks, and every request is served."""
+    from serve.engine import Engine
+    from serve.metrics import Metrics
+    from serve.request import Failed, Finished
+    from serve.run import DEFAULT_MODEL
+    from serve.tokenizer import Tokenizer
+
+    runner = mixed_runner if mixed else runner
+    engine = Engine(runner, Tokenizer(DEFAULT_MODEL), Metrics("test"), chunk=CHUNK, eos_id=None, stop_ids=set())
+    reads, read_first = [], runner.read_first
+    monkeypatch.setattr(runner, "read_first", lambda first: reads.append(1) or read_first(first))
+    prompts = [[5, 6, 7], list(range(3, 3 + 5 * CHUNK + 2))]  # the second prefills in 6 chunks
+
+    async def requests():
+        loop = asyncio.get_running_loop()
+
+        async def one(prompt, delay):
+            await asyncio.sleep(delay)
+            r = Request(prompt, Sampling(max_tokens=24, temperature=0.0, ignore_eos=True), loop=loop)
+            engine.submit(r)
+            while not isinstance(ev := (await asyncio.wait_for(r.events.get(), 300))[1], (Finished, Failed)):
+                pass
+            return ev
+
+        engine.start()
+        try:
+            return await asyncio.gather(one(prompts[0], 0.0), one(prompts[1], 0.05))
+        finally:
+            engine.shutdown()
+
+    done = asyncio.run(requests())
+    assert all(isinstance(ev, Finished) and ev.completion_tokens == 24 for ev in done), done
+    assert len(reads) == len(prompts)  # one read a prompt: at its last chunk

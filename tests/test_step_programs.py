@@ -43,8 +43,9 @@ def packed_chunk(prefiller, n: int, c: int):
     """A prefill chunk's packed arguments for n rows of c tokens (their values do not matter here)."""
     from spec.sampling import SamplingParams
 
-    return jnp.asarray(prefiller._pack(np.ones(n, bool), SamplingParams.make(n, temperature=0.5), np.zeros(n),
-                                       np.zeros(n), np.zeros((n, c)), np.zeros((n, c)), np.ones(n), np.ones(n, bool)))
+    params = SamplingParams.make(n, temperature=0.5, on_host=True)
+    return jnp.asarray(prefiller._pack(np.ones(n, bool), params, np.zeros(n), np.zeros(n), np.zeros((n, c)),
+                                       np.zeros((n, c)), np.ones(n), np.ones(n, bool)))
 
 
 def programs(runner: Runner):
@@ -144,6 +145,22 @@ def test_block_drafting_programs_hold_no_host_round_trip(backend):
         seen += 1
     # 2 buckets x ((mixed iteration, prefill and their reports) x 3 variants, and the step in 4 calls)
     assert seen == 2 * (3 * 4 + 4)
+
+
+def test_a_chunk_refuses_device_arguments():
+    """The chunk's arguments are packed on the host: a device array among them (reading it back
+    would wait for every step queued before it) is refused, by name."""
+    from spec.sampling import SamplingParams
+    from spec.stepper import ChunkPrefiller
+
+    n, c = 2, 4
+    host = [np.ones(n, bool), SamplingParams.make(n, on_host=True), np.zeros(n), np.zeros(n), np.zeros((n, c)),
+            np.zeros((n, c)), np.ones(n), np.ones(n, bool)]
+    assert ChunkPrefiller._pack(*host).shape == (n, 2 * c + 12)
+    with pytest.raises(TypeError, match="params.temperature, params.top_k"):
+        ChunkPrefiller._pack(host[0], SamplingParams.make(n), *host[2:])
+    with pytest.raises(TypeError, match="tokens on the device"):
+        ChunkPrefiller._pack(*host[:4], jnp.zeros((n, c), jnp.int32), *host[5:])
 
 
 def test_the_check_finds_a_cond_and_names_its_line():
