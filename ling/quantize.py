@@ -15,10 +15,12 @@ full precision, and why:
   kernels (decode, verify) and the grouped GEMM (prefill) read directly; with layout "rows" the
   row layout, which the tensor-core Triton kernels read at every size.
 Decode and verify run `qmatvec`, dequantising in registers: up to 16 rows in one call, and with
-the kernels up to 64 (a verify pass of several slots) in calls of at most 16 rows each, which read
-the low-bit weight once a call (four calls: ~2.1 bytes a weight at int4, against ~4.5 for writing
-the bf16 weight and reading it back); longer inputs (prefill), and on the reference backend more
-than 16 rows, dequantise the weight once per call and multiply.
+the kernels up to 32 (a verify pass of a few slots) in two calls of at most 16 rows, which read the
+low-bit weight once a call. By bytes even four calls would win (~2.1 bytes a weight at int4,
+against ~4.5 for writing the bf16 weight and reading it back), but the int4 matvec runs at about a
+third of the copy bandwidth and the dequantising GEMM near it, so three calls or more take longer
+(bench/RESULTS.md, the mixed iteration by kernel). Longer inputs (prefill), and on the reference backend more than 16 rows, dequantise the weight once
+per call and multiply.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ SCHEMES = {"int8": 8, "int4": 4, "int2": 2}
 EXPERT_BITS = (4, 8)  # the fused MoE kernels' tested formats
 EXPERT_BLOCK_N = 64  # the fused MoE kernels' tile of output columns
 KEEP_FULL = ("kv_b_proj",)  # attribute names of Linears that stay in full precision
-CHUNKED_MAX_M = 4 * MAX_M  # rows a projection runs through `qmatvec` (in calls of MAX_M rows)
+CHUNKED_MAX_M = 2 * MAX_M  # rows a projection runs through `qmatvec` (in calls of MAX_M rows)
 
 
 class QLinear(QuantizedParams):

@@ -42,6 +42,7 @@ class Engine:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.error: str | None = None  # set when the device failed and could not be recovered
         self._stop = threading.Event()
+        self._unread = None  # (chunk, what runner.read_first takes) of a chunk whose first tokens wait
         self._thread = threading.Thread(target=self._run, name="ling-engine", daemon=True)
 
     def _new_index(self):
@@ -103,19 +104,23 @@ class Engine:
         self._fail_all("the server is shutting down")
 
     def _iteration(self) -> None:
-        idle = not self.scheduler.has_work() and not self.runner.pending
+        idle = not self.scheduler.has_work() and not self.runner.pending and self._unread is None
         self._read_inbox(block=idle)
         chunk = self.scheduler.next_chunk()
         first, result = self.runner.iterate(chunk, self.scheduler.decoding())
         if chunk is not None and chunk.lookups:
             self.metrics.record_prefix(chunk.lookups, self.scheduler.prefix.used)
+        # First tokens are read one iteration late, as the steps' tokens are: the read waits for
+        # the chunk's program (in a mixed iteration, for the whole iteration), so reading them at
+        # once would leave the device idle while the host ran its loop. They go out before the
+        # step result read now, which may hold the same slots' next tokens (two programs: the
+        # step beside a chunk already decodes the slots whose prompt that chunk ended). A chunk
+        # that ends no prompt (and makes no copy) has nothing to read.
+        if self._unread is not None:
+            self._on_first_tokens(self._unread[0], *self.runner.read_first(self._unread[1]))
+        self._unread = (chunk, first) if chunk is not None and any(r is not None for r in chunk.owners) else None
         if result is not None:
             self._on_step(result)
-        if chunk is not None and any(r is not None for r in chunk.owners):
-            # A prompt ends here (or a copy is made): its first token is read now, a host sync.
-            # A chunk that ends none has nothing to read, and the host goes on to the next
-            # iteration while the device runs this one.
-            self._on_first_tokens(chunk, *self.runner.read_first(first))
         self.metrics.waiting.set(self.scheduler.num_waiting)
         self.metrics.running.set(self.scheduler.num_running)
 
@@ -207,6 +212,7 @@ class Engine:
         r.send(Finished(reason, len(r.prompt_ids), out.tokens))
 
     def _fail_all(self, message: str) -> None:
+        self._unread = None  # its requests fail below
         queued = list(self.scheduler.waiting)
         while True:  # requests still in the inbox
             try:
