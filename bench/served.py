@@ -11,10 +11,10 @@ side.
 The servers run one after another, in the order given (put the one that must not be lost first);
 a shared --compile-cache in their arguments shortens the later starts. With --together they all
 start at once (their compilations overlap on the host's cores; each needs a --mem-fraction that
-leaves the others room) and are benchmarked in turn, the others idle meanwhile. Writes NAME.server.log,
-NAME.bench.json and served.json (each server's start-up seconds, exit status and benchmark result)
-under $OUT (or ./bench_out); prints a table last. Exit status 1 when a server did not serve or its
-benchmark failed.
+leaves the others room) and are benchmarked in turn, the others idle meanwhile. Writes
+NAME.server.log, NAME.bench.json and served.json (each server's start-up seconds, exit status and
+benchmark result) under $OUT (or ./bench_out); prints a table last. Exit status 1 when a server did
+not serve or its benchmark failed.
 """
 
 from __future__ import annotations

@@ -108,10 +108,10 @@ def calibrate(path: str, run: dict, results: dict, device: str) -> None:
     GEMM) gives rest(C) = served - layers x the model's own launch time at the iteration's
     expected x_moe (its decode and chunk tokens, uniform routing). Chunks of two or more widths:
     rest(C) = step_overhead_us + chunk_us_per_token * C fitted by least squares (a slope below 0,
-    noise, taken as 0); one width: the model's chunk_us_per_token kept and step_overhead_us set to match it. Prints, beside it, that
-    kernel's measured time a layer (every launch of it in the trace, the NEXTN layer's and, for the
-    grouped GEMM, the drafting steps' too: an upper bound on the layers' launches). run: this
-    script's arguments (as step.json keeps them)."""
+    noise, taken as 0); one width: the model's chunk_us_per_token kept and step_overhead_us set to
+    match it. Prints, beside each, that kernel's measured time a layer (every launch of it in the
+    trace, the NEXTN layer's and, for the grouped GEMM, the drafting steps' too: an upper bound on
+    the layers' launches). run: this script's arguments (as step.json keeps them)."""
     import dataclasses
 
     from ling.config import MOE, preset
@@ -158,7 +158,8 @@ def calibrate(path: str, run: dict, results: dict, device: str) -> None:
         print(f"--tile-model: the {name} iteration {served:.0f} µs, predicted {predicted:.0f} "
               f"({predicted / served - 1:+.1%}); the model's launch at x_moe {x:.0f} {tm.launch_us(x):.0f} µs a "
               f"layer x {layers} (the trace's {category} kernels: {measured / layers:.0f} µs a layer, every launch)")
-    print(f"--tile-model: step_overhead_us {overhead:.0f} + chunk_us_per_token {per_token:.2f} x chunk written to {path}")
+    print(f"--tile-model: step_overhead_us {overhead:.0f} + chunk_us_per_token {per_token:.2f} x chunk "
+          f"written to {path}")
 
 
 def main():
@@ -289,7 +290,8 @@ def main():
     def chunk_args(width):
         """A chunk's arguments (`ChunkPrefiller`): width more (new random) tokens of slot --batch's prompt."""
         tokens = rng.integers(0, cfg.vocab_size, (2, 1, width))
-        return dict(start=np.zeros(1, np.int32), params=SamplingParams.make(1, on_host=True), max_new=np.full(1, max_new),
+        return dict(start=np.zeros(1, np.int32), params=SamplingParams.make(1, on_host=True),
+                    max_new=np.full(1, max_new),
                     eos=np.full(1, -1), tokens=tokens[0], next_tokens=tokens[1], valid=np.full(1, width),
                     ends=np.zeros(1, bool), sampling=False, rows=np.array([b], np.int32))
     jax.config.update("jax_compilation_cache_dir", os.path.join(scratch, "jax_cache"))  # the HLO read compiles again

@@ -19,8 +19,8 @@ the kernels up to 32 (a verify pass of a few slots) in two calls of at most 16 r
 low-bit weight once a call. By bytes even four calls would win (~2.1 bytes a weight at int4,
 against ~4.5 for writing the bf16 weight and reading it back), but the int4 matvec runs at about a
 third of the copy bandwidth and the dequantising GEMM near it, so three calls or more take longer
-(bench/RESULTS.md, the mixed iteration by kernel). Longer inputs (prefill), and on the reference backend more than 16 rows, dequantise the weight once
-per call and multiply.
+(bench/RESULTS.md, the mixed iteration by kernel). Longer inputs (prefill), and on the reference
+backend more than 16 rows, dequantise the weight once per call and multiply.
 """
 
 from __future__ import annotations
