@@ -274,14 +274,31 @@ def test_a_paused_prefill_keeps_its_nextn_cache(model, runner):
     np.testing.assert_allclose(got, np.asarray(ref.model.nextn.latent[0, : len(prompt) - 1]), rtol=1e-4, atol=1e-5)
 
 
-def test_engine_fails_the_requests_of_a_failed_step_and_keeps_serving(runner, monkeypatch):
+def make_engine(runner):
     from serve.engine import Engine
     from serve.metrics import Metrics
-    from serve.request import Failed, Finished
     from serve.run import DEFAULT_MODEL
     from serve.tokenizer import Tokenizer
 
-    engine = Engine(runner, Tokenizer(DEFAULT_MODEL), Metrics("test"), chunk=CHUNK, eos_id=None, stop_ids=set())
+    return Engine(runner, Tokenizer(DEFAULT_MODEL), Metrics("test"), chunk=CHUNK, eos_id=None, stop_ids=set())
+
+
+async def serve_one(engine, prompt, sampling: Sampling, delay: float = 0.0):
+    """Submits a request (after `delay` seconds) and returns its last event (Finished or Failed)."""
+    from serve.request import Failed, Finished
+
+    await asyncio.sleep(delay)
+    r = Request(prompt, sampling, loop=asyncio.get_running_loop())
+    engine.submit(r)
+    while not isinstance(ev := (await asyncio.wait_for(r.events.get(), 300))[1], (Finished, Failed)):
+        pass
+    return ev
+
+
+def test_engine_fails_the_requests_of_a_failed_step_and_keeps_serving(runner, monkeypatch):
+    from serve.request import Failed, Finished
+
+    engine = make_engine(runner)
     real_step, calls = runner.step, []
 
     def failing_once(owners, **kwargs):
@@ -293,18 +310,10 @@ def test_engine_fails_the_requests_of_a_failed_step_and_keeps_serving(runner, mo
     monkeypatch.setattr(runner, "step", failing_once)
 
     async def requests():
-        loop = asyncio.get_running_loop()
-
-        async def one():
-            r = Request([5, 6, 7], Sampling(max_tokens=10, temperature=0.0), loop=loop)
-            engine.submit(r)
-            while not isinstance(ev := (await asyncio.wait_for(r.events.get(), 300))[1], (Finished, Failed)):
-                pass
-            return ev
-
         engine.start()
         try:
-            return await one(), await one()
+            sampling = Sampling(max_tokens=10, temperature=0.0)
+            return await serve_one(engine, [5, 6, 7], sampling), await serve_one(engine, [5, 6, 7], sampling)
         finally:
             engine.shutdown()
 
@@ -353,32 +362,20 @@ def test_engine_reads_a_chunks_first_tokens_only_where_a_prompt_ends(runner, mix
     """Reading a chunk's first tokens waits for the chunk's program (in a mixed iteration, for the
     whole iteration): the engine reads them only after a chunk that ends a prompt, so the host
     runs ahead of the device through a long prompt's other chunks, and every request is served."""
-    from serve.engine import Engine
-    from serve.metrics import Metrics
-    from serve.request import Failed, Finished
-    from serve.run import DEFAULT_MODEL
-    from serve.tokenizer import Tokenizer
+    from serve.request import Finished
 
     runner = mixed_runner if mixed else runner
-    engine = Engine(runner, Tokenizer(DEFAULT_MODEL), Metrics("test"), chunk=CHUNK, eos_id=None, stop_ids=set())
+    engine = make_engine(runner)
     reads, read_first = [], runner.read_first
     monkeypatch.setattr(runner, "read_first", lambda first: reads.append(1) or read_first(first))
     prompts = [[5, 6, 7], list(range(3, 3 + 5 * CHUNK + 2))]  # the second prefills in 6 chunks
 
     async def requests():
-        loop = asyncio.get_running_loop()
-
-        async def one(prompt, delay):
-            await asyncio.sleep(delay)
-            r = Request(prompt, Sampling(max_tokens=24, temperature=0.0, ignore_eos=True), loop=loop)
-            engine.submit(r)
-            while not isinstance(ev := (await asyncio.wait_for(r.events.get(), 300))[1], (Finished, Failed)):
-                pass
-            return ev
-
         engine.start()
         try:
-            return await asyncio.gather(one(prompts[0], 0.0), one(prompts[1], 0.05))
+            sampling = Sampling(max_tokens=24, temperature=0.0, ignore_eos=True)
+            return await asyncio.gather(serve_one(engine, prompts[0], sampling),
+                                        serve_one(engine, prompts[1], sampling, 0.05))
         finally:
             engine.shutdown()
 
