@@ -162,7 +162,10 @@ def test_conv_and_norm_passes(backend, t, dtype):
 def test_bf16_operand_dots(backend, gate):
     """Plan precision "bf16" rounds the dots' operands to bf16 in interpret mode too (where the
     other precisions all run as fp32): with fp32 activations it differs from "tf32" and stays
-    within bf16-operand error of the reference (K 128: o ≤ 5.6e-3, state ≤ 7.0e-3 over 4 seeds)."""
+    within bf16-operand error of the reference. o is judged by its relative Frobenius error (31
+    seeds: ≤ 7.7e-3 safe, ≤ 3.0e-3 softplus) and, loosely, by its largest element error: a token
+    whose pre-norm output nearly cancels has its bf16 error scaled up by the gated norm (safe gate:
+    one row of 114 at 16%, 3.2e-2 of max |o|), so a per-element bound at bf16 precision is flaky."""
     seed = _seed()
     t, chunk = 37, 32
     x, w, s = make_inputs(seed, b=2, t=t, h=H, kd=K)
@@ -173,7 +176,10 @@ def test_bf16_operand_dots(backend, gate):
     msg = f"gate={gate} seed {seed}"
     real = (jnp.arange(t)[None, :] < valid[:, None])[:, :, None, None]
     got_o, got = runs["bf16"]
-    _close(jnp.where(real, got_o, 0), jnp.where(real, want_o, 0), 3e-2, "bf16 o " + msg)
+    got_o, want_o = (np.asarray(jnp.where(real, o, 0)) for o in (got_o, want_o))
+    frob = np.linalg.norm(got_o - want_o) / np.linalg.norm(want_o)
+    assert frob <= 2e-2, f"bf16 o {msg}: relative Frobenius error {frob:.2e} > 2e-2"
+    _close(got_o, want_o, 1e-1, "bf16 o " + msg)
     _close(got.recurrent, want.recurrent, 2e-2, "bf16 state " + msg)
     assert np.max(np.abs(np.asarray(got.recurrent) - np.asarray(runs["tf32"][1].recurrent))) > 0, \
         "bf16 operands changed nothing: " + msg
