@@ -52,31 +52,37 @@ class KDAttention(nnx.Module):
         self.o_norm = param(rngs, (kd,), ("norm",), dtype, init="ones")
         self.o_proj = Linear(c, d, ("heads", "embed"), dtype=dtype, rngs=rngs)
 
-    def inputs(self, x) -> kda_kernel.KdaInputs:
-        """x [B, T, D] -> the kernel's inputs: `Columns` of in_proj's output [B, T, 3C + 2F + H]
-        (Kimi's f and g through their second projections)."""
-        proj = self.in_proj(x)
+    def inputs(self, proj) -> kda_kernel.KdaInputs:
+        """in_proj's output [B, T, 3C + 2F + H] -> the kernel's inputs: `Columns` of it (Kimi's f
+        and g through their second projections)."""
         starts = [sum(self.widths[:i]) for i in range(len(self.widths))]
         q, k, v, f, g, b_in = (kda_kernel.Columns(proj, s, w) for s, w in zip(starts, self.widths))
         if self.gate_kind != "safe":
             f, g = self.f_b_proj(f.value()), self.g_b_proj(g.value())
         return kda_kernel.KdaInputs(q, k, v, f, b_in, g)
 
-    @jax.named_scope("kda")
     def __call__(self, x, conv_state, rec_state, valid, *, form: str, rows=None):
-        """x [B, T, D]; conv_state (q, k, v) each [B, W-1, C]; rec_state [B, H, K, V] fp32; valid [B]:
-        tokens of each slot that are real (the rest is padding and must not touch the state).
-        form "chunked" (prefill), "decode" or "recurrent" (verify). Returns (y [B, T, D], conv,
-        rec): for "chunked" and "decode" the state after the valid tokens: conv states (q, k, v)
-        each [B, W-1, C] and the recurrent state [B, H, K, V]; for "recurrent" the conv windows
-        (q, k, v) each [B, W-1+T, C] and the recurrent state after each position
-        [B, T, H, K, V], from which `ling.state.commit` takes any prefix without recomputation.
-        rows [B] int32 (`pallas_kernels.slot_rows`): the states hold every slot (any number) and
-        row b is slot rows[b]; "chunked" and "decode" then return the whole states, the rows'
-        slots advanced (decode in place, in the kernels)."""
-        b, t, _ = x.shape
+        """y = o_proj(core(in_proj(x))): x [B, T, D] -> (y [B, T, D], conv, rec), as `core`."""
+        o, conv, rec = self.core(self.in_proj(x), conv_state, rec_state, valid, form=form, rows=rows)
+        return self.o_proj(o), conv, rec
+
+    @jax.named_scope("kda")
+    def core(self, proj, conv_state, rec_state, valid, *, form: str, rows=None):
+        """The attention between the two projections (the decoder runs them once over the rows of
+        several batches): proj [B, T, 3C + 2F + H] (in_proj's output); conv_state (q, k, v) each
+        [B, W-1, C]; rec_state [B, H, K, V] fp32; valid [B]: tokens of each slot that are real
+        (the rest is padding and must not touch the state). form "chunked" (prefill), "decode"
+        or "recurrent" (verify). Returns (o [B, T, C], o_proj's input; conv, rec): for "chunked"
+        and "decode" the state after the valid tokens: conv states (q, k, v) each [B, W-1, C]
+        and the recurrent state [B, H, K, V]; for "recurrent" the conv windows (q, k, v) each
+        [B, W-1+T, C] and the recurrent state after each position [B, T, H, K, V], from which
+        `ling.state.commit` takes any prefix without recomputation. rows [B] int32
+        (`pallas_kernels.slot_rows`): the states hold every slot (any number) and row b is slot
+        rows[b]; "chunked" and "decode" then return the whole states, the rows' slots advanced
+        (decode in place, in the kernels)."""
+        b, t, _ = proj.shape
         h, kd = self.num_heads, self.head_dim
-        inputs = self.inputs(x)
+        inputs = self.inputs(proj)
         weights = kda_kernel.KdaWeights(self.q_conv[...], self.k_conv[...], self.v_conv[...], self.A_log[...],
                                         self.dt_bias[...], self.o_norm[...])
         state = kda_kernel.KdaState(*conv_state, rec_state)
@@ -85,15 +91,15 @@ class KDAttention(nnx.Module):
             o, new = kda_kernel.kda_decode(inputs, weights, state, valid, gate=self.gate_kind, eps=self.eps,
                                            lower_bound=self.lower_bound, rows=rows,
                                            backend=kernels if t <= kda_kernel.MAX_T else "reference")
-            return self.o_proj(o.reshape(b, t, h * kd)), (new.conv_q, new.conv_k, new.conv_v), new.recurrent
+            return o.reshape(b, t, h * kd), (new.conv_q, new.conv_k, new.conv_v), new.recurrent
         if form == "recurrent":
             out = kda_kernel.kda_verify(inputs, weights, state, all_states=True, gate=self.gate_kind, eps=self.eps,
                                         lower_bound=self.lower_bound, rows=rows,
                                         backend=kernels if t <= kda_kernel.MAX_T else "reference")
-            return self.o_proj(out.o.reshape(b, t, h * kd)), (out.window_q, out.window_k, out.window_v), out.states
+            return out.o.reshape(b, t, h * kd), (out.window_q, out.window_k, out.window_v), out.states
         mine = state if rows is None else slot_rows.take(state, rows)
         o, new = kda_prefill(kda_kernel.materialize(inputs), weights, mine, valid, gate=self.gate_kind, eps=self.eps,
                              lower_bound=self.lower_bound, backend=kernels)
         if rows is not None:
             new = slot_rows.put(state, rows, new)
-        return self.o_proj(o.reshape(b, t, h * kd)), (new.conv_q, new.conv_k, new.conv_v), new.recurrent
+        return o.reshape(b, t, h * kd), (new.conv_q, new.conv_k, new.conv_v), new.recurrent

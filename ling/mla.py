@@ -65,19 +65,29 @@ class MLAttention(nnx.Module):
         self.o_proj = Linear(h * self.vd, d, ("heads", "embed"), dtype=dtype, rngs=rngs)
         self.mesh = mesh  # the model's device mesh (its cuDNN prefill pins its inputs replicated on it)
 
-    @jax.named_scope("mla")
     def __call__(self, x, positions, latent_cache, rope_cache, lengths, *, form: str, valid=None, rows=None,
                  prefill: bool = False):
-        """x [B, T, D]; positions [B, T] = lengths[:, None] + arange(T); caches [B, L, R], [B, L, P];
-        valid [B] (optional): real tokens per slot. Returns (y [B, T, D], latent_cache, rope_cache)
-        with the T new entries written. prefill: x is a prefill chunk (either form); on the kernel
-        paths the rows of its slots with valid 0 are then garbage (nobody reads them: the engine
-        interleaves idle and decoding slots into a prefill chunk this way, and their cached
-        prefixes are not worth attending to); otherwise every row is computed as if real.
-        rows [B] int32 (`pallas_kernels.slot_rows`): the caches hold every slot (any number) and
-        row b is slot rows[b]; the whole caches are returned, the rows' entries written."""
-        b, t, _ = x.shape
-        proj = self.in_proj(x)
+        """y = o_proj(core(in_proj(x))): x [B, T, D] -> (y [B, T, D], latent_cache, rope_cache), as `core`."""
+        o, latent_cache, rope_cache = self.core(self.in_proj(x), positions, latent_cache, rope_cache, lengths,
+                                                form=form, valid=valid, rows=rows, prefill=prefill)
+        return self.o_proj(o), latent_cache, rope_cache
+
+    @jax.named_scope("mla")
+    def core(self, proj, positions, latent_cache, rope_cache, lengths, *, form: str, valid=None, rows=None,
+             prefill: bool = False):
+        """The attention between the two projections (the decoder runs them once over the rows of
+        several batches): proj [B, T, H·(nope + rope) + R + rope (+ H)] (in_proj's output);
+        positions [B, T] = lengths[:, None] + arange(T); caches [B, L, R], [B, L, P]; valid [B]
+        (optional): real tokens per slot. Returns (o [B, T, H·V], o_proj's input; latent_cache,
+        rope_cache) with the T new entries written. prefill: the rows are a prefill chunk (either
+        form); on the kernel paths the rows of its slots with valid 0 are then garbage (nobody
+        reads them: the engine interleaves idle and decoding slots into a prefill chunk this
+        way, and their cached prefixes are not worth attending to); otherwise every row is
+        computed as if real. rows [B] int32 (`pallas_kernels.slot_rows`): the caches hold every
+        slot (any number) and row b is slot rows[b]; the whole caches are returned, the rows'
+        entries written."""
+        b, t, _ = proj.shape
+        dtype = proj.dtype
         nq, nkv = self.widths[:2]
         q = proj[..., :nq].reshape(b, t, self.h, self.nope + self.rope)
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
@@ -98,7 +108,7 @@ class MLAttention(nnx.Module):
         w_kvb = self.kv_b_proj.kernel[...].reshape(self.r, self.h, self.nope + self.vd)
         w_uk, w_uv = w_kvb[..., : self.nope], w_kvb[..., self.nope :]  # [R, H, nope], [R, H, V]
         kernels = self.kernels
-        c = latent_cache.astype(x.dtype)
+        c = latent_cache.astype(dtype)
         if form == "plain" and kernels != "reference":
             # The chunk's own keys at the cache's rounding, as the reference reads them back.
             prefix = lengths if valid is None else jnp.where(valid > 0, lengths, 0)
@@ -106,32 +116,32 @@ class MLAttention(nnx.Module):
                                   latent_cache, rope_cache, w_uk, w_uv, prefix, scale=self.scale, backend=kernels,
                                   mesh=self.mesh)
         elif form == "plain":
-            k_nope = jnp.einsum("blr,rhn->blhn", c, w_uk.astype(x.dtype))
-            v = jnp.einsum("blr,rhv->blhv", c, w_uv.astype(x.dtype))
+            k_nope = jnp.einsum("blr,rhn->blhn", c, w_uk.astype(dtype))
+            v = jnp.einsum("blr,rhv->blhv", c, w_uv.astype(dtype))
             scores = (jnp.einsum("bthn,blhn->bhtl", q_nope, k_nope, preferred_element_type=jnp.float32)
-                      + jnp.einsum("bthp,blp->bhtl", q_rope, rope_cache.astype(x.dtype),
+                      + jnp.einsum("bthp,blp->bhtl", q_rope, rope_cache.astype(dtype),
                                    preferred_element_type=jnp.float32))
-            p = _softmax(scores * self.scale, positions).astype(x.dtype)
+            p = _softmax(scores * self.scale, positions).astype(dtype)
             o = jnp.einsum("bhtl,blhv->bthv", p, v, preferred_element_type=jnp.float32)
         else:
-            q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk.astype(x.dtype),
-                               preferred_element_type=jnp.float32).astype(x.dtype)  # [B, T, H, R]
+            q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk.astype(dtype),
+                               preferred_element_type=jnp.float32).astype(dtype)  # [B, T, H, R]
             if kernels != "reference":  # the split-cache decode kernel; query t sits at lengths + t
                 prefix = lengths if not prefill or valid is None else jnp.where(valid > 0, lengths, 0)
                 o_lat = mla_decode(q_lat, q_rope, latent_cache, rope_cache, prefix + t, scale=self.scale,
                                    rows=rows, backend=kernels)
             else:
                 scores = (jnp.einsum("bthr,blr->bhtl", q_lat, c, preferred_element_type=jnp.float32)
-                          + jnp.einsum("bthp,blp->bhtl", q_rope, rope_cache.astype(x.dtype),
+                          + jnp.einsum("bthp,blp->bhtl", q_rope, rope_cache.astype(dtype),
                                        preferred_element_type=jnp.float32))
-                p = _softmax(scores * self.scale, positions).astype(x.dtype)
+                p = _softmax(scores * self.scale, positions).astype(dtype)
                 o_lat = jnp.einsum("bhtl,blr->bthr", p, c, preferred_element_type=jnp.float32)
-            o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(x.dtype), w_uv.astype(x.dtype),
+            o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(dtype), w_uv.astype(dtype),
                            preferred_element_type=jnp.float32)
-        o = o.astype(x.dtype)
+        o = o.astype(dtype)
         if len(self.widths) == 3:  # the head-wise output gate
-            o = o * jax.nn.sigmoid(proj[..., nq + nkv :].astype(jnp.float32)).astype(x.dtype)[..., None]
-        return self.o_proj(o.reshape(b, t, self.h * self.vd)), *whole
+            o = o * jax.nn.sigmoid(proj[..., nq + nkv :].astype(jnp.float32)).astype(dtype)[..., None]
+        return o.reshape(b, t, self.h * self.vd), *whole
 
 
 def _softmax(scores, positions):  # scores [B, H, T, L] fp32, positions [B, T]: causal over the cache

@@ -9,7 +9,8 @@ KDA, absorbed MLA); "auto" takes decode up to DECODE_MAX_T tokens.
 "verify" is decode that keeps the KDA state after every position and leaves the state uncommitted:
 `commit(pending, n)` then keeps any number of the tokens without recomputation. `forward` runs
 several batches of slots in one pass, each in its own form (a decode step beside a prefill chunk):
-attention per batch, one MLP call over all their tokens.
+the attention between its projections per batch; norms, projections and MLP once over all their
+tokens.
 """
 
 from __future__ import annotations
@@ -68,6 +69,19 @@ def norm_stream(norm: RMSNorm, stream):
     return norm(stream), stream
 
 
+def join_rows(arrays):
+    """[B_i, T_i, X] each -> [N, X] (N = Σ B_i T_i): the rows of several batches one after another."""
+    flat = [a.reshape(-1, a.shape[-1]) for a in arrays]
+    return flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+
+
+def split_rows(flat, shapes):
+    """The inverse of `join_rows`: flat [N, X] -> [B_i, T_i, X] for each (B_i, T_i) of shapes."""
+    ends = list(itertools.accumulate(b * t for b, t in shapes))
+    parts = jnp.split(flat, ends[:-1]) if len(shapes) > 1 else [flat]
+    return [part.reshape(b, t, flat.shape[-1]) for part, (b, t) in zip(parts, shapes)]
+
+
 class DecoderLayer(nnx.Module):
     """x + attn(norm(x)), then + mlp(norm(x)). `index` selects the attention and MLP kinds and the
     SwiGLU limits; the NEXTN layer is index num_hidden_layers (MLA + MoE)."""
@@ -92,53 +106,52 @@ class DecoderLayer(nnx.Module):
                            kernels=kernels)
 
     def __call__(self, x, positions, lengths, valid, cache, *, form: str):
-        """Returns the new x and the layer's state: KDA after prefill committed at valid (KDAState),
-        after decode / verify uncommitted (KDAPending); MLA the written MLACache."""
-        (x,), (cache,) = self.grouped([x], [positions], [lengths], [valid], [cache], forms=(form,))
-        return x, cache
+        """x [B, T, D]. Returns the new x and the layer's state: KDA after prefill committed at
+        valid (KDAState), after decode / verify uncommitted (KDAPending); MLA the written MLACache."""
+        b, t, d = x.shape
+        y, (cache,) = self.grouped(x.reshape(b * t, d), [(b, t)], [positions], [lengths], [valid], [cache],
+                                   forms=(form,))
+        return y.reshape(b, t, d), cache
 
-    def grouped(self, xs, positions, lengths, valids, caches, *, forms, defer: bool = False):
-        """Several batches of slots through the layer at once (lists, one entry per batch, each
-        as `__call__` takes it, or a `Residual`): the attention runs per batch, in its own form
-        over its own state; the MLP runs once over every batch's tokens. Decode and verify
-        batches placed before prefill ones give the MoE its decode rows first (`MoE`'s n_decode:
-        the tile-scheduled launch runs their tiles before the prefill chunk's). defer: return
-        each batch's output as a `Residual`, its last add left to the next norm."""
-        attended, new = [], []
-        for x, pos, ln, v, cache, form in zip(xs, positions, lengths, valids, caches, forms):
-            normed, x = norm_stream(self.input_layernorm, x)
-            h, cache = self._attention(normed, pos, ln, v, cache, form)
-            attended.append((x, h))
+    def grouped(self, x, shapes, positions, lengths, valids, caches, *, forms, defer: bool = False):
+        """Several batches of slots through the layer at once. x: their residual streams, the rows
+        one after another [N, D] (`join_rows` of [B, T, D] per batch, shapes [(B, T)] per batch;
+        an array or a `Residual`); positions, lengths, valids, caches: lists, one entry per batch
+        as `__call__` takes them. The norms, the attention's two projections and the MLP run once
+        over all N rows; the attention between the projections per batch, in its own form over
+        its own state. Decode and verify batches placed before prefill ones give the MoE its
+        decode rows first (`MoE`'s n_decode: the tile-scheduled launch runs their tiles before
+        the prefill chunk's). Returns the new stream [N, D] (with defer a `Residual`, its last add
+        left to the next norm's launch) and each batch's new state."""
+        normed, x = norm_stream(self.input_layernorm, x)
+        outs, new = [], []
+        for proj, pos, ln, v, cache, form in zip(split_rows(self.attention.in_proj(normed), shapes), positions,
+                                                 lengths, valids, caches, forms):
+            o, cache = self._attention(proj, pos, ln, v, cache, form)
+            outs.append(o)
             new.append(cache)
-        if len(attended) == 1:
-            normed, x = self.post_attention_layernorm(attended[0][1], residual=attended[0][0])  # the add in the norm
-            out = Residual(x, self.mlp(normed))
-            return [out if defer else out.total()], new
-        outs = [x + h for x, h in attended]
-        d = outs[0].shape[-1]
-        flat = jnp.concatenate([self.post_attention_layernorm(x).reshape(-1, d) for x in outs])[None]  # [1, N, D]
-        sizes = [x.shape[0] * x.shape[1] for x in outs]
-        ends = list(itertools.accumulate(sizes))
+        normed, x = self.post_attention_layernorm(self.attention.o_proj(join_rows(outs)), residual=x)
+        sizes = [b * t for b, t in shapes]
         n_decode = sum(n for n, form in itertools.takewhile(lambda p: p[1] != "prefill", zip(sizes, forms)))
-        y = self.mlp(flat, n_decode=n_decode if 0 < n_decode < ends[-1] else None)[0]
-        parts = [Residual(x, part.reshape(x.shape)) for x, part in zip(outs, jnp.split(y, ends[:-1]))]
-        return [p if defer else p.total() for p in parts], new
+        out = Residual(x, self.mlp(normed[None], n_decode=n_decode if 0 < n_decode < x.shape[0] else None)[0])
+        return (out if defer else out.total()), new
 
-    def _attention(self, h, positions, lengths, valid, cache, form: str):
-        """The cache's `rows` (`ling.state.at_rows`) reach the attention, which reads and writes
-        the rows' slots of the whole state."""
+    def _attention(self, proj, positions, lengths, valid, cache, form: str):
+        """The attention's core over one batch's in_proj output [B, T, P]: (o_proj's input
+        [B, T, C], the new state). The cache's `rows` (`ling.state.at_rows`) reach the attention,
+        which reads and writes the rows' slots of the whole state."""
         if self.kind == KDA:
-            h, conv, rec = self.attention(h, cache.conv, cache.recurrent, valid, rows=cache.rows,
-                                          form={"prefill": "chunked", "decode": "decode"}.get(form, "recurrent"))
+            o, conv, rec = self.attention.core(proj, cache.conv, cache.recurrent, valid, rows=cache.rows,
+                                               form={"prefill": "chunked", "decode": "decode"}.get(form, "recurrent"))
             if form != "verify":  # prefill and decode return the state after the valid tokens: committed
-                return h, KDAState(conv=conv, recurrent=rec, rows=cache.rows)
-            return h, KDAPending(window=conv, recurrent=rec, initial=cache.recurrent, conv_len=cache.conv[0].shape[1],
+                return o, KDAState(conv=conv, recurrent=rec, rows=cache.rows)
+            return o, KDAPending(window=conv, recurrent=rec, initial=cache.recurrent, conv_len=cache.conv[0].shape[1],
                                  into=None if cache.rows is None else cache)
-        plain = form == "prefill" and h.shape[1] > ABSORBED_CHUNK_MAX_T
-        h, latent, k_rope = self.attention(h, positions, cache.latent, cache.k_rope, lengths, valid=valid,
-                                           form="plain" if plain else "absorbed", rows=cache.rows,
-                                           prefill=form == "prefill")
-        return h, MLACache(latent=latent, k_rope=k_rope, rows=cache.rows)
+        plain = form == "prefill" and proj.shape[1] > ABSORBED_CHUNK_MAX_T
+        o, latent, k_rope = self.attention.core(proj, positions, cache.latent, cache.k_rope, lengths, valid=valid,
+                                                form="plain" if plain else "absorbed", rows=cache.rows,
+                                                prefill=form == "prefill")
+        return o, MLACache(latent=latent, k_rope=k_rope, rows=cache.rows)
 
 
 class NextN(nnx.Module):
@@ -164,17 +177,19 @@ class NextN(nnx.Module):
 
     @jax.named_scope("nextn")
     def grouped(self, hiddens, next_embeds, caches, lengths, *, forms):
-        """Several batches at once (lists, each as `__call__` takes it; `DecoderLayer.grouped`).
-        Returns [(draft hidden states, new cache)] per batch."""
-        xs, positions, valids, picked = [], [], [], []
-        for hidden, emb, ln, form in zip(hiddens, next_embeds, lengths, forms):
-            t = hidden.shape[1]
+        """Several batches at once (lists, each as `__call__` takes it), their rows through each
+        norm and projection together (`DecoderLayer.grouped`). Returns [(draft hidden states,
+        new cache)] per batch."""
+        shapes = [hidden.shape[:2] for hidden in hiddens]
+        x = self.eh_proj(jnp.concatenate([self.enorm(join_rows(next_embeds)), self.hnorm(join_rows(hiddens))], -1))
+        positions, valids, picked = [], [], []
+        for (b, t), ln, form in zip(shapes, lengths, forms):
             positions.append(ln[:, None] + jnp.arange(t, dtype=jnp.int32))
-            xs.append(self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(hidden)], axis=-1)))
             valids.append(jnp.full(ln.shape, t, jnp.int32))  # the MLA layer needs no commit: lengths are the caller's
             picked.append(pick_form(form, t))
-        xs, caches = self.layer.grouped(xs, positions, list(lengths), valids, list(caches), forms=picked, defer=True)
-        return [(norm_stream(self.final_layernorm, x)[0], c) for x, c in zip(xs, caches)]
+        x, caches = self.layer.grouped(x, shapes, positions, list(lengths), valids, list(caches), forms=picked,
+                                       defer=True)
+        return list(zip(split_rows(norm_stream(self.final_layernorm, x)[0], shapes), caches))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,28 +281,31 @@ class LingModel(nnx.Module):
 
     def forward(self, batches) -> list:
         """Several batches of slots in one pass (`Batch`: each with its own tokens, state, valid,
-        form and taps, as `__call__` takes them): every layer runs each batch's attention on its
-        own and one MLP over all their tokens (`DecoderLayer.grouped`; decode and verify batches
-        first, then prefill ones). Returns what `__call__` returns, per batch."""
-        forms, valids, positions, xs = [], [], [], []
-        for batch in batches:
-            b, t = batch.tokens.shape
+        form and taps, as `__call__` takes them): the residual stream holds every batch's rows one
+        after another, and every layer runs each batch's attention on its own and its norms,
+        projections and MLP once over all the rows (`DecoderLayer.grouped`; decode and verify
+        batches first, then prefill ones). Returns what `__call__` returns, per batch."""
+        shapes = [batch.tokens.shape for batch in batches]
+        forms, valids, positions = [], [], []
+        for batch, (b, t) in zip(batches, shapes):
             forms.append(pick_form(batch.form, t))
             valids.append(jnp.full((b,), t, jnp.int32) if batch.valid is None else batch.valid.astype(jnp.int32))
             positions.append(batch.state.lengths[:, None] + jnp.arange(t, dtype=jnp.int32))  # [B, T]
-            xs.append(self.embed(batch.tokens))
+        x = self.embed(jnp.concatenate([batch.tokens.reshape(-1) for batch in batches]))  # [N, D]
         lengths = [batch.state.lengths for batch in batches]
         caches, tapped = [[] for _ in batches], [{} for _ in batches]
         for i, layer in enumerate(self.layers):
-            xs, new = layer.grouped(xs, positions, lengths, valids, [batch.state.layers[i] for batch in batches],
-                                    forms=forms, defer=True)
+            x, new = layer.grouped(x, shapes, positions, lengths, valids, [batch.state.layers[i] for batch in batches],
+                                   forms=forms, defer=True)
             for g, cache in enumerate(new):
                 caches[g].append(cache)
-                if i in batches[g].taps:
-                    tapped[g][i] = xs[g].total()
+            if any(i in batch.taps for batch in batches):
+                for g, part in enumerate(split_rows(x.total(), shapes)):
+                    if i in batches[g].taps:
+                        tapped[g][i] = part
         results = []
-        for batch, x, form, valid, layer_caches, taken in zip(batches, xs, forms, valids, caches, tapped):
-            hidden = norm_stream(self.norm, x)[0]
+        hiddens = split_rows(norm_stream(self.norm, x)[0], shapes)
+        for batch, hidden, form, valid, layer_caches, taken in zip(batches, hiddens, forms, valids, caches, tapped):
             pending = batch.state.replace(layers=tuple(layer_caches))
             out = self.logits(hidden) if batch.logits else None
             result = (out, hidden, pending if form == "verify" else commit(pending, valid))

@@ -155,7 +155,8 @@ def last_at(x, n):
 # it needs, in order: a target forward (`ling.model.Batch`) or a NEXTN one (`DraftBatch`), and is
 # sent each one's result. `run` drives one program; `run_together` drives several in one traced
 # program, each round's forwards of one kind as one grouped pass (`LingModel.forward`: every
-# layer's attention per batch, its MLP over all their tokens) — the mixed iteration.
+# layer's attention per batch, its norms, projections and MLP over all their tokens) — the mixed
+# iteration.
 
 
 def run(model: LingModel, program):
