@@ -108,10 +108,11 @@ def test_the_mixed_launch_is_set_on_every_moe_and_checked():
 @pytest.mark.parametrize("backend", ["reference", *KERNELS])
 def test_a_grouped_forward_equals_separate_calls(backend, launch, monkeypatch):
     """`LingModel.forward` over a verify batch and a prefill batch (the mixed iteration: attention
-    per batch, one MoE call over both, through the tile-scheduled kernel with the verify tokens
+    per batch between projections run once over both batches' rows, one MoE call over both, through the tile-scheduled kernel with the verify tokens
     first, or with `use_mixed_launch(model, "grouped")` as any other tokens) equals the two calls
     made apart on the reference path: logits, hidden states and every layer's new state."""
     import moe.block
+    import moe.nn
     from ling.model import Batch
 
     model = ling.load("ling-tiny", dtype="float32", seed=4)
@@ -125,14 +126,16 @@ def test_a_grouped_forward_equals_separate_calls(backend, launch, monkeypatch):
     fresh = init_state(cfg, 1, 48, jnp.float32)
     apart = (model(verify, decoding, form="verify"), model(prompt, fresh, valid=valid, form="prefill"))
 
-    tiles = []
-    real = moe.block.tile_moe
+    tiles, rows = [], []
+    real, linear = moe.block.tile_moe, moe.nn.Linear.__call__
     monkeypatch.setattr(moe.block, "tile_moe", lambda *a, **kw: tiles.append(kw["n_decode"]) or real(*a, **kw))
+    monkeypatch.setattr(moe.nn.Linear, "__call__", lambda self, x: rows.append(x.size // x.shape[-1]) or linear(self, x))
     ling.use_kernels(model, backend)
     moe.block.use_mixed_launch(model, launch)
     together = model.forward([Batch(verify, decoding, None, "verify"), Batch(prompt, fresh, valid, "prefill")])
     moe_layers = sum(t == "moe" for t in cfg.mlp_types)
     assert tiles == ([] if backend == "reference" or launch == "grouped" else [2 * 4] * moe_layers)
+    assert rows == [2 * 4 + 24] * 2 * cfg.num_hidden_layers  # each attention projection once over both batches
     for (want_logits, want_hidden, want_state), (logits, hidden, state) in zip(apart, together):
         assert_model_close(logits, want_logits, "interpret" if backend == "reference" else backend, "logits")
         assert_model_close(hidden, want_hidden, "interpret" if backend == "reference" else backend, "hidden")
