@@ -18,6 +18,7 @@ import threading
 import time
 import traceback
 
+from serve.iterations import IterationLog
 from serve.metrics import Metrics
 from serve.output import TextOutput
 from serve.request import Delta, Failed, Finished, Request, TokenLogprob
@@ -32,9 +33,11 @@ _ADD, _ABORT, _FLUSH = "add", "abort", "flush"
 
 class Engine:
     def __init__(self, runner: Runner, tokenizer: Tokenizer, metrics: Metrics, *, chunk: int, eos_id: int | None,
-                 stop_ids: set[int], sizer=None):
-        """sizer: None (fixed chunk) or a moe.tiles.ChunkSizer whose candidates were compiled."""
+                 stop_ids: set[int], sizer=None, iterations: IterationLog | None = None):
+        """sizer: None (fixed chunk) or a moe.tiles.ChunkSizer whose candidates were compiled;
+        iterations: where each step read back is logged (`serve.iterations`), closed at shutdown."""
         self.runner, self.tokenizer, self.metrics = runner, tokenizer, metrics
+        self.iterations = iterations
         self.scheduler = Scheduler(runner.max_batch, chunk, eos_id, sizer=sizer, decode_width=runner.stepper.width,
                                    prefix=self._new_index(), mixed=runner.mixing)
         self.stop_ids = set(stop_ids) | ({eos_id} if eos_id is not None else set())
@@ -102,12 +105,20 @@ class Engine:
                     self.error = f"engine failed: {type(e).__name__}: {e}"
                     return
         self._fail_all("the server is shutting down")
+        if self.iterations is not None:
+            self.iterations.close()
 
     def _iteration(self) -> None:
         idle = not self.scheduler.has_work() and not self.runner.pending and self._unread is None
         self._read_inbox(block=idle)
-        chunk = self.scheduler.next_chunk()
-        first, result = self.runner.iterate(chunk, self.scheduler.decoding())
+        chunk, owners = self.scheduler.next_chunk(), self.scheduler.decoding()
+        start = time.perf_counter()
+        first, result = self.runner.iterate(chunk, owners)
+        if self.iterations is not None:
+            mixed = None if chunk is None else self.runner.mixable(chunk, owners)
+            self.iterations.record(chunk, owners if mixed is None else mixed, mixed=mixed is not None,
+                                   stepped=any(r is not None for r in owners), read=result is not None,
+                                   host_s=time.perf_counter() - start)
         if chunk is not None and chunk.lookups:
             self.metrics.record_prefix(chunk.lookups, self.scheduler.prefix.used)
         # First tokens are read one iteration late, as the steps' tokens are: the read waits for

@@ -164,6 +164,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "may go on before each ends with an error event (default 30; new requests get 503)")
     ap.add_argument("--log-requests", action="store_true", help="an access line per request on stderr (id, "
                     "prompt and completion tokens, TTFT, duration, finish reason)")
+    ap.add_argument("--iteration-log", default=None, metavar="PATH", help="a JSON line per decode step read "
+                    "back: the time since the last, what ran beside it (chunk tokens, mixed or not, prompts ended) "
+                    "and the tile model's prediction (serve/iterations.py; its summary traces a latency tail)")
     ap.add_argument("--profile-dir", default="profiles", help="where /start_profile writes traces (default "
                     "./profiles; a request body may name another)")
     ap.add_argument("--compile-cache", default=DEFAULT_CACHE, help="JAX persistent compilation cache directory "
@@ -205,6 +208,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--context-buckets lengths must be at least 1, got {args.context_buckets}")
     if not 0 < args.mem_fraction <= 1:
         ap.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
+    if args.iteration_log is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.iteration_log))):
+        ap.error(f"--iteration-log {args.iteration_log}: its directory does not exist")
     if args.ticket_sums == "on" and args.ep_size > 1:
         ap.error(f"--ticket-sums on: the counters serve one device's kernels; --ep-size {args.ep_size} shards the "
                  "experts (use auto or off)")
@@ -491,14 +496,18 @@ def main(argv=None) -> int:
 
     from serve.api import ServerInfo, create_app
     from serve.engine import Engine
+    from serve.iterations import IterationLog
     from serve.metrics import Metrics
     from serve.profiler import Profiler
 
     cfg, tokenizer = s.model.cfg, s.tokenizer
     eos_id = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.token_id(tokenizer.eos_token)
     metrics = Metrics(name)
+    iterations = None if args.iteration_log is None else IterationLog(args.iteration_log, s.sizer,
+                                                                       s.runner.stepper.width)
     engine = Engine(s.runner, tokenizer, metrics, chunk=args.prefill_chunk, eos_id=eos_id,
-                    stop_ids=tokenizer.stop_token_ids(args.tokenizer or args.model), sizer=s.sizer)
+                    stop_ids=tokenizer.stop_token_ids(args.tokenizer or args.model), sizer=s.sizer,
+                    iterations=iterations)
     app = create_app(engine, tokenizer, metrics, Profiler(args.profile_dir),
                      ServerInfo(model_name=name, max_seq_len=s.max_seq_len, vocab_size=cfg.vocab_size,
                                 api_key=args.api_key, max_request_bytes=args.max_request_bytes,

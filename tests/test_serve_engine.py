@@ -5,6 +5,7 @@ request gives the same tokens alone and in company."""
 
 import asyncio
 import dataclasses
+import json
 from functools import partial
 
 import numpy as np
@@ -274,13 +275,14 @@ def test_a_paused_prefill_keeps_its_nextn_cache(model, runner):
     np.testing.assert_allclose(got, np.asarray(ref.model.nextn.latent[0, : len(prompt) - 1]), rtol=1e-4, atol=1e-5)
 
 
-def make_engine(runner):
+def make_engine(runner, iterations=None):
     from serve.engine import Engine
     from serve.metrics import Metrics
     from serve.run import DEFAULT_MODEL
     from serve.tokenizer import Tokenizer
 
-    return Engine(runner, Tokenizer(DEFAULT_MODEL), Metrics("test"), chunk=CHUNK, eos_id=None, stop_ids=set())
+    return Engine(runner, Tokenizer(DEFAULT_MODEL), Metrics("test"), chunk=CHUNK, eos_id=None, stop_ids=set(),
+                  iterations=iterations)
 
 
 async def serve_one(engine, prompt, sampling: Sampling, delay: float = 0.0):
@@ -382,3 +384,70 @@ def test_engine_reads_a_chunks_first_tokens_only_where_a_prompt_ends(runner, mix
     done = asyncio.run(requests())
     assert all(isinstance(ev, Finished) and ev.completion_tokens == 24 for ev in done), done
     assert len(reads) == len(prompts)  # one read a prompt: at its last chunk
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_the_iteration_log_says_what_ran_beside_each_step(runner, mixed_runner, monkeypatch, mixed, tmp_path):
+    """`--iteration-log`: a line per step read back. Two prompts admitted together share the first
+    chunk; the long one's 5 other chunks then run beside the short one's steps, each logged with
+    that step (one program in a mixed iteration), the last as ending a prompt; `summary` groups
+    the lines by what ran in them."""
+    from serve.iterations import IterationLog, summary
+    from serve.request import Failed, Finished
+
+    runner = mixed_runner if mixed else runner
+    path = str(tmp_path / "iterations.jsonl")
+    engine = make_engine(runner, IterationLog(path, decode_width=runner.stepper.width))
+    results, result = [], runner._result
+    monkeypatch.setattr(runner, "_result", lambda report: results.append(report is not None) or result(report))
+    long = list(range(3, 3 + 5 * CHUNK + 2))
+
+    async def requests():
+        loop = asyncio.get_running_loop()
+        rs = [Request(p, Sampling(max_tokens=n, temperature=0.0, ignore_eos=True), loop=loop)
+              for p, n in (([5, 6, 7], 40), (long, 4))]
+        for r in rs:  # both in the inbox before the engine's first iteration: one chunk admits both
+            engine.submit(r)
+        engine.start()
+        try:
+            for r in rs:
+                while not isinstance((await asyncio.wait_for(r.events.get(), 300))[1], (Finished, Failed)):
+                    pass
+        finally:
+            engine.shutdown()
+
+    asyncio.run(requests())
+    lines = [json.loads(x) for x in open(path)]
+    assert len(lines) == sum(results) and all(x["decoding"] >= 1 for x in lines)
+    beside = [x for x in lines if x["prompts"] == 1]  # the long prompt's chunks after the first
+    assert [x["chunk"] for x in beside] == [CHUNK] * 4 + [2] and [x["ended"] for x in beside] == [0] * 4 + [1]
+    assert all(x["mixed"] == mixed and x["width"] == CHUNK for x in beside)
+    assert lines[0]["gap_ms"] is None and all(x["gap_ms"] >= 0 and x["predicted_ms"] is None for x in lines[1:])
+    over = summary(path, over_ms=-1.0)["over"]
+    assert sum(g["count"] for g in over.values()) == len(lines) - 1
+    assert over[("mixed" if mixed else "step + chunk") + ", ending a prompt"]["count"] == 1
+
+
+def test_the_iteration_log_predicts_each_iteration_by_the_tile_model(tmp_path):
+    """With a chunk sizer, each line carries the tile model's iteration for the work logged: the
+    step's decode tokens (slots x the step's width) and the chunk's prompts and width, in one
+    program or two."""
+    from moe.tiles import ChunkSizer, TileModel, predicted_iteration_us
+    from serve.iterations import IterationLog
+
+    model = TileModel.load("bench/tile_model_h100_int4_grouped.json")
+    sizer = ChunkSizer(model, budget_us=33e3, candidates=(64, 256), rows=4, layers=14)
+    path = str(tmp_path / "iterations.jsonl")
+    log = IterationLog(path, sizer, decode_width=STEPS + 1)
+    chunk = dataclasses.make_dataclass("Chunk", ["valid", "tokens", "ends"])(
+        np.array([0, 200, 0, 0]), np.zeros((4, 256), np.int32), np.array([False, True, False, False]))
+    owners = ["a", None, "b", "c"]
+    log.record(chunk, owners, mixed=True, stepped=True, read=False, host_s=0.0)
+    log.record(None, owners, mixed=False, stepped=True, read=True, host_s=0.0)
+    log.record(None, owners, mixed=False, stepped=False, read=True, host_s=0.0)
+    log.close()
+    lines = [json.loads(x) for x in open(path)]
+    want = [predicted_iteration_us(model, 256, rows=1, layers=14, decode_tokens=3 * (STEPS + 1), mixed=True),
+            predicted_iteration_us(model, 0, rows=1, layers=14, decode_tokens=3 * (STEPS + 1))]
+    assert [x["predicted_ms"] for x in lines] == [round(w / 1e3, 3) for w in want]
+    assert lines[0]["chunk"] == 200 and lines[0]["ended"] == 1 and lines[0]["mixed"] and not lines[1]["chunk"]

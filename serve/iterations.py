@@ -1,0 +1,124 @@
+"""The iteration log (`python -m serve.run --iteration-log PATH`): one JSON line per decode step
+whose tokens the engine read back, saying what ran with it, so that a latency tail can be traced to
+the iterations that made it.
+
+A step's tokens are read one iteration late (`serve.engine`), once the next piece of work is
+queued; while the device is the bottleneck the time between two reads is the later step's
+iteration on the device, which is what every running stream waits between deliveries. A line:
+
+  t            seconds since the log opened, when the step's tokens were read
+  gap_ms       since the previous read (null for the first): the iteration a stream felt
+  host_ms      the engine call that dispatched the next work and read these tokens (the read's
+               wait for the device included)
+  decoding     slots the step advanced
+  chunk        prefill tokens dispatched in the step's iteration (valid tokens, all prompts)
+  width        the chunk's width C (0: no chunk)
+  prompts      prompts the chunk prefilled; ended: those whose last chunk it was
+  mixed        whether the chunk and the step were one program (`Runner.mixable`)
+  predicted_ms the tile model's iteration for that work (`moe.tiles.predicted_iteration_us`; null
+               without `--tile-model`)
+
+`summary(path, over_ms)` reads a log back: the iterations beyond a time, grouped by what ran in
+them; `python -m serve.iterations PATH --over-ms MS` prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+import numpy as np
+
+
+class IterationLog:
+    """Writes the log; `sizer` (a `moe.tiles.ChunkSizer`, or None) supplies the predictions."""
+
+    def __init__(self, path: str, sizer=None, decode_width: int = 1):
+        self._file = open(path, "w", buffering=1)  # one line a write: readable while the server runs
+        self._sizer, self._width = sizer, decode_width
+        self._pending: collections.deque = collections.deque()  # steps dispatched, tokens not read
+        self._t0 = time.perf_counter()
+        self._last: float | None = None
+
+    def record(self, chunk, owners: list, *, mixed: bool, stepped: bool, read: bool, host_s: float) -> None:
+        """After one `Runner.iterate(chunk, owners)` that took host_s: `read` whether it returned a
+        step's tokens (those of the oldest step dispatched and not yet read), `stepped` whether it
+        dispatched a step (mixed: one program with the chunk)."""
+        if stepped:
+            self._pending.append(self._describe(chunk, owners, mixed))
+        if not read or not self._pending:
+            return
+        now = time.perf_counter() - self._t0
+        line = self._pending.popleft()
+        line.update(t=round(now, 4), gap_ms=None if self._last is None else round((now - self._last) * 1e3, 3),
+                    host_ms=round(host_s * 1e3, 3))
+        self._last = now
+        self._file.write(json.dumps(line) + "\n")
+
+    def _describe(self, chunk, owners: list, mixed: bool) -> dict:
+        decoding = sum(r is not None for r in owners)
+        if chunk is None:
+            tokens = width = prompts = ended = 0
+        else:
+            valid = np.asarray(chunk.valid)
+            tokens, width = int(valid.sum()), int(chunk.tokens.shape[1])
+            prompts, ended = int((valid > 0).sum()), int(np.asarray(chunk.ends).sum())
+        line = dict(decoding=decoding, chunk=tokens, width=width, prompts=prompts, ended=ended,
+                    mixed=bool(mixed and chunk is not None), predicted_ms=None)
+        if self._sizer is not None:
+            from moe.tiles import predicted_iteration_us
+
+            us = predicted_iteration_us(self._sizer.model, width, rows=max(prompts, 1), layers=self._sizer.layers,
+                                        decode_tokens=decoding * self._width, mixed=line["mixed"])
+            line["predicted_ms"] = round(us / 1e3, 3)
+        return line
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def summary(path: str, over_ms: float) -> dict:
+    """The iterations of the log at `path` whose gap exceeded over_ms, grouped by what ran in them
+    ("step", "mixed", "step + chunk", each "ending a prompt" where its chunk did): per group the
+    count, and the mean gap and prediction; with the total of lines and the gaps' median and P99."""
+    lines = [json.loads(s) for s in open(path) if s.strip()]
+    gaps = np.array([x["gap_ms"] for x in lines if x["gap_ms"] is not None])
+    groups: dict[str, list] = {}
+    for x in lines:
+        if x["gap_ms"] is None or x["gap_ms"] <= over_ms:
+            continue
+        kind = "step" if not x["chunk"] else "mixed" if x["mixed"] else "step + chunk"
+        groups.setdefault(kind + (", ending a prompt" if x["ended"] else ""), []).append(x)
+    predicted = lambda xs: [x["predicted_ms"] for x in xs if x["predicted_ms"] is not None]  # noqa: E731
+    return {
+        "iterations": len(lines),
+        "median_ms": float(np.median(gaps)) if gaps.size else None,
+        "p99_ms": float(np.percentile(gaps, 99)) if gaps.size else None,
+        "over": {k: {"count": len(xs), "mean_gap_ms": float(np.mean([x["gap_ms"] for x in xs])),
+                     "mean_predicted_ms": float(np.mean(predicted(xs))) if predicted(xs) else None}
+                 for k, xs in sorted(groups.items())},
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m serve.iterations", description="Summarises an iteration log "
+                                 "(python -m serve.run --iteration-log PATH): the iterations longer than --over-ms, "
+                                 "grouped by what ran in them.")
+    ap.add_argument("path")
+    ap.add_argument("--over-ms", type=float, required=True, help="list the iterations longer than this")
+    args = ap.parse_args(argv)
+    s = summary(args.path, args.over_ms)
+    if s["median_ms"] is None:
+        print(f"{s['iterations']} iterations: too few to time (the first read has no gap)")
+        return
+    print(f"{s['iterations']} iterations; gap median {s['median_ms']:.2f} ms, P99 {s['p99_ms']:.2f} ms; "
+          f"over {args.over_ms:g} ms:")
+    for kind, g in s["over"].items():
+        pred = "—" if g["mean_predicted_ms"] is None else f"{g['mean_predicted_ms']:.2f} ms"
+        print(f"  {kind}: {g['count']}, mean {g['mean_gap_ms']:.2f} ms (predicted {pred})")
+
+
+if __name__ == "__main__":
+    main()
