@@ -13,7 +13,8 @@ a shared --compile-cache in their arguments shortens the later starts. With --to
 start at once (their compilations overlap on the host's cores; each needs a --mem-fraction that
 leaves the others room) and are benchmarked in turn, the others idle meanwhile. Writes
 NAME.server.log, NAME.bench.json and served.json (each server's start-up seconds, exit status and
-benchmark result) under $OUT (or ./bench_out); prints a table last. Exit status 1 when a server did
+benchmark result; with --iteration-log the summary of each server's NAME.iterations.jsonl) under
+$OUT (or ./bench_out); prints a table last. Exit status 1 when a server did
 not serve or its benchmark failed.
 """
 
@@ -99,12 +100,19 @@ def stop(proc: subprocess.Popen, grace: float) -> None:
     proc.wait()
 
 
-def launch(name: str, server_args: str, out_dir: str) -> tuple[subprocess.Popen, str, float]:
+def iteration_log(out_dir: str, name: str) -> str:
+    return os.path.join(out_dir, f"{name}.iterations.jsonl")
+
+
+def launch(name: str, server_args: str, out_dir: str, log_iterations: bool = False) -> tuple[subprocess.Popen, str,
+                                                                                             float]:
     """Starts `python -m serve.run` with server_args on a free port, in a process group of its own,
-    its output to NAME.server.log: (process, log path, start time)."""
+    its output to NAME.server.log (with log_iterations its iteration log to NAME.iterations.jsonl):
+    (process, log path, start time)."""
     log_path = os.path.join(out_dir, f"{name}.server.log")
+    extra = ["--iteration-log", iteration_log(out_dir, name)] if log_iterations else []
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "serve.run", *shlex.split(server_args), "--port", "0"],
+        proc = subprocess.Popen([sys.executable, "-m", "serve.run", *shlex.split(server_args), "--port", "0", *extra],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, log_path, time.perf_counter()
 
@@ -150,11 +158,26 @@ def run_bench(name: str, url: str, bench_args: list[str], out_dir: str, log_path
         result["error"] = f"serve.bench wrote no result (exit {result['bench_status']}); see {log_path}"
 
 
+def iterations_over(out_dir: str, name: str, result: dict) -> None:
+    """result's "iterations": `serve.iterations.summary` of the server's iteration log, over 1.3x
+    its streams' P99 ITL alone (where its benchmark measured one; else 1.3x the log's median)."""
+    from serve.iterations import summary
+
+    path = iteration_log(out_dir, name)
+    if not os.path.exists(path):
+        return
+    alone = lookup(result, ("bench", "alone", "stream_p99_itl_ms"))
+    over = 1.3 * (alone if isinstance(alone, (int, float)) else summary(path, float("inf"))["median_ms"] or 0.0)
+    result["iterations"] = {"over_ms": over, **summary(path, over)}
+
+
 def run_all(servers: list[tuple[str, str]], bench_args: list[str], out_dir: str, *, together: bool,
-            start_timeout: float, bench_timeout: float | None, grace: float, results: dict) -> None:
+            start_timeout: float, bench_timeout: float | None, grace: float, results: dict,
+            log_iterations: bool = False) -> None:
     """Each server's run into results[name] = {"server", "startup_s", "bench", "bench_status",
-    "error"}: in turn (started, benchmarked, stopped), or `together` (all started at once, each
-    benchmarked in turn once all that can serve do, all stopped at the end)."""
+    "error"} (and with log_iterations "iterations", `iterations_over`): in turn (started,
+    benchmarked, stopped), or `together` (all started at once, each benchmarked in turn once all
+    that can serve do, all stopped at the end)."""
     for name, server_args in servers:
         results[name] = {"server": server_args, "startup_s": None, "bench": None, "bench_status": None, "error": None}
     groups = [servers] if together else [[s] for s in servers]
@@ -162,7 +185,7 @@ def run_all(servers: list[tuple[str, str]], bench_args: list[str], out_dir: str,
         started = {}
         try:
             for name, server_args in group:
-                started[name] = launch(name, server_args, out_dir)
+                started[name] = launch(name, server_args, out_dir, log_iterations)
             urls = {}
             for name, (proc, log_path, t0) in started.items():
                 urls[name] = wait_ready(proc, log_path, t0, start_timeout, results[name])
@@ -171,6 +194,8 @@ def run_all(servers: list[tuple[str, str]], bench_args: list[str], out_dir: str,
             for name, url in urls.items():
                 if url:
                     run_bench(name, url, bench_args, out_dir, started[name][1], bench_timeout, results[name])
+                    if log_iterations:
+                        iterations_over(out_dir, name, results[name])
         finally:
             for proc, _, _ in started.values():
                 stop(proc, grace)
@@ -189,6 +214,9 @@ def main(argv=None) -> int:
     ap.add_argument("--together", action="store_true", help="start every server at once (their compilations "
                     "overlap), then benchmark each in turn while the others idle; give each a --mem-fraction "
                     "that leaves room for the others")
+    ap.add_argument("--iteration-log", action="store_true", help="give each server an iteration log "
+                    "(NAME.iterations.jsonl) and print, per server, its iterations over 1.3x the streams' P99 ITL "
+                    "alone, grouped by what ran in them (serve/iterations.py)")
     args = ap.parse_args(argv)
     names = [n for n, _ in args.server]
     if len(set(names)) != len(names):
@@ -204,10 +232,16 @@ def main(argv=None) -> int:
     results: dict = {}
     try:
         run_all(args.server, bench_args, out_dir, together=args.together, start_timeout=args.start_timeout,
-                bench_timeout=args.bench_timeout, grace=args.grace, results=results)
+                bench_timeout=args.bench_timeout, grace=args.grace, results=results,
+                log_iterations=args.iteration_log)
     finally:
         with open(os.path.join(out_dir, "served.json"), "w") as f:
             json.dump({"bench": args.bench, "results": results}, f, indent=1)
+    from serve.iterations import describe
+
+    for name, r in results.items():
+        if r.get("iterations"):
+            print(f"[{name}] " + describe(r["iterations"], r["iterations"]["over_ms"]))
     print(table(results))
     return int(any(r["error"] or r["bench_status"] for r in results.values()))
 

@@ -109,15 +109,19 @@ def main(argv=None) -> None:
     ap.add_argument("path")
     ap.add_argument("--over-ms", type=float, required=True, help="list the iterations longer than this")
     args = ap.parse_args(argv)
-    s = summary(args.path, args.over_ms)
+    print(describe(summary(args.path, args.over_ms), args.over_ms))
+
+
+def describe(s: dict, over_ms: float) -> str:
+    """`summary`'s result as lines of text."""
     if s["median_ms"] is None:
-        print(f"{s['iterations']} iterations: too few to time (the first read has no gap)")
-        return
-    print(f"{s['iterations']} iterations; gap median {s['median_ms']:.2f} ms, P99 {s['p99_ms']:.2f} ms; "
-          f"over {args.over_ms:g} ms:")
+        return f"{s['iterations']} iterations: too few to time (the first read has no gap)"
+    lines = [f"{s['iterations']} iterations; gap median {s['median_ms']:.2f} ms, P99 {s['p99_ms']:.2f} ms; "
+             f"over {over_ms:g} ms:"]
     for kind, g in s["over"].items():
         pred = "—" if g["mean_predicted_ms"] is None else f"{g['mean_predicted_ms']:.2f} ms"
-        print(f"  {kind}: {g['count']}, mean {g['mean_gap_ms']:.2f} ms (predicted {pred})")
+        lines.append(f"  {kind}: {g['count']}, mean {g['mean_gap_ms']:.2f} ms (predicted {pred})")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

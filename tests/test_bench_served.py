@@ -29,7 +29,7 @@ def test_servers_run_and_a_failed_start_is_reported(tmp_path, monkeypatch, capsy
     rc = served.main(["--server", "broken=--max-batch 0",
                       "--server", f"small=--max-batch 2 --max-seq-len 512 --compile-cache {cache}",
                       "--bench", "--num-prompts 2 --random-input-len 16 --random-output-len 4 --concurrency 2",
-                      "--start-timeout", "600"] + (["--together"] if together else []))
+                      "--start-timeout", "600"] + (["--together", "--iteration-log"] if together else []))
     doc = json.loads((tmp_path / "served.json").read_text())["results"]
     assert rc == 1 and "exited" in doc["broken"]["error"] and doc["broken"]["bench"] is None
     small = doc["small"]
@@ -38,6 +38,11 @@ def test_servers_run_and_a_failed_start_is_reported(tmp_path, monkeypatch, capsy
     assert os.path.exists(tmp_path / "small.server.log") and os.path.exists(tmp_path / "small.bench.json")
     out = capsys.readouterr().out
     assert "mean TPOT ms" in out and "broken: the server exited" in out
+    if together:  # the iteration log: a line per step the engine read, summarised over 1.3x the median
+        assert small["iterations"]["iterations"] > 0 and small["iterations"]["over_ms"] > 0
+        assert os.path.exists(tmp_path / "small.iterations.jsonl") and "[small] " in out
+    else:
+        assert "iterations" not in small and not os.path.exists(tmp_path / "small.iterations.jsonl")
 
 
 def test_together_stops_every_server_that_never_serves(tmp_path, monkeypatch):
@@ -48,8 +53,8 @@ def test_together_stops_every_server_that_never_serves(tmp_path, monkeypatch):
     started = []
     launch = served.launch
 
-    def spy(name, server_args, out_dir):
-        started.append(launch(name, server_args, out_dir))
+    def spy(name, server_args, out_dir, log_iterations=False):
+        started.append(launch(name, server_args, out_dir, log_iterations))
         return started[-1]
 
     monkeypatch.setattr(served, "launch", spy)
