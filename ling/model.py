@@ -133,7 +133,7 @@ class DecoderLayer(nnx.Module):
         normed, x = self.post_attention_layernorm(self.attention.o_proj(join_rows(outs)), residual=x)
         sizes = [b * t for b, t in shapes]
         n_decode = sum(n for n, form in itertools.takewhile(lambda p: p[1] != "prefill", zip(sizes, forms)))
-        if len(shapes) == 1:  # the MLP sees the batch's [B, T, D] (as a stand-in recording it expects)
+        if len(shapes) == 1:  # one batch: the MLP sees its [B, T, D] (offline.routing's stand-in records it so)
             y = self.mlp(normed.reshape(*shapes[0], -1))
         else:
             y = self.mlp(normed[None], n_decode=n_decode if 0 < n_decode < x.shape[0] else None)
