@@ -95,6 +95,8 @@ class Engine:
             except Exception as e:  # a device or engine failure: fail the requests in flight, keep serving
                 log.error("engine iteration failed:\n%s", traceback.format_exc())
                 self._fail_all(f"internal engine error: {type(e).__name__}: {e}")
+                if self.iterations is not None:
+                    self.iterations.forget()
                 try:
                     self.runner.reset()
                     if self.scheduler.prefix is not None:

@@ -75,6 +75,11 @@ class IterationLog:
             line["predicted_ms"] = round(us / 1e3, 3)
         return line
 
+    def forget(self) -> None:
+        """The steps dispatched and not read will never be (the engine reset its slots after a
+        failure): the next line describes the next step dispatched."""
+        self._pending.clear()
+
     def close(self) -> None:
         self._file.close()
 

@@ -297,10 +297,11 @@ async def serve_one(engine, prompt, sampling: Sampling, delay: float = 0.0):
     return ev
 
 
-def test_engine_fails_the_requests_of_a_failed_step_and_keeps_serving(runner, monkeypatch):
+def test_engine_fails_the_requests_of_a_failed_step_and_keeps_serving(runner, monkeypatch, tmp_path):
+    from serve.iterations import IterationLog
     from serve.request import Failed, Finished
 
-    engine = make_engine(runner)
+    engine = make_engine(runner, IterationLog(str(tmp_path / "iterations.jsonl")))
     real_step, calls = runner.step, []
 
     def failing_once(owners, **kwargs):
@@ -323,6 +324,7 @@ def test_engine_fails_the_requests_of_a_failed_step_and_keeps_serving(runner, mo
     assert isinstance(failed, Failed) and "injected device failure" in failed.message
     assert isinstance(served, Finished) and served.completion_tokens == 10 and engine.error is None
     assert engine.stats()["free_slots"] == SLOTS
+    assert not engine.iterations._pending  # the step lost in the failure was forgotten, every other one read
 
 
 def test_a_group_removed_mid_prefill_or_queued_leaves_no_slot_taken():
