@@ -324,7 +324,8 @@ def test_engine_fails_the_requests_of_a_failed_step_and_keeps_serving(runner, mo
     assert isinstance(failed, Failed) and "injected device failure" in failed.message
     assert isinstance(served, Finished) and served.completion_tokens == 10 and engine.error is None
     assert engine.stats()["free_slots"] == SLOTS
-    assert not engine.iterations._pending  # the step lost in the failure was forgotten, every other one read
+    # the log waits for the steps the runner waits for: the one lost in the failure was forgotten
+    assert len(engine.iterations._pending) == len(runner._owners)
 
 
 def test_a_group_removed_mid_prefill_or_queued_leaves_no_slot_taken():
