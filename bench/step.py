@@ -112,10 +112,8 @@ def calibrate(path: str, run: dict, results: dict, device: str) -> None:
     match it. Prints, beside each, that kernel's measured time a layer (every launch of it in the
     trace, the NEXTN layer's and, for the grouped GEMM, the drafting steps' too: an upper bound on
     the layers' launches). run: this script's arguments (as step.json keeps them)."""
-    import dataclasses
-
     from ling.config import MOE, preset
-    from moe.tiles import TileModel
+    from moe.tiles import TileModel, fit_overhead
 
     tm = TileModel.load(path)
     launch = tm.info.get("launch", "tiles")
@@ -137,20 +135,12 @@ def calibrate(path: str, run: dict, results: dict, device: str) -> None:
         x = tm.expected_tiles(decode + chunk)
         measured = sum(us for c, (_, us) in by_category(r["stream"]["kernels"], {}).items() if c.startswith(category))
         points.append((name, chunk, r["served_us"], x, r["served_us"] - layers * tm.launch_us(x), measured))
-    chunks = np.array([p[1] for p in points], float)
-    rest = np.array([p[4] for p in points])
-    if len(set(chunks)) > 1:
-        per_token, overhead = np.polyfit(chunks, rest, 1)
-        if per_token < 0:  # noise over too narrow a spread of widths: no cost grows with the chunk
-            print(f"--tile-model: the overhead falls with the chunk ({per_token:.2f} µs a token): taken as fixed")
-            per_token, overhead = 0.0, float(np.mean(rest))
-    else:
-        per_token = tm.chunk_us_per_token
-        overhead = float(np.mean(rest - per_token * chunks))
-    info = dict(tm.info, step_overhead=dict(
+    info = dict(step_overhead=dict(
         layers=layers, decode_tokens=decode, device=device,
         points=[dict(mode=n, chunk=c, served_us=us, x_moe=x, rest_us=o, kernel_us=m) for n, c, us, x, o, m in points]))
-    fitted = dataclasses.replace(tm, step_overhead_us=float(overhead), chunk_us_per_token=float(per_token), info=info)
+    fitted = fit_overhead(tm, [(decode, c, us) for _, c, us, *_ in points], layers=layers, info=info)
+    if len({p[1] for p in points}) > 1 and fitted.chunk_us_per_token == 0:
+        print("--tile-model: the overhead falls with the chunk: taken as fixed")
     fitted.save(path)
     for name, chunk, served, x, _, measured in points:
         predicted = fitted.iteration_us(decode_tiles=0, prefill_tiles=0, layers=layers, union_tiles=x,
@@ -158,7 +148,8 @@ def calibrate(path: str, run: dict, results: dict, device: str) -> None:
         print(f"--tile-model: the {name} iteration {served:.0f} µs, predicted {predicted:.0f} "
               f"({predicted / served - 1:+.1%}); the model's launch at x_moe {x:.0f} {tm.launch_us(x):.0f} µs a "
               f"layer x {layers} (the trace's {category} kernels: {measured / layers:.0f} µs a layer, every launch)")
-    print(f"--tile-model: step_overhead_us {overhead:.0f} + chunk_us_per_token {per_token:.2f} x chunk "
+    print(f"--tile-model: step_overhead_us {fitted.step_overhead_us:.0f} + chunk_us_per_token "
+          f"{fitted.chunk_us_per_token:.2f} x chunk "
           f"written to {path}")
 
 

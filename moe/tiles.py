@@ -218,6 +218,32 @@ class TileModel:
         return model
 
 
+def fit_overhead(model: TileModel, points, *, layers: int, info: dict | None = None) -> TileModel:
+    """`model` with its iteration outside the MoE launches fitted to measured mixed iterations.
+
+    points: (decode_tokens, chunk_tokens, iteration_us) of mixed iterations (one launch a layer
+    over the union of the step's and the chunk's tokens, `layers` MoE layers). Each gives
+    rest = iteration_us - layers * launch_us(expected_tiles(decode_tokens + chunk_tokens)). Two or
+    more chunk sizes: rest = step_overhead_us + chunk_us_per_token * chunk_tokens by least squares
+    (a slope below 0, noise over too narrow a spread, taken as 0: the overhead is then their mean);
+    one size: the model's chunk_us_per_token kept and step_overhead_us set to match on average.
+    info: merged into the model's info (provenance). ValueError without points."""
+    pts = np.asarray([(d, c, t) for d, c, t in points], np.float64).reshape(-1, 3)
+    if not len(pts):
+        raise ValueError("no mixed iteration to fit the overhead to")
+    chunks = pts[:, 1]
+    rest = np.array([t - layers * model.launch_us(model.expected_tiles(int(d + c))) for d, c, t in pts])
+    if len(set(chunks)) > 1:
+        per_token, overhead = np.polyfit(chunks, rest, 1)
+        if per_token < 0:
+            per_token, overhead = 0.0, float(np.mean(rest))
+    else:
+        per_token = model.chunk_us_per_token
+        overhead = float(np.mean(rest - per_token * chunks))
+    return dataclasses.replace(model, step_overhead_us=float(overhead), chunk_us_per_token=float(per_token),
+                               info=dict(model.info, **(info or {})))
+
+
 # ---------------------------------------------------------------------------------- chunks
 def chunk_candidates(max_chunk: int, smallest: int = 16) -> list[int]:
     """Powers of two from `smallest` below max_chunk, and max_chunk: the compiled chunk widths."""

@@ -10,16 +10,19 @@ iteration on the device, which is what every running stream waits between delive
   gap_ms       since the previous read (null for the first): the iteration a stream felt
   host_ms      the engine call that dispatched the next work and read these tokens (the read's
                wait for the device included)
-  decoding     slots the step advanced
+  decoding     slots the step advanced; decode_tokens: the rows they ran (slots x the step's width)
   chunk        prefill tokens dispatched in the step's iteration (valid tokens, all prompts)
   width        the chunk's width C (0: no chunk)
   prompts      prompts the chunk prefilled; ended: those whose last chunk it was
   mixed        whether the chunk and the step were one program (`Runner.mixable`)
   predicted_ms the tile model's iteration for that work (`moe.tiles.predicted_iteration_us`; null
-               without `--tile-model`)
+               without `--tile-model`), over moe_layers MoE layers
 
 `summary(path, over_ms)` reads a log back: the iterations beyond a time, grouped by what ran in
-them; `python -m serve.iterations PATH --over-ms MS` prints it.
+them; `python -m serve.iterations PATH --over-ms MS` prints it. `refit(path, model)` fits the tile
+model's iteration outside its MoE launches to the log's mixed iterations (`moe.tiles.fit_overhead`),
+so that the chunk sizer predicts what the server measured; `python -m serve.iterations PATH --refit
+MODEL --out NEW` writes it.
 """
 
 from __future__ import annotations
@@ -65,14 +68,14 @@ class IterationLog:
             valid = np.asarray(chunk.valid)
             tokens, width = int(valid.sum()), int(chunk.tokens.shape[1])
             prompts, ended = int((valid > 0).sum()), int(np.asarray(chunk.ends).sum())
-        line = dict(decoding=decoding, chunk=tokens, width=width, prompts=prompts, ended=ended,
-                    mixed=bool(mixed and chunk is not None), predicted_ms=None)
+        line = dict(decoding=decoding, decode_tokens=decoding * self._width, chunk=tokens, width=width, prompts=prompts, ended=ended,
+                    mixed=bool(mixed and chunk is not None), predicted_ms=None, moe_layers=None)
         if self._sizer is not None:
             from moe.tiles import predicted_iteration_us
 
             us = predicted_iteration_us(self._sizer.model, width, rows=max(prompts, 1), layers=self._sizer.layers,
                                         decode_tokens=decoding * self._width, mixed=line["mixed"])
-            line["predicted_ms"] = round(us / 1e3, 3)
+            line.update(predicted_ms=round(us / 1e3, 3), moe_layers=self._sizer.layers)
         return line
 
     def forget(self) -> None:
@@ -107,14 +110,63 @@ def summary(path: str, over_ms: float) -> dict:
     }
 
 
+def refit(path: str, model):
+    """`model` (a `moe.tiles.TileModel`) with its step_overhead_us and chunk_us_per_token fitted
+    to the mixed iterations of the log at `path` (each a point (decode_tokens, prompts x width,
+    gap): the time a stream waited is the iteration's cost while the device is the bottleneck).
+    The log must come from a server with a tile model (its lines name the MoE layers). Returns
+    (the fitted model, the points' count, their mean gap and the fitted model's mean prediction,
+    both in ms); ValueError when the log has no mixed iteration to fit."""
+    from moe.tiles import fit_overhead, predicted_iteration_us
+
+    lines = [json.loads(s) for s in open(path) if s.strip()]
+    mixed = [x for x in lines if x["mixed"] and x["gap_ms"] is not None]
+    if not mixed:
+        raise ValueError(f"{path}: no mixed iteration with a gap to fit (serve with --mixed-iteration on, and a "
+                         f"chunk beside running streams)")
+    if any(x.get("moe_layers") is None or x.get("decode_tokens") is None for x in mixed):
+        raise ValueError(f"{path}: the lines do not name the MoE layers and decode tokens (a log written without "
+                         f"--tile-model, or by an older server)")
+    layers = {x["moe_layers"] for x in mixed}
+    if len(layers) != 1:
+        raise ValueError(f"{path}: lines of models with different MoE layers {sorted(layers)}")
+    layers = layers.pop()
+    points = [(x["decode_tokens"], x["prompts"] * x["width"], x["gap_ms"] * 1e3) for x in mixed]
+    fitted = fit_overhead(model, points, layers=layers, info=dict(step_overhead=dict(
+        fitted_to=path, iterations=len(points), layers=layers)))
+    predicted = [predicted_iteration_us(fitted, x["width"], rows=x["prompts"], layers=layers,
+                                        decode_tokens=x["decode_tokens"], mixed=True) / 1e3 for x in mixed]
+    return fitted, len(points), float(np.mean([x["gap_ms"] for x in mixed])), float(np.mean(predicted))
+
+
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m serve.iterations", description="Summarises an iteration log "
+    ap = argparse.ArgumentParser(prog="python -m serve.iterations", description="Reads an iteration log "
                                  "(python -m serve.run --iteration-log PATH): the iterations longer than --over-ms, "
-                                 "grouped by what ran in them.")
+                                 "grouped by what ran in them; with --refit, the tile model fitted to its mixed "
+                                 "iterations.")
     ap.add_argument("path")
-    ap.add_argument("--over-ms", type=float, required=True, help="list the iterations longer than this")
+    ap.add_argument("--over-ms", type=float, help="list the iterations longer than this")
+    ap.add_argument("--refit", metavar="MODEL", help="a tile model (serve.run --tile-model) to fit to the log's mixed "
+                    "iterations; written to --out")
+    ap.add_argument("--out", metavar="PATH", help="with --refit: where the fitted model goes")
     args = ap.parse_args(argv)
-    print(describe(summary(args.path, args.over_ms), args.over_ms))
+    if args.over_ms is None and args.refit is None:
+        ap.error("give --over-ms MS, --refit MODEL --out PATH, or both")
+    if (args.refit is None) != (args.out is None):
+        ap.error("--refit and --out go together")
+    if args.over_ms is not None:
+        print(describe(summary(args.path, args.over_ms), args.over_ms))
+    if args.refit is not None:
+        from moe.tiles import TileModel
+
+        try:
+            fitted, n, gap, predicted = refit(args.path, TileModel.load(args.refit))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"python -m serve.iterations: {e}") from None
+        fitted.save(args.out)
+        print(f"{n} mixed iterations, mean {gap:.2f} ms; fitted: step_overhead_us {fitted.step_overhead_us:.0f} + "
+              f"chunk_us_per_token {fitted.chunk_us_per_token:.2f} x chunk tokens (mean prediction {predicted:.2f} "
+              f"ms); written to {args.out}")
 
 
 def describe(s: dict, over_ms: float) -> str:

@@ -458,3 +458,38 @@ def test_the_iteration_log_predicts_each_iteration_by_the_tile_model(tmp_path):
             predicted_iteration_us(model, 0, rows=1, layers=14, decode_tokens=3 * (STEPS + 1))]
     assert [x["predicted_ms"] for x in lines] == [round(w / 1e3, 3) for w in want]
     assert lines[0]["chunk"] == 200 and lines[0]["ended"] == 1 and lines[0]["mixed"] and not lines[1]["chunk"]
+
+
+def test_the_tile_model_refits_to_a_logs_mixed_iterations(tmp_path, capsys):
+    """`python -m serve.iterations LOG --refit MODEL --out NEW`: mixed iterations whose gaps are a
+    known line outside the model's own MoE launches give that line back (two widths); lines
+    without a chunk or in two programs do not count; a log without the MoE layers is refused."""
+    from moe.tiles import TileModel, predicted_iteration_us
+    from serve.iterations import main
+
+    model = TileModel.load("bench/tile_model_h100_int4_grouped.json")
+    fitted_like = dataclasses.replace(model, step_overhead_us=16_000.0, chunk_us_per_token=20.0)
+    path, out = tmp_path / "iterations.jsonl", tmp_path / "fitted.json"
+    lines = []
+    for decoding, prompts, width, mixed in [(16, 1, 128, True), (16, 1, 256, True), (17, 1, 256, True),
+                                            (16, 2, 128, True), (16, 0, 0, False), (16, 1, 256, False)]:
+        us = predicted_iteration_us(fitted_like, width, rows=max(prompts, 1), layers=14, decode_tokens=decoding * 6,
+                                    mixed=mixed)
+        if not mixed and width:
+            us += 9e3  # two programs: not what the mixed line is fitted to
+        lines.append(dict(decoding=decoding, decode_tokens=decoding * 6, chunk=prompts * width, width=width,
+                          prompts=prompts, ended=0, mixed=mixed and width > 0, predicted_ms=None, moe_layers=14,
+                          t=0.0, gap_ms=us / 1e3, host_ms=1.0))
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    main([str(path), "--refit", "bench/tile_model_h100_int4_grouped.json", "--out", str(out)])
+    fitted = TileModel.load(str(out))
+    assert fitted.step_overhead_us == pytest.approx(16_000.0) and fitted.chunk_us_per_token == pytest.approx(20.0)
+    assert fitted.moe == model.moe and fitted.info["step_overhead"]["iterations"] == 4
+    assert "4 mixed iterations" in capsys.readouterr().out
+    for x in lines:
+        del x["moe_layers"]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with pytest.raises(SystemExit, match="do not name the MoE layers"):
+        main([str(path), "--refit", "bench/tile_model_h100_int4_grouped.json", "--out", str(out)])
+    with pytest.raises(SystemExit):
+        main([str(path)])  # neither --over-ms nor --refit

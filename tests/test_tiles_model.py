@@ -246,3 +246,22 @@ def test_server_flags_build_the_sizer(tmp_path):
     assert chunk_sizer(parse_args(flags + ["--mixed-moe", "tiles"]), cfg).model.info.get("launch") is None
     assert chunk_sizer(parse_args(flags + ["--mixed-iteration", "off"]), cfg) is not None  # no mixed launch
     assert chunk_sizer(parse_args(flags), cfg, mixed=False) is not None  # auto, resolved off (the reference)
+
+
+def test_the_overhead_fit_takes_a_line_or_keeps_the_slope():
+    """`fit_overhead`: the rest outside the model's launches as a line over two or more chunk sizes;
+    one size keeps the model's slope; a falling line (noise) is taken as flat; no point is refused."""
+    base = tiles.TileModel(tiles.LatencyFit(17.3, 2.273), block_m=16, n_experts=512, top_k=8, chunk_us_per_token=9.0)
+
+    def points(a, b, chunks):
+        return [(96, c, a + b * c + 14 * base.launch_us(base.expected_tiles(96 + c))) for c in chunks]
+
+    two = tiles.fit_overhead(base, points(15e3, 20.0, (128, 192, 256)), layers=14, info={"x": 1})
+    assert (two.step_overhead_us, two.chunk_us_per_token) == (pytest.approx(15e3), pytest.approx(20.0))
+    assert two.info["x"] == 1 and two.moe == base.moe
+    one = tiles.fit_overhead(base, points(15e3, 20.0, (256,)), layers=14)
+    assert one.chunk_us_per_token == 9.0 and one.step_overhead_us == pytest.approx(15e3 + 11.0 * 256)
+    flat = tiles.fit_overhead(base, points(15e3, -3.0, (128, 256)), layers=14)
+    assert flat.chunk_us_per_token == 0.0 and flat.step_overhead_us == pytest.approx(15e3 - 3.0 * 192)
+    with pytest.raises(ValueError, match="no mixed iteration"):
+        tiles.fit_overhead(base, [], layers=14)
