@@ -30,6 +30,8 @@ first. Per mode:
            and of idle time between kernels (host round trips and dispatch gaps show up here)
   launches kernels a step, and device time a step by category (kernel names: projections,
            attention kernels, MoE, sort/top-k, other XLA glue)
+  copies   the copies of 8 MB or more in the compiled program (`big_copies`): a slot state
+           copied whole is a buffer the compiler could not update in place
 With --steps-per-call N each dispatch runs N steps on the device; every figure is still a step's
 (a call's divided by N; "alone" is then a call of N steps run alone, / N).
 Modes chunk and mixed time the server's prefill chunk (`spec.stepper.ChunkPrefiller`) of --chunk
@@ -58,7 +60,7 @@ import numpy as np
 from flax import nnx
 
 from bench.common import copy_ceiling_tbs
-from bench.step_categories import by_category, hlo_scopes
+from bench.step_categories import big_copies, by_category, hlo_scopes
 from bench.trace import device_trace, host_table, stream_trace
 
 
@@ -393,7 +395,9 @@ def main():
                              stream=stream, host=host[:40], sequence=alone.get("sequence"),
                              floor_us=fl[mode] * 1e6, tokens_per_step=produced, walls_us=[w * 1e6 for w in walls],
                              chunk=width, mixed_moe=launch)
-        cats = by_category(stream["kernels"], hlo_scopes(lowered.compile().as_text()))
+        hlo = lowered.compile().as_text()
+        cats = by_category(stream["kernels"], hlo_scopes(hlo))
+        copies = results[name]["big_copies"] = big_copies(hlo)
         if stream["span_us"] is None:
             print(f"{name}: served {served * 1e6:.0f} µs a step; no device kernels in the trace (not a GPU?)")
             results[name]["categories"] = cats
@@ -409,6 +413,11 @@ def main():
             print(f"    {c:<36} {n:6.0f} launches {us:8.0f} µs", flush=True)
         for r in stream["kernels"][:12]:
             print(f"      {r['name'][:64]:64s} x{r['count']:5.1f} {r['us_per_call']:8.1f} µs", flush=True)
+        if copies:
+            print(f"    copies of 8 MB or more in the program: {len(copies)}, "
+                  f"{sum(c['bytes'] for c in copies) / 1e6:.0f} MB", flush=True)
+            for c in copies[:6]:
+                print(f"      {c['shape']:28s} {c['bytes'] / 1e6:8.1f} MB  {c['op_name'][-60:]}", flush=True)
         print("    the host's dispatch, by event (inclusive µs a step):", flush=True)
         for r in host[:16]:
             print(f"      {r['name'][:64]:64s} x{r['count']:5.1f} {r['us_per_call']:8.1f} µs", flush=True)

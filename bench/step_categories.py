@@ -73,3 +73,35 @@ def by_category(kernels: list[dict], scopes: dict[str, str]) -> dict:
         c[0] += r["count"]
         c[1] += r["us_per_call"]
     return out
+
+
+_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+          "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\]\S*\s+([\w\-]+)\(")
+
+
+def big_copies(hlo_text: str, min_bytes: float = 8e6) -> list[dict]:
+    """The copies of min_bytes or more a compiled program makes (its optimised HLO text): `copy`
+    and `copy-start` instructions, and fusions named after a copy, outside fusion bodies, each
+    {name, shape, bytes, op_name}, largest first. A copy of a whole slot state in a step is a
+    buffer the compiler could not update in place (it was read by another op it could not order)."""
+    fused = set(re.findall(r"\bfusion\([^\n]*?calls=%?([\w.\-]+)", hlo_text))
+    out, body = [], None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            body = head.group(1)
+            continue
+        m = _INSTR.match(line)
+        if not m or body in fused:
+            continue
+        name, dtype, dims, op = m.groups()
+        if not (op in ("copy", "copy-start") or (op == "fusion" and "copy" in name)):
+            continue
+        size = _BYTES.get(dtype, 4)
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        if size >= min_bytes:
+            scope = re.search(r'op_name="([^"]*)"', line)
+            out.append(dict(name=name, shape=f"{dtype}[{dims}]", bytes=size, op_name=scope.group(1) if scope else ""))
+    return sorted(out, key=lambda c: -c["bytes"])
