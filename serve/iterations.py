@@ -68,8 +68,9 @@ class IterationLog:
             valid = np.asarray(chunk.valid)
             tokens, width = int(valid.sum()), int(chunk.tokens.shape[1])
             prompts, ended = int((valid > 0).sum()), int(np.asarray(chunk.ends).sum())
-        line = dict(decoding=decoding, decode_tokens=decoding * self._width, chunk=tokens, width=width, prompts=prompts, ended=ended,
-                    mixed=bool(mixed and chunk is not None), predicted_ms=None, moe_layers=None)
+        line = dict(decoding=decoding, decode_tokens=decoding * self._width, chunk=tokens, width=width,
+                    prompts=prompts, ended=ended, mixed=bool(mixed and chunk is not None), predicted_ms=None,
+                    moe_layers=None)
         if self._sizer is not None:
             from moe.tiles import predicted_iteration_us
 
@@ -120,7 +121,10 @@ def refit(path: str, model):
     from moe.tiles import fit_overhead, predicted_iteration_us
 
     lines = [json.loads(s) for s in open(path) if s.strip()]
-    mixed = [x for x in lines if x["mixed"] and x["gap_ms"] is not None]
+    try:
+        mixed = [x for x in lines if x["mixed"] and x["gap_ms"] is not None]
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not an iteration log (a line without {e})") from None
     if not mixed:
         raise ValueError(f"{path}: no mixed iteration with a gap to fit (serve with --mixed-iteration on, and a "
                          f"chunk beside running streams)")

@@ -463,7 +463,8 @@ def test_the_iteration_log_predicts_each_iteration_by_the_tile_model(tmp_path):
 def test_the_tile_model_refits_to_a_logs_mixed_iterations(tmp_path, capsys):
     """`python -m serve.iterations LOG --refit MODEL --out NEW`: mixed iterations whose gaps are a
     known line outside the model's own MoE launches give that line back (two widths); lines
-    without a chunk or in two programs do not count; a log without the MoE layers is refused."""
+    without a chunk or in two programs do not count; a log without the MoE layers, and a file that
+    is not a log, are refused with the reason."""
     from moe.tiles import TileModel, predicted_iteration_us
     from serve.iterations import main
 
@@ -493,3 +494,6 @@ def test_the_tile_model_refits_to_a_logs_mixed_iterations(tmp_path, capsys):
         main([str(path), "--refit", "bench/tile_model_h100_int4_grouped.json", "--out", str(out)])
     with pytest.raises(SystemExit):
         main([str(path)])  # neither --over-ms nor --refit
+    path.write_text('{"t": 1.0}\n')
+    with pytest.raises(SystemExit, match="not an iteration log"):
+        main([str(path), "--refit", "bench/tile_model_h100_int4_grouped.json", "--out", str(out)])
