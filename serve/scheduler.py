@@ -23,7 +23,9 @@ tile model and a TPOT budget) each iteration's width is the largest the model pr
 the budget next to the decode step: the widest when no slot decodes, narrower while slots do.
 The step's MoE work is taken as decode_width tokens a decoding slot (the step runs the live
 slots, `spec.stepper.Stepper`'s batch buckets), the chunk's as its width for each prompt
-prefilling, in one launch a layer when the iteration is mixed.
+prefilling, in one launch a layer when the iteration is mixed. A chunk whose prompts have less
+left than that width takes the narrowest of the sizer's widths that holds them: its padding rows
+would otherwise run through every layer, and the MoE's experts take them as tokens.
 
 Prefix cache (`prefix`, a `serve.prefix_cache.PrefixIndex`). An admitted request takes the longest
 checkpoint of its prompt: the chunk names it in `restores` (the runner copies it into the slot
@@ -182,6 +184,23 @@ class Scheduler:
         decoding = sum(r is not None for r in self.decoding())
         return self.sizer(decoding * self.decode_width, rows, self.mixed and rows == 1 and decoding > 0)
 
+    def _fitted(self, c: int, chunked: list[int]) -> int:
+        """Width c, or the narrowest of the sizer's widths that holds what the chunked prompts
+        have left (up to their next checkpoint) when that is narrower: a prompt's last chunk runs
+        no padding rows through the layers, whose experts would take them as tokens."""
+        widths = getattr(self.sizer, "candidates", ())
+        rest = max(self._take(b, c) for b in chunked)
+        return min([c] + [w for w in widths if w >= rest])
+
+    def _take(self, slot: int, c: int) -> int:
+        """The tokens a chunk of width c prefills into the slot: up to its prompt's end and, with
+        the prefix cache, its next grid point."""
+        done = self.prefilled[slot]
+        n = min(c, len(self.slots[slot].prompt_ids) - done)
+        if self.prefix is not None:  # no chunk crosses a grid point
+            n = min(n, (done // self.prefix.interval + 1) * self.prefix.interval - done)
+        return n
+
     def _chunked(self) -> list[int]:
         """The prefilling slots the next chunk goes on with: all of them, or with `mixed` beside
         decoding slots the one with the fewest prompt tokens left (the module's docstring)."""
@@ -229,7 +248,7 @@ class Scheduler:
         if all(p is None for p in self.prefilled):
             return None
         chunked = self._chunked()
-        c = self.chunk_width(len(chunked))
+        c = self._fitted(self.chunk_width(len(chunked)), chunked)
         p = PrefillChunk(start=start, tokens=np.zeros((b, c), np.int32), next_tokens=np.zeros((b, c), np.int32),
                          valid=np.zeros(b, np.int32), ends=np.zeros(b, bool), owners=[None] * b,
                          temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),
@@ -241,9 +260,7 @@ class Scheduler:
         for slot in chunked:
             done, r = self.prefilled[slot], self.slots[slot]
             prompt = r.prompt_ids
-            n = min(c, len(prompt) - done)
-            if self.prefix is not None:  # no chunk crosses a grid point
-                n = min(n, (done // self.prefix.interval + 1) * self.prefix.interval - done)
+            n = self._take(slot, c)
             p.tokens[slot, :n] = prompt[done:done + n]
             # Each token's successor in the prompt (the NEXTN pairs); the last one's is sampled later.
             succ = prompt[done + 1:done + n + 1]

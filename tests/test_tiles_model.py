@@ -136,8 +136,8 @@ def test_scheduler_sizes_chunks_with_the_model(mixed):
     sched = Scheduler(slots, 256, eos_id=None, sizer=sizer, decode_width=width, mixed=mixed)
     short, long = _request(40), _request(600)
     sched.add(short)
-    first = sched.next_chunk()  # nobody decodes yet: the widest chunk
-    assert first.tokens.shape == (slots, 256) and first.valid[0] == 40 and first.ends[0]
+    first = sched.next_chunk()  # nobody decodes yet: the widest chunk, narrowed to the 40 tokens
+    assert first.tokens.shape == (slots, 64) and first.valid[0] == 40 and first.ends[0]
     assert sched.decoding()[0] is short
     sched.add(long)
     second = sched.next_chunk()  # the short request decodes now: the model's width
@@ -148,6 +148,32 @@ def test_scheduler_sizes_chunks_with_the_model(mixed):
     fixed = Scheduler(slots, 64, eos_id=None)  # no model: the fixed chunk, as before
     fixed.add(_request(200))
     assert fixed.next_chunk().tokens.shape == (slots, 64)
+
+
+@pytest.mark.parametrize("interval", [None, 96])
+def test_a_prompts_last_chunk_takes_the_narrowest_width_that_holds_it(interval):
+    """What a prompt has left, up to its end (or, with the prefix cache, its next grid point),
+    runs at the narrowest of the sizer's widths that holds it, never wider than the sizer's pick:
+    no padding rows through the layers. Two prompts in one chunk: the longer rest decides."""
+    from serve.prefix_cache import PrefixIndex
+
+    m = _model(step_overhead_us=2_000.0)
+    sizer = tiles.ChunkSizer(m, budget_us=1e9, candidates=(32, 128, 256), rows=2, layers=4)
+    prefix = None if interval is None else PrefixIndex(entries=64, interval=interval)
+    sched = Scheduler(2, 256, eos_id=None, sizer=sizer, prefix=prefix)
+    sched.add(_request(300))
+    widths, valid = [], []
+    while (chunk := sched.next_chunk()) is not None:
+        widths.append(chunk.tokens.shape[1])
+        valid.append(int(chunk.valid[0]))
+    # 300 = 256 + 44; with checkpoints every 96 tokens: 96 + 96 + 96 + 12
+    assert (widths, valid) == (([256, 128], [256, 44]) if interval is None else
+                               ([128, 128, 128, 32], [96, 96, 96, 12]))
+    both = Scheduler(2, 256, eos_id=None, sizer=sizer)
+    both.add(_request(20))
+    both.add(_request(100))
+    chunk = both.next_chunk()
+    assert chunk.tokens.shape == (2, 128) and list(chunk.valid) == [20, 100]
 
 
 @pytest.mark.parametrize("decode,overhead_us,expect", [(16, 0.0, "narrowest"), (96, 1e6, "widest"),
