@@ -82,6 +82,16 @@ def split_rows(flat, shapes):
     return [part.reshape(b, t, flat.shape[-1]) for part, (b, t) in zip(parts, shapes)]
 
 
+def real_rows(shapes, valids, forms):
+    """[N] bool over several batches' rows (`join_rows` order): a prefill batch's rows past its
+    valid tokens (a chunk's padding) are not real. None where no batch is a prefill: a step's
+    rows are its slots' tokens (a done slot's are left to it, not masked at a launch a layer)."""
+    if "prefill" not in forms:
+        return None
+    return jnp.concatenate([((jnp.arange(t)[None] < v[:, None]) if form == "prefill" else jnp.ones((b, t), bool))
+                            .reshape(-1) for (b, t), v, form in zip(shapes, valids, forms)])
+
+
 class DecoderLayer(nnx.Module):
     """x + attn(norm(x)), then + mlp(norm(x)). `index` selects the attention and MLP kinds and the
     SwiGLU limits; the NEXTN layer is index num_hidden_layers (MLA + MoE)."""
@@ -133,10 +143,11 @@ class DecoderLayer(nnx.Module):
         normed, x = self.post_attention_layernorm(self.attention.o_proj(join_rows(outs)), residual=x)
         sizes = [b * t for b, t in shapes]
         n_decode = sum(n for n, form in itertools.takewhile(lambda p: p[1] != "prefill", zip(sizes, forms)))
+        live = real_rows(shapes, valids, forms)
         if len(shapes) == 1:  # one batch: the MLP sees its [B, T, D] (offline.routing's stand-in records it so)
-            y = self.mlp(normed.reshape(*shapes[0], -1))
+            y = self.mlp(normed.reshape(*shapes[0], -1), live=live)
         else:
-            y = self.mlp(normed[None], n_decode=n_decode if 0 < n_decode < x.shape[0] else None)
+            y = self.mlp(normed[None], n_decode=n_decode if 0 < n_decode < x.shape[0] else None, live=live)
         out = Residual(x, y.reshape(x.shape))
         return (out if defer else out.total()), new
 

@@ -110,7 +110,8 @@ class SwiGLUMLP(nnx.Module):
         return expert_weights(self.w13, self.w2)
 
     @jax.named_scope("mlp")
-    def __call__(self, x, n_decode=None):  # [..., D]; n_decode: as `MoE`'s (one expert: nothing to schedule)
+    def __call__(self, x, n_decode=None, live=None):  # [..., D]; n_decode, live: as `MoE`'s (a dense MLP
+        # has nothing to schedule or skip: every row reads the same weights)
         flat = x.reshape(-1, x.shape[-1])
         m = flat.shape[0]
         w13, w2 = self.expert_weights()
@@ -181,13 +182,14 @@ class MoE(nnx.Module):
             return None
         return SharedExpert(s13, s2, self.shared_experts.limit)
 
-    def __call__(self, x, n_decode=None):
+    def __call__(self, x, n_decode=None, live=None):
         """x [B, T, D]. n_decode (static): None, or the flattened rows [0, n_decode) are a mixed
         iteration's decode tokens and the rest a prefill chunk's (one tile-scheduled launch, decode
         tiles first, on one device; expert parallelism, and `mixed_launch` "grouped", run them as
-        any other tokens). At decode
-        and verify sizes the shared expert runs in the routed experts' launches
-        (`shared_in_launch`)."""
+        any other tokens). live: None, or [B * T] bool over the flattened rows: the others (a
+        chunk's padding) take no routed expert on one device (their pairs are skipped: no expert
+        reads or computes them; their output is the shared expert's alone). At decode and verify
+        sizes the shared expert runs in the routed experts' launches (`shared_in_launch`)."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         if self.mixed_launch == "grouped":  # the union as any other tokens (`MIXED_LAUNCHES`)
@@ -202,9 +204,12 @@ class MoE(nnx.Module):
                                 compute=functools.partial(routed_experts, backend=self.kernels))
             shared = None
         else:
-            shared = None if n_decode is not None else self.shared_in_launch(flat.shape[0], w13, w2)
+            skips = live is not None
+            if skips:  # id E: a skipped pair (in the shared launch E names the shared expert: not there)
+                ids = jnp.where(live[:, None], ids, num_experts(w13))
+            shared = None if n_decode is not None or skips else self.shared_in_launch(flat.shape[0], w13, w2)
             y = routed_experts(flat, ids, weights, w13, w2, swiglu_limit=self.swiglu_limit, backend=self.kernels,
-                               n_decode=n_decode, shared=shared)
+                               n_decode=n_decode, shared=shared, skips=skips)
         if self.shared_experts is not None and shared is None:
             y = y + self.shared_experts(flat)
         return y.reshape(b, t, d)

@@ -54,9 +54,9 @@ class _Tap:
     def __init__(self, moe: MoE, sink: list, dense: bool):
         self.moe, self.sink, self.dense = moe, sink, dense
 
-    def __call__(self, x):
+    def __call__(self, x, live=None):  # live: as `MoE`'s (the dense stand-in computes every row)
         self.sink.append(x)
-        return dense_experts_moe(self.moe, x) if self.dense else self.moe(x)
+        return dense_experts_moe(self.moe, x) if self.dense else self.moe(x, live=live)
 
 
 def _moe_layers(model) -> list:

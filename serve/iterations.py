@@ -17,6 +17,8 @@ iteration on the device, which is what every running stream waits between delive
   mixed        whether the chunk and the step were one program (`Runner.mixable`)
   predicted_ms the tile model's iteration for that work (`moe.tiles.predicted_iteration_us`; null
                without `--tile-model`), over moe_layers MoE layers
+  gc_ms        the process's garbage collections since the previous read (every thread stops for
+               them); gc_full: how many of them were full (generation 2)
 
 `summary(path, over_ms)` reads a log back: the iterations beyond a time, grouped by what ran in
 them; `python -m serve.iterations PATH --over-ms MS` prints it. `refit(path, model)` fits the tile
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import time
 
@@ -44,6 +47,16 @@ class IterationLog:
         self._pending: collections.deque = collections.deque()  # steps dispatched, tokens not read
         self._t0 = time.perf_counter()
         self._last: float | None = None
+        self._gc_start, self._gc_s, self._gc_full = 0.0, 0.0, 0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        """`gc.callbacks`: times each collection (any thread's; all wait for it)."""
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self._gc_s += time.perf_counter() - self._gc_start
+            self._gc_full += info["generation"] == 2
 
     def record(self, chunk, owners: list, *, mixed: bool, stepped: bool, read: bool, host_s: float) -> None:
         """After one `Runner.iterate(chunk, owners)` that took host_s: `read` whether it returned a
@@ -56,7 +69,8 @@ class IterationLog:
         now = time.perf_counter() - self._t0
         line = self._pending.popleft()
         line.update(t=round(now, 4), gap_ms=None if self._last is None else round((now - self._last) * 1e3, 3),
-                    host_ms=round(host_s * 1e3, 3))
+                    host_ms=round(host_s * 1e3, 3), gc_ms=round(self._gc_s * 1e3, 3), gc_full=self._gc_full)
+        self._gc_s, self._gc_full = 0.0, 0
         self._last = now
         self._file.write(json.dumps(line) + "\n")
 
@@ -85,6 +99,8 @@ class IterationLog:
         self._pending.clear()
 
     def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         self._file.close()
 
 
@@ -106,8 +122,12 @@ def summary(path: str, over_ms: float) -> dict:
         "median_ms": float(np.median(gaps)) if gaps.size else None,
         "p99_ms": float(np.percentile(gaps, 99)) if gaps.size else None,
         "over": {k: {"count": len(xs), "mean_gap_ms": float(np.mean([x["gap_ms"] for x in xs])),
-                     "mean_predicted_ms": float(np.mean(predicted(xs))) if predicted(xs) else None}
+                     "mean_predicted_ms": float(np.mean(predicted(xs))) if predicted(xs) else None,
+                     "mean_gc_ms": float(np.mean([x.get("gc_ms", 0.0) for x in xs])),
+                     "full_gc": sum(x.get("gc_full", 0) for x in xs)}
                  for k, xs in sorted(groups.items())},
+        "gc_ms": float(sum(x.get("gc_ms", 0.0) for x in lines)),
+        "full_gc": sum(x.get("gc_full", 0) for x in lines),
     }
 
 
@@ -178,10 +198,11 @@ def describe(s: dict, over_ms: float) -> str:
     if s["median_ms"] is None:
         return f"{s['iterations']} iterations: too few to time (the first read has no gap)"
     lines = [f"{s['iterations']} iterations; gap median {s['median_ms']:.2f} ms, P99 {s['p99_ms']:.2f} ms; "
-             f"over {over_ms:g} ms:"]
+             f"garbage collection {s['gc_ms']:.1f} ms in all ({s['full_gc']} full); over {over_ms:g} ms:"]
     for kind, g in s["over"].items():
         pred = "—" if g["mean_predicted_ms"] is None else f"{g['mean_predicted_ms']:.2f} ms"
-        lines.append(f"  {kind}: {g['count']}, mean {g['mean_gap_ms']:.2f} ms (predicted {pred})")
+        lines.append(f"  {kind}: {g['count']}, mean {g['mean_gap_ms']:.2f} ms (predicted {pred}; garbage "
+                     f"collection {g['mean_gc_ms']:.2f} ms, {g['full_gc']} full)")
     return "\n".join(lines)
 
 

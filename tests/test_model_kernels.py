@@ -141,3 +141,35 @@ def test_a_grouped_forward_equals_separate_calls(backend, launch, monkeypatch):
         assert_model_close(hidden, want_hidden, "interpret" if backend == "reference" else backend, "hidden")
         for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want_state)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [3, 24])  # the fused kernels' sizes (a skipped pair borrows), the grouped GEMM's
+@pytest.mark.parametrize("backend", ["reference", *KERNELS])
+def test_a_chunks_padding_rows_take_no_routed_expert(backend, rows, monkeypatch):
+    """`MoE(x, live=mask)`: the real rows' output is the unmasked block's, the others' the shared
+    expert's alone, and the routed experts receive the others' pairs as skipped (id E, weight 0);
+    `real_rows` marks a prefill batch's rows past its valid tokens, and no other batch's."""
+    import moe.block
+    from ling.model import real_rows
+    from moe.block import MoE
+
+    model = ling.load("ling-tiny", dtype="float32", seed=6)
+    ling.use_kernels(model, backend)
+    block = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
+    e = block.w13.shape[0]
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, rows // 2 + 1, model.cfg.hidden_size)), jnp.float32)
+    b, t, _ = x.shape
+    live = real_rows([(1, 2), (b, t)], [jnp.asarray([2]), jnp.asarray([t, 1])], ["verify", "prefill"])
+    assert real_rows([(b, t)], [jnp.asarray([t, 1])], ["decode"]) is None
+    np.testing.assert_array_equal(np.asarray(live), [True, True] + [True] * t + [True] + [False] * (t - 1))
+    live = live[2:]
+    seen, real = [], moe.block.routed_experts
+    monkeypatch.setattr(moe.block, "routed_experts", lambda *a, **kw: seen.append((a[1], a[2], kw)) or real(*a, **kw))
+    want, got = block(x), block(x, live=live)
+    ids, weights, kw = [call for call in seen if "skips" in call[2]][-1]  # not the shared expert's own call
+    assert kw["skips"] and kw["shared"] is None
+    assert np.all(np.asarray(ids)[~np.asarray(live)] == e) and np.all(np.asarray(ids)[np.asarray(live)] < e)
+    flat_want, flat_got = np.asarray(want).reshape(b * t, -1), np.asarray(got).reshape(b * t, -1)
+    np.testing.assert_allclose(flat_got[np.asarray(live)], flat_want[np.asarray(live)], rtol=1e-5, atol=1e-6)
+    shared = np.asarray(block.shared_experts(x.reshape(b * t, -1)))
+    np.testing.assert_allclose(flat_got[~np.asarray(live)], shared[~np.asarray(live)], rtol=1e-5, atol=1e-6)

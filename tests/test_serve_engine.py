@@ -430,6 +430,7 @@ def test_the_iteration_log_says_what_ran_beside_each_step(runner, mixed_runner, 
     assert [x["chunk"] for x in beside] == [CHUNK] * 4 + [2] and [x["ended"] for x in beside] == [0] * 4 + [1]
     assert all(x["mixed"] == mixed and x["width"] == CHUNK for x in beside)
     assert lines[0]["gap_ms"] is None and all(x["gap_ms"] >= 0 and x["predicted_ms"] is None for x in lines[1:])
+    assert all(x["gc_ms"] >= 0 and x["gc_full"] >= 0 for x in lines)
     over = summary(path, over_ms=-1.0)["over"]
     assert sum(g["count"] for g in over.values()) == len(lines) - 1
     assert over[("mixed" if mixed else "step + chunk") + ", ending a prompt"]["count"] == 1
@@ -458,6 +459,37 @@ def test_the_iteration_log_predicts_each_iteration_by_the_tile_model(tmp_path):
             predicted_iteration_us(model, 0, rows=1, layers=14, decode_tokens=3 * (STEPS + 1))]
     assert [x["predicted_ms"] for x in lines] == [round(w / 1e3, 3) for w in want]
     assert lines[0]["chunk"] == 200 and lines[0]["ended"] == 1 and lines[0]["mixed"] and not lines[1]["chunk"]
+
+
+def test_the_iteration_log_times_the_garbage_collections_between_reads(tmp_path):
+    """A full collection between two reads is in the second line (gc_ms, gc_full), and only
+    there; closing the log stops its timing; `serve.run.freeze_heap` moves the objects alive to
+    the permanent generation."""
+    import gc
+
+    from serve.iterations import IterationLog, summary
+    from serve.run import freeze_heap
+
+    path = str(tmp_path / "iterations.jsonl")
+    log = IterationLog(path, decode_width=1)
+    owners = ["a", None]
+    gc.disable()  # no collection but the test's own
+    try:
+        log.record(None, owners, mixed=False, stepped=True, read=False, host_s=0.0)
+        log.record(None, owners, mixed=False, stepped=True, read=True, host_s=0.0)
+        gc.collect()
+        log.record(None, owners, mixed=False, stepped=False, read=True, host_s=0.0)
+    finally:
+        gc.enable()
+    log.close()
+    assert log._on_gc not in gc.callbacks
+    first, second = [json.loads(x) for x in open(path)]
+    assert second["gc_full"] >= 1 and second["gc_ms"] > 0 and first["gc_full"] == 0
+    assert summary(path, over_ms=-1.0)["full_gc"] >= 1
+    try:
+        assert freeze_heap() > 0 and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
 
 
 def test_the_tile_model_refits_to_a_logs_mixed_iterations(tmp_path, capsys):
