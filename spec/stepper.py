@@ -183,11 +183,14 @@ class Stepper:
     Batch buckets: `step(live=mask)` steps only the slots the host marks live. The smallest bucket
     K >= their number is picked (`buckets`, default (B,): always every slot); the step's program
     for K runs a batch of K rows, the live slots padded with padding rows (`view_rows`, in the
-    sense of `pallas_kernels.slot_rows`: marked done, they emit nothing, route nothing to an
-    expert and write no state). Each row's bookkeeping (tokens, sampling parameters, counts) is
-    gathered and scattered back; the model state stays whole, and the attention kernels read and
-    write the rows' slots in place (`ling.state.at_rows`), so an idle slot costs no expert reads,
-    no attention and no state traffic, and a live one no copy of its state.
+    sense of `pallas_kernels.slot_rows`: marked done, they emit nothing and write no state; their
+    tokens still run through the layers, the routed experts included). Each row's bookkeeping
+    (tokens, sampling parameters, counts) is gathered and scattered back; the model state stays
+    whole, and the attention kernels read and write the rows' slots in place
+    (`ling.state.at_rows`), so an idle slot outside the bucket costs no expert reads, no attention
+    and no state traffic, and a live one no copy of its state. (A done slot inside the bucket, or
+    every slot with the one bucket B, still routes its rows: masking them would cost the step a
+    launch a MoE layer.)
 
     Context buckets: `step(context=n)` says the live slots hold at most n positions once the step
     has run (lengths plus the step's width). Where the step's attention reads the whole cache (the
@@ -258,7 +261,7 @@ class Stepper:
             # cut to the context instead.
             in_place = rows is not None and not cuts
             s = view_rows(full, rows) if in_place else gather_rows(full, rows, context)
-            if rows is not None:  # a padding row is done: it emits nothing, routes nothing, writes no state
+            if rows is not None:  # a padding row is done: it emits nothing and writes no state
                 s = s.replace(done=s.done | (rows >= full.done.shape[0]))
             before = s.n_out
             if chunk is not None:  # the mixed iteration: the chunk's rows beside the step's, one forward for both
