@@ -22,12 +22,12 @@ def test_flags_are_checked():
 
 
 @pytest.mark.parametrize("together", [False, True])
-def test_servers_run_and_a_failed_start_is_reported(tmp_path, monkeypatch, capsys, together):
+def test_servers_run_and_a_failed_start_is_reported(tmp_path, tmp_path_factory, monkeypatch, capsys, together):
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    cache = tmp_path / "jax-cache"
+    cache = tmp_path_factory.getbasetemp() / "bench-served-jax-cache"  # the second start loads the first's programs
     rc = served.main(["--server", "broken=--max-batch 0",
-                      "--server", f"small=--max-batch 2 --max-seq-len 512 --compile-cache {cache}",
+                      "--server", f"small=--max-batch 2 --max-seq-len 512 --batch-buckets off --compile-cache {cache}",
                       "--bench", "--num-prompts 2 --random-input-len 16 --random-output-len 4 --concurrency 2",
                       "--start-timeout", "600"] + (["--together", "--iteration-log"] if together else []))
     doc = json.loads((tmp_path / "served.json").read_text())["results"]

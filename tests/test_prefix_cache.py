@@ -150,9 +150,10 @@ def runners(model, request):
 
     made = []
     for entries in (0, 12):
-        # the cached runner runs mixed iterations: restores, checkpoints and a mixed program together
+        # the cached runner runs mixed iterations: restores, checkpoints and a mixed program together;
+        # one batch bucket (the programs to compile: a third)
         r = Runner(model, max_batch=SLOTS, max_seq_len=CONTEXT, speculative_steps=request.param,
-                   prefix_entries=entries, prefix_interval=I, mixed=entries > 0)
+                   prefix_entries=entries, prefix_interval=I, mixed=entries > 0, buckets=(SLOTS,))
         r.warmup_prefill(I)
         r.warmup_mixed(I)
         r.warmup_prefix()

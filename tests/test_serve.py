@@ -27,10 +27,11 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def running(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    # Mixed iterations on (off by default on CPU): every HTTP test below runs through them too.
+    # Mixed iterations on (off by default on CPU): every HTTP test below runs through them too. One
+    # batch bucket, a third of the programs to compile: the engine's tests cross the buckets' edges.
     s = Server(["--max-batch", str(BATCH), "--max-seq-len", str(CONTEXT), "--prefill-chunk", str(CHUNK), "--dtype",
                 "float32", "--speculative-num-steps", "3", "--api-key", KEY, "--profile-dir", str(tmp / "profiles"),
-                "--mixed-iteration", "on"], tmp)
+                "--mixed-iteration", "on", "--batch-buckets", "off"], tmp)
     try:
         yield s
     finally:

@@ -25,9 +25,9 @@ def model():
     return ling.load("ling-tiny", dtype="float32", seed=1)
 
 
-def make_runner(model, steps, contexts=(), mixed=False, steps_per_call=1):
+def make_runner(model, steps, contexts=(), mixed=False, steps_per_call=1, buckets=None):
     r = Runner(model, max_batch=SLOTS, max_seq_len=CONTEXT, speculative_steps=steps, contexts=contexts, mixed=mixed,
-               steps_per_call=steps_per_call)
+               steps_per_call=steps_per_call, buckets=buckets)
     r.warmup_prefill(CHUNK)
     r.warmup_step()
     r.warmup_mixed(CHUNK)
@@ -106,7 +106,7 @@ def test_interleaved_serving_equals_plain_greedy(model, runner, mixed_runner, sp
     if speculative:
         runner = mixed_runner if mixed else runner
     else:  # plain: models without a NEXTN layer
-        runner = make_runner(model, 0, mixed=mixed)
+        runner = make_runner(model, 0, mixed=mixed, buckets=(SLOTS,))
     mixes, apart = counting_mixed(runner, monkeypatch)
     rng = np.random.default_rng(0)
     lengths, max_new = (40, 7, 50, 23, 33, 3), (30, 24, 12, 30, 20, 25)
@@ -129,13 +129,13 @@ def test_mixed_iterations_compile_nothing_after_warm_up(model, mixed_runner):
     assert mixed_runner.stepper._step._cache_size() == compiled
 
 
-def record_step_calls(runner, index):
-    """Wraps the stepper's step program so that every call's positional argument `index` is kept;
+def record_step_calls(runner):
+    """Wraps the stepper's step program so that every call's positional arguments are kept;
     returns the program and the list they go to."""
     real, calls = runner.stepper._step, []
 
     def recording(*args):
-        calls.append(args[index])
+        calls.append(args)
         return real(*args)
 
     runner.stepper._step = recording
@@ -150,12 +150,16 @@ def bound_holds_device(runner, sched):
 
 
 @pytest.mark.parametrize("speculative", [True, False])
-def test_context_buckets_change_no_output_and_hold_every_slot(model, speculative):
+def test_context_buckets_and_calls_of_several_steps_change_no_output(model, speculative):
     """With cache lengths 32 and 64 compiled beside the whole 160 (+ width), the calls run the
-    shortest that holds their slots as the requests grow across both edges: the outputs are plain
-    greedy's, the runner's bound on each busy slot's positions never falls below the device's, and
-    every program they run was compiled by the warm-up."""
-    runner = make_runner(model, STEPS if speculative else 0, contexts=(32, 64))
+    shortest that holds their slots as the requests grow across both edges; speculative, a call
+    runs 4 steps while no prompt is prefilling (`Runner(steps_per_call=4)`). The outputs are plain
+    greedy's, calls of 4 steps did run, the runner's bound on each busy slot's positions never
+    falls below the device's, and every program they run was compiled by the warm-up. (One batch
+    bucket: `test_buckets` crosses their edges.)"""
+    steps_per_call = 4 if speculative else 1
+    runner = make_runner(model, STEPS if speculative else 0, contexts=(32, 64), steps_per_call=steps_per_call,
+                         buckets=(SLOTS,))
     compiled = runner.stepper._step._cache_size(), runner.prefiller._call._cache_size()
     assert runner.stepper.contexts == runner.prefiller.contexts == (32, 64)  # the reference attention
     rng = np.random.default_rng(5)
@@ -163,30 +167,13 @@ def test_context_buckets_change_no_output_and_hold_every_slot(model, speculative
     prompts = [rng.integers(2, model.cfg.vocab_size, n).tolist() for n in lengths]
     reference = generate_batch(model, prompts, max(max_new), speculative=False, prefill_chunk=CHUNK)
     requests = [Request(p, Sampling(max_tokens=n, temperature=0.0)) for p, n in zip(prompts, max_new)]
-    real, contexts = record_step_calls(runner, 7)
+    real, calls = record_step_calls(runner)
     got = serve(runner, requests, arrivals=(0, 0, 1, 4, 6), check=partial(bound_holds_device, runner))
     assert got == [ref[:n] for ref, n in zip(reference, max_new)]
-    assert set(contexts) == {32, 64, None}
+    assert {args[7] for args in calls} == {32, 64, None}  # the context
+    steps = [args[9] for args in calls]
+    assert set(steps) == {1, steps_per_call} and steps.count(steps_per_call) >= 5
     assert (real._cache_size(), runner.prefiller._call._cache_size()) == compiled
-
-
-def test_calls_of_several_steps_serve_plain_greedy(model):
-    """With 4 speculative steps a call while no prompt is prefilling (`Runner(steps_per_call=4)`) and requests
-    arriving mid-run, across cache-length buckets: the outputs are plain greedy's, calls of 4 steps
-    did run, the runner's bound on each busy slot's positions never falls below the device's, and
-    every program the run needs was compiled by the warm-up."""
-    runner = make_runner(model, STEPS, contexts=(32, 64), steps_per_call=4)
-    compiled = runner.stepper._step._cache_size()
-    rng = np.random.default_rng(8)
-    lengths, max_new = (20, 7, 50, 23, 9), (30, 40, 12, 50, 20)
-    prompts = [rng.integers(2, model.cfg.vocab_size, n).tolist() for n in lengths]
-    reference = generate_batch(model, prompts, max(max_new), speculative=False, prefill_chunk=CHUNK)
-    requests = [Request(p, Sampling(max_tokens=n, temperature=0.0)) for p, n in zip(prompts, max_new)]
-    real, steps = record_step_calls(runner, 9)  # the steps a call
-    got = serve(runner, requests, arrivals=(0, 0, 1, 4, 6), check=partial(bound_holds_device, runner))
-    assert got == [ref[:n] for ref, n in zip(reference, max_new)]
-    assert set(steps) == {1, 4} and steps.count(4) >= 5
-    assert real._cache_size() == compiled
 
 
 @pytest.mark.parametrize("mixed", [False, True])
@@ -518,6 +505,7 @@ def test_the_tile_model_refits_to_a_logs_mixed_iterations(tmp_path, capsys):
     fitted = TileModel.load(str(out))
     assert fitted.step_overhead_us == pytest.approx(16_000.0) and fitted.chunk_us_per_token == pytest.approx(20.0)
     assert fitted.moe == model.moe and fitted.info["step_overhead"]["iterations"] == 4
+    assert fitted.info["step_overhead"]["held_out_mean_rel_err"] == pytest.approx(0.0, abs=1e-9)  # the 4th point
     assert "4 mixed iterations" in capsys.readouterr().out
     for x in lines:
         del x["moe_layers"]

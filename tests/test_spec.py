@@ -208,11 +208,18 @@ def test_calls_of_several_steps_equal_one_step_calls(model, speculative, tempera
     p = prompts(5, (11, 26), model.cfg.vocab_size)
     width = S + 1 if speculative else 1
 
+    steppers = {}  # by steps_per_call: a stepper handed new slots keeps its compiled calls
+
     def stream(steps_per_call, ones=()):
         slots = new_slots(model, 2, 26 + 30 + width + 1, 30 + width)
         slots = prefill(model, slots, p, [True, True], SamplingParams.make(2, temperature=temperature, seed=3),
                         [13, 30], [-1, -1])
-        stepper = Stepper(model, slots, speculative=speculative, num_steps=S, steps_per_call=steps_per_call)
+        if steps_per_call in steppers:
+            stepper = steppers[steps_per_call]
+            stepper.slots = slots
+        else:
+            stepper = steppers[steps_per_call] = Stepper(model, slots, speculative=speculative, num_steps=S,
+                                                         steps_per_call=steps_per_call)
         assert stepper.sampling == (temperature > 0)
         out, ran, calls = [[int(t)] for t in np.asarray(slots.out[:, 0])], np.zeros(2, int), 0
         while True:
