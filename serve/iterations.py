@@ -137,7 +137,9 @@ def refit(path: str, model):
     gap): the time a stream waited is the iteration's cost while the device is the bottleneck).
     The log must come from a server with a tile model (its lines name the MoE layers). Returns
     (the fitted model, the points' count, their mean gap and the fitted model's mean prediction,
-    both in ms); ValueError when the log has no mixed iteration to fit."""
+    both in ms). The model's info records the mean relative error on every fourth point of the
+    log, predicted by the line fitted to the others (None under four points). ValueError when
+    the log has no mixed iteration to fit."""
     from moe.tiles import fit_overhead, predicted_iteration_us
 
     lines = [json.loads(s) for s in open(path) if s.strip()]
@@ -156,10 +158,17 @@ def refit(path: str, model):
         raise ValueError(f"{path}: lines of models with different MoE layers {sorted(layers)}")
     layers = layers.pop()
     points = [(x["decode_tokens"], x["prompts"] * x["width"], x["gap_ms"] * 1e3) for x in mixed]
+    predict = lambda m, x: predicted_iteration_us(m, x["width"], rows=x["prompts"], layers=layers,  # noqa: E731
+                                                  decode_tokens=x["decode_tokens"], mixed=True) / 1e3
+    # held out: every fourth point, predicted by the line fitted to the other three
+    held = [i for i in range(len(points)) if i % 4 == 3]
+    err = None
+    if held:
+        part = fit_overhead(model, [p for i, p in enumerate(points) if i % 4 != 3], layers=layers)
+        err = float(np.mean([abs(predict(part, mixed[i]) / mixed[i]["gap_ms"] - 1) for i in held]))
     fitted = fit_overhead(model, points, layers=layers, info=dict(step_overhead=dict(
-        fitted_to=path, iterations=len(points), layers=layers)))
-    predicted = [predicted_iteration_us(fitted, x["width"], rows=x["prompts"], layers=layers,
-                                        decode_tokens=x["decode_tokens"], mixed=True) / 1e3 for x in mixed]
+        fitted_to=path, iterations=len(points), layers=layers, held_out=len(held), held_out_mean_rel_err=err)))
+    predicted = [predict(fitted, x) for x in mixed]
     return fitted, len(points), float(np.mean([x["gap_ms"] for x in mixed])), float(np.mean(predicted))
 
 
@@ -188,9 +197,11 @@ def main(argv=None) -> None:
         except (OSError, ValueError) as e:
             raise SystemExit(f"python -m serve.iterations: {e}") from None
         fitted.save(args.out)
+        err = fitted.info["step_overhead"]["held_out_mean_rel_err"]
+        held = "" if err is None else f"; held out (every fourth), mean error {err:.1%}"
         print(f"{n} mixed iterations, mean {gap:.2f} ms; fitted: step_overhead_us {fitted.step_overhead_us:.0f} + "
               f"chunk_us_per_token {fitted.chunk_us_per_token:.2f} x chunk tokens (mean prediction {predicted:.2f} "
-              f"ms); written to {args.out}")
+              f"ms{held}); written to {args.out}")
 
 
 def describe(s: dict, over_ms: float) -> str:
