@@ -36,7 +36,7 @@ def make_runner(model, steps, contexts=(), mixed=False, steps_per_call=1, bucket
 
 @pytest.fixture(scope="module")
 def runner(model):
-    return make_runner(model, STEPS)
+    return make_runner(model, STEPS, buckets=(SLOTS,))  # one bucket: the mixed runner crosses their edges
 
 
 @pytest.fixture(scope="module")
