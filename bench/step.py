@@ -23,7 +23,9 @@ live and stepped in a batch bucket of B rows, as the server steps them), a promp
 first. Per mode:
   served   wall-clock time a step, K steps back to back through the Stepper (what a client waits
            for: the host's dispatch and the device's work overlap, so it is the larger of the two)
-  dispatch the host's own time to queue a step (K steps queued, none read back)
+  dispatch the host's own time to queue a step (K steps queued, none read back); mode mixed
+           queues through `Stepper.step`, which reads the previous call's report: its figure
+           includes that wait for the device
   span     the device time of one step run alone (first kernel's start to last kernel's end)
   host     the host's events while it dispatches K steps (profiler), by name: where dispatch goes
   stream   over the K back-to-back steps, a step's share of the device span, of kernel busy time
