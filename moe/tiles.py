@@ -221,18 +221,21 @@ class TileModel:
 def fit_overhead(model: TileModel, points, *, layers: int, info: dict | None = None) -> TileModel:
     """`model` with its iteration outside the MoE launches fitted to measured mixed iterations.
 
-    points: (decode_tokens, chunk_tokens, iteration_us) of mixed iterations (one launch a layer
-    over the union of the step's and the chunk's tokens, `layers` MoE layers). Each gives
-    rest = iteration_us - layers * launch_us(expected_tiles(decode_tokens + chunk_tokens)). Two or
+    points: (decode_tokens, chunk_tokens, iteration_us[, real_tokens]) of mixed iterations (one
+    launch a layer over the union of the step's and the chunk's tokens, `layers` MoE layers);
+    chunk_tokens counts the chunk's rows with their padding, real_tokens (default chunk_tokens)
+    the prompt tokens among them, the only ones that take routed experts. Each point gives
+    rest = iteration_us - layers * launch_us(expected_tiles(decode_tokens + real_tokens)). Two or
     more chunk sizes: rest = step_overhead_us + chunk_us_per_token * chunk_tokens by least squares
     (a slope below 0, noise over too narrow a spread, taken as 0: the overhead is then their mean);
     one size: the model's chunk_us_per_token kept and step_overhead_us set to match on average.
     info: merged into the model's info (provenance). ValueError without points."""
-    pts = np.asarray([(d, c, t) for d, c, t in points], np.float64).reshape(-1, 3)
+    pts = np.asarray([(p[0], p[1], p[2], p[3] if len(p) > 3 else p[1]) for p in points],
+                     np.float64).reshape(-1, 4)
     if not len(pts):
         raise ValueError("no mixed iteration to fit the overhead to")
     chunks = pts[:, 1]
-    rest = np.array([t - layers * model.launch_us(model.expected_tiles(int(d + c))) for d, c, t in pts])
+    rest = np.array([t - layers * model.launch_us(model.expected_tiles(int(d + r))) for d, _, t, r in pts])
     if len(set(chunks)) > 1:
         per_token, overhead = np.polyfit(chunks, rest, 1)
         if per_token < 0:
@@ -274,15 +277,19 @@ def largest_chunk(model: TileModel, *, budget_us: float, candidates, rows: int, 
 
 
 def predicted_iteration_us(model: TileModel, chunk: int, *, rows: int, layers: int, decode_tokens: int = 0,
-                           decode_counts=None, probs=None, mixed: bool = False) -> float:
-    """The model's iteration with a chunk of width `chunk` (arguments as `largest_chunk`)."""
+                           decode_counts=None, probs=None, mixed: bool = False,
+                           real_tokens: int | None = None) -> float:
+    """The model's iteration with a chunk of width `chunk` (arguments as `largest_chunk`);
+    real_tokens: the prompt tokens in the chunk's rows * chunk (default all of them), the only
+    ones its MoE launches take (padding rows skip the routed experts, `moe.block.MoE`)."""
     if decode_counts is not None:
         x_d = float(x_moe(decode_counts, model.block_m))
         decode_tokens = int(np.sum(decode_counts))
     else:
         x_d = model.expected_tiles(decode_tokens, probs)
-    x_p = model.expected_tiles(rows * chunk, probs)
-    x_u = model.expected_tiles(decode_tokens + rows * chunk, probs) if mixed else None
+    real = rows * chunk if real_tokens is None else real_tokens
+    x_p = model.expected_tiles(real, probs)
+    x_u = model.expected_tiles(decode_tokens + real, probs) if mixed else None
     return model.iteration_us(decode_tiles=x_d, prefill_tiles=x_p, layers=layers, union_tiles=x_u,
                               chunk_tokens=rows * chunk)
 

@@ -89,7 +89,8 @@ class IterationLog:
             from moe.tiles import predicted_iteration_us
 
             us = predicted_iteration_us(self._sizer.model, width, rows=max(prompts, 1), layers=self._sizer.layers,
-                                        decode_tokens=decoding * self._width, mixed=line["mixed"])
+                                        decode_tokens=decoding * self._width, mixed=line["mixed"],
+                                        real_tokens=tokens if prompts else None)
             line.update(predicted_ms=round(us / 1e3, 3), moe_layers=self._sizer.layers)
         return line
 
@@ -134,7 +135,8 @@ def summary(path: str, over_ms: float) -> dict:
 def refit(path: str, model):
     """`model` (a `moe.tiles.TileModel`) with its step_overhead_us and chunk_us_per_token fitted
     to the mixed iterations of the log at `path` (each a point (decode_tokens, prompts x width,
-    gap): the time a stream waited is the iteration's cost while the device is the bottleneck).
+    gap, chunk): the time a stream waited is the iteration's cost while the device is the
+    bottleneck; the chunk's padding counts in the line, only its prompt tokens in the MoE).
     The log must come from a server with a tile model (its lines name the MoE layers). Returns
     (the fitted model, the points' count, their mean gap and the fitted model's mean prediction,
     both in ms). The model's info records the mean relative error on every fourth point of the
@@ -157,9 +159,11 @@ def refit(path: str, model):
     if len(layers) != 1:
         raise ValueError(f"{path}: lines of models with different MoE layers {sorted(layers)}")
     layers = layers.pop()
-    points = [(x["decode_tokens"], x["prompts"] * x["width"], x["gap_ms"] * 1e3) for x in mixed]
+    # the chunk's rows with their padding for the line, its prompt tokens for the MoE launches
+    points = [(x["decode_tokens"], x["prompts"] * x["width"], x["gap_ms"] * 1e3, x["chunk"]) for x in mixed]
     predict = lambda m, x: predicted_iteration_us(m, x["width"], rows=x["prompts"], layers=layers,  # noqa: E731
-                                                  decode_tokens=x["decode_tokens"], mixed=True) / 1e3
+                                                  decode_tokens=x["decode_tokens"], mixed=True,
+                                                  real_tokens=x["chunk"]) / 1e3
     # held out: every fourth point, predicted by the line fitted to the other three
     held = [i for i in range(len(points)) if i % 4 == 3]
     err = None

@@ -130,8 +130,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "(a decode step and the prefill chunk beside it), milliseconds")
     ap.add_argument("--chunk-widths", default=None, metavar="W,W,..", help="with --tile-model: the chunk widths "
                     "compiled at start-up and chosen from (each <= --prefill-chunk, which is always one; default: the "
-                    "powers of two from 16 below it); fewer widths, a shorter start-up; above 64, multiples of 64 "
-                    "(the KDA chunk: a width between two costs about what the next one does)")
+                    "powers of two from 16 below it); fewer widths, a shorter start-up")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="weights and activations (default auto: bfloat16 on an accelerator, float32 on CPU, where "
                     "XLA has no bf16 x bf16 -> f32 dot)")

@@ -425,8 +425,8 @@ def test_the_iteration_log_says_what_ran_beside_each_step(runner, mixed_runner, 
 
 def test_the_iteration_log_predicts_each_iteration_by_the_tile_model(tmp_path):
     """With a chunk sizer, each line carries the tile model's iteration for the work logged: the
-    step's decode tokens (slots x the step's width) and the chunk's prompts and width, in one
-    program or two."""
+    step's decode tokens (slots x the step's width) and the chunk's prompts, width and prompt
+    tokens (its padding takes no routed expert), in one program or two."""
     from moe.tiles import ChunkSizer, TileModel, predicted_iteration_us
     from serve.iterations import IterationLog
 
@@ -442,7 +442,8 @@ def test_the_iteration_log_predicts_each_iteration_by_the_tile_model(tmp_path):
     log.record(None, owners, mixed=False, stepped=False, read=True, host_s=0.0)
     log.close()
     lines = [json.loads(x) for x in open(path)]
-    want = [predicted_iteration_us(model, 256, rows=1, layers=14, decode_tokens=3 * (STEPS + 1), mixed=True),
+    want = [predicted_iteration_us(model, 256, rows=1, layers=14, decode_tokens=3 * (STEPS + 1), mixed=True,
+                                   real_tokens=200),
             predicted_iteration_us(model, 0, rows=1, layers=14, decode_tokens=3 * (STEPS + 1))]
     assert [x["predicted_ms"] for x in lines] == [round(w / 1e3, 3) for w in want]
     assert lines[0]["chunk"] == 200 and lines[0]["ended"] == 1 and lines[0]["mixed"] and not lines[1]["chunk"]
@@ -481,9 +482,10 @@ def test_the_iteration_log_times_the_garbage_collections_between_reads(tmp_path)
 
 def test_the_tile_model_refits_to_a_logs_mixed_iterations(tmp_path, capsys):
     """`python -m serve.iterations LOG --refit MODEL --out NEW`: mixed iterations whose gaps are a
-    known line outside the model's own MoE launches give that line back (two widths); lines
-    without a chunk or in two programs do not count; a log without the MoE layers, and a file that
-    is not a log, are refused with the reason."""
+    known line outside the model's own MoE launches give that line back (two widths; a prompt's
+    last chunk, mostly padding, counts its padding in the line and its prompt tokens alone in the
+    MoE); lines without a chunk or in two programs do not count; a log without the MoE layers, and
+    a file that is not a log, are refused with the reason."""
     from moe.tiles import TileModel, predicted_iteration_us
     from serve.iterations import main
 
@@ -491,13 +493,14 @@ def test_the_tile_model_refits_to_a_logs_mixed_iterations(tmp_path, capsys):
     fitted_like = dataclasses.replace(model, step_overhead_us=16_000.0, chunk_us_per_token=20.0)
     path, out = tmp_path / "iterations.jsonl", tmp_path / "fitted.json"
     lines = []
-    for decoding, prompts, width, mixed in [(16, 1, 128, True), (16, 1, 256, True), (17, 1, 256, True),
-                                            (16, 2, 128, True), (16, 0, 0, False), (16, 1, 256, False)]:
+    for decoding, prompts, width, mixed, real in [(16, 1, 128, True, 128), (16, 1, 256, True, 256),
+                                                  (17, 1, 256, True, 40), (16, 2, 128, True, 256),
+                                                  (16, 0, 0, False, 0), (16, 1, 256, False, 256)]:
         us = predicted_iteration_us(fitted_like, width, rows=max(prompts, 1), layers=14, decode_tokens=decoding * 6,
-                                    mixed=mixed)
+                                    mixed=mixed, real_tokens=real if prompts else None)
         if not mixed and width:
             us += 9e3  # two programs: not what the mixed line is fitted to
-        lines.append(dict(decoding=decoding, decode_tokens=decoding * 6, chunk=prompts * width, width=width,
+        lines.append(dict(decoding=decoding, decode_tokens=decoding * 6, chunk=real, width=width,
                           prompts=prompts, ended=0, mixed=mixed and width > 0, predicted_ms=None, moe_layers=14,
                           t=0.0, gap_ms=us / 1e3, host_ms=1.0))
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
