@@ -155,8 +155,9 @@ class TileModel:
     step_overhead_us: the rest of a server iteration (attention, dense layers, drafting, lm_head,
     sampling), added once per iteration; the MoE profile does not measure it (0 unless set).
     chunk_us_per_token: the part of that rest that grows with the prefill chunk (the chunk rows'
-    projections and attention), per prompt token: an iteration with a chunk of n tokens costs
-    step_overhead_us + chunk_us_per_token * n outside its MoE launches (0 unless set).
+    projections and attention), per token of its rows, padding included: an iteration with a
+    chunk of rows x width = n costs step_overhead_us + chunk_us_per_token * n outside its MoE
+    launches (0 unless set); the MoE launches take its prompt tokens only.
     info: provenance (device, kernel, samples, held-out error), informational."""
 
     moe: LatencyFit
