@@ -229,7 +229,7 @@ def run(args):
             tasks += [(torch_row, (m,)) for m in MS]
     if not args.no_sweep:
         tasks += [(variants, (fmt, m)) for m in MS[::-1] for fmt in FMTS]
-    if not args.lower:
+    if not args.lower and "bf16" in FMTS:
         tasks += [(ragged, (m,)) for m in MS[1:]]
     run_tasks(tasks, (lambda: 1.0) if args.lower else left, log, RESULTS["errors"])
     log(f"[{time.time() - T0:.0f} s] done")

@@ -65,8 +65,15 @@ def grouped_gemm_sweep(fmt: str, m: int) -> list:
                 Plan(64, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True, combine="atomic"),
                 Plan(32, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True),
                 Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3), half=True),  # 5 and 6 with half blocks
-                Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3), swap=True, half=True)]
-        order = {512: [0, 1, 8, 3], 2048: [8, 3, 2, 1, 7], 4096: [3, 2, 6, 10, 5, 9, 4, 7]}
+                Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3), swap=True, half=True),
+                # 11-15: 0, 1, 3, 2, 5 with the float32 unpack (the default unpacks int4 in bf16 pairs)
+                Plan(16, T(0, 0, 4, 3), T(0, 0, 4, 3), unpack="f32"),
+                Plan(16, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True, unpack="f32"),
+                Plan(64, T(0, 0, 4, 3), T(0, 0, 4, 3), swap=True, unpack="f32"),
+                Plan(64, T(0, 0, 4, 3), T(0, 0, 4, 3), unpack="f32"),
+                Plan(128, T(0, 0, 8, 3), T(0, 0, 8, 3), unpack="f32")]
+        order = {96: [11, 1, 12, 3, 13], 512: [11, 0, 1, 12, 8, 3, 13], 2048: [8, 3, 13, 2, 14, 1, 7],
+                 4096: [3, 13, 2, 14, 6, 10, 5, 15, 9, 4, 7]}
     return [base[i] for i in order.get(m, range(len(base)))]
 
 

@@ -63,6 +63,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import tickets
 from pallas_kernels.backend import resolve
+from pallas_kernels.int4_pairs import int4_pairs, subtrahend
 from pallas_kernels.experts import (GATHER_MAX_PAIRS, SharedExpert, check_args, check_shared, expert_dims, k_groups,
                                     reference, rows_layout, swiglu)
 from pallas_kernels.moe_align import align_sizes, moe_align
@@ -175,8 +176,9 @@ def _acc_quant(qrefs, qm: QMeta, e, t, a_load, *, bm, fma, groups=None):
     """The same for quantised weights, one group of G input rows per loop step; groups = (first,
     count) of K's groups to sum (default: all).
 
-    "dot": qmatvec's `lanes` unpack to the exact u - z, cast to bf16 (exact), tensor-core dot
-    with lane i's [BM, WPG] slice of a; the group's scale once per column.
+    "dot": the exact u - z in bf16 (int4: two codes an instruction by `int4_pairs`; int8:
+    qmatvec's `lanes` float unpack, cast), tensor-core dot with lane i's [BM, WPG] slice of a; the
+    group's scale once per column.
     "fma": no per-weight dequantisation. Each byte of a word is shifted once (not each code) so that
     its codes sit at mantissa offsets off = 15, 15 + b, ..; or-ing the masked bits into the float
     2^c (c = 23 - off, a magic per offset) gives f = 2^c + u exactly, so one and-or and one fma
@@ -201,7 +203,12 @@ def _acc_quant(qrefs, qm: QMeta, e, t, a_load, *, bm, fma, groups=None):
         words = pltriton.load(words_ref.at[e, t, pl.ds(g * wpg, wpg), :], eviction_policy=EVICT)
         scale = scales_ref[e, t, g, :].astype(jnp.float32)  # [B_N]
         part = [jnp.zeros((bm, bn), jnp.float32)] * 2  # two chains: shorter dependency
-        for i, v in lanes(words, bits, zero_point(g), magic):  # v: [WPG, B_N] f32 = u - z
+        if bits == 4:  # two codes an instruction, bf16 (exact)
+            c = jnp.broadcast_to(subtrahend(jnp.broadcast_to(zero_point(g), (1, bn))), words.shape)
+            unpacked = enumerate(int4_pairs(words, c))
+        else:
+            unpacked = lanes(words, bits, zero_point(g), magic)
+        for i, v in unpacked:  # v: [WPG, B_N] = u - z (f32; bf16 from int4_pairs)
             a = a_load(g * g_size + i * wpg, wpg)  # [BM, WPG] bf16
             part[i % 2] = part[i % 2] + jnp.dot(a, v.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
         return acc + (part[0] + part[1]) * scale[None, :]

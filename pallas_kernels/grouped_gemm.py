@@ -48,11 +48,13 @@ for BM 16 / 32 unswapped):
   padding). Half the tensor-core work of such a block. Both sizes are compiled into one kernel,
   each its own pipelined K loop.
   Quantised weights: per K step of one group G, the [G*b/32, B_N] words are unpacked in
-  registers to the exact integers u - z (shift, and-or into the float 2^23, subtract), cast to
-  bf16 (exact) and reshaped to the natural [G, B_N] row order (lane i of word w is row w + i*WPG),
-  so one dot [BM, G] @ [G, B_N] per group; the group's scale multiplies the fp32 partial once per
-  column. plan.swap computes (W^T A^T)^T instead: the dequantised tile is the dot's first operand
-  (wgmma can take it from registers) and the rows its N.
+  registers to the exact integers u - z in bf16. int4 (plan.unpack "pairs"): two codes an
+  instruction (`int4_pairs`), lane i's [WPG, B_N] rows (rows i*WPG.. of the group: lane i of word
+  w is row w + i*WPG) against a's [BM, WPG] columns of the lane, 32/b dots a group in two
+  accumulator chains. int8, or "f32": shift, and-or into the float 2^23, subtract, cast to bf16,
+  reshaped to the natural [G, B_N] row order, one dot [BM, G] @ [G, B_N] a group. The group's
+  scale multiplies the fp32 partial once per column. plan.swap computes (W^T A^T)^T instead: the
+  dequantised tile is the dot's first operand (wgmma can take it from registers) and the rows its N.
 Rounding: h is rounded to the activation dtype between the GEMMs (as in moe.block); y once.
 
 FLOPs (useful) 6*P*D*I: up 2*P*D*2I, down 2*P*I*D; the padding adds (NB_used*BM - P)/P of it
@@ -85,11 +87,13 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.backend import resolve
 from pallas_kernels.experts import check_args, expert_dims, reference, swiglu
 from pallas_kernels.fused_moe import QMeta
+from pallas_kernels.int4_pairs import int4_pairs, subtrahend
 from pallas_kernels.moe_align import align_sizes, moe_align
 from pallas_kernels.quant import QuantizedWeight
 from pallas_kernels.relaxed_atomic import relaxed_atomic_add
 
 COMBINES = ("sum", "sum16", "atomic")
+UNPACKS = ("pairs", "f32")
 
 
 # ---------------------------------------------------------------------------------- plans
@@ -117,6 +121,8 @@ class Plan:
     # 32 then run on wgmma too); quantised weights: the dequantised tile stays in registers
     half: bool = False  # blocks with at most BM/2 valid rows run at BM/2 rows (block_m >= 32):
     # an expert's last block is often mostly padding (Ling, 4096 tokens, BM 128: ~64 rows of 128)
+    unpack: str = "pairs"  # int4: "pairs" (bf16x2, `int4_pairs`) or "f32" (the float32 magic
+    # number, one code an instruction; int8 always)
 
 
 def plan_for(p: int, e: int, quantized: bool) -> Plan:
@@ -153,7 +159,7 @@ def _unpack(words, qm: QMeta, magic, zero, dtype):
     return (f - (2.0**23 + zero)).astype(dtype)
 
 
-def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half, interpret, n_init):
+def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half, unpack, interpret, n_init):
     """Program (t, j): block j's rows times expert e_j's column tile t; see the module doc."""
     refs = list(refs)
     a_ref = refs.pop(0)  # up: x [M, D]; down: h [NB*BM, I]
@@ -209,6 +215,19 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half,
             wpg, g_size = qm.group_size * qm.bits // 32, qm.group_size
             magic = magic_ref[0]  # 2^23 as a register operand: the and-or fuses into one LOP3
 
+            def body_pairs(g, acc):
+                words = words_ref[e, t, pl.ds(g * wpg, wpg), :]  # [WPG, B_N]
+                zero = (jnp.full((1, qm.block_n), 2.0 ** (qm.bits - 1), jnp.float32) if zeros_ref is None
+                        else zeros_ref[e, t, g, :].astype(jnp.float32)[None, :])
+                c = jnp.broadcast_to(subtrahend(zero), words.shape)
+                part = [jnp.zeros(shape, jnp.float32)] * 2  # two chains: shorter dependency
+                for i, v in enumerate(int4_pairs(words, c)):  # v: [WPG, B_N] bf16 = u - z of lane i
+                    a = a_load(pl.multiple_of(g * g_size + i * wpg, wpg), wpg)  # [rows, WPG]
+                    part[i % 2] = part[i % 2] + (jnp.dot(v.T, a.T, preferred_element_type=jnp.float32) if swap
+                                                 else jnp.dot(a, v, preferred_element_type=jnp.float32))
+                scale = scales_ref[e, t, g, :].astype(jnp.float32)  # [B_N]
+                return acc + (part[0] + part[1]) * (scale[:, None] if swap else scale[None, :])
+
             def body(g, acc):
                 words = words_ref[e, t, pl.ds(g * wpg, wpg), :]  # [WPG, B_N]
                 zero = (2.0 ** (qm.bits - 1) if zeros_ref is None
@@ -221,7 +240,8 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half,
                     return acc + part * scale[:, None]
                 return acc + jnp.dot(a, v, preferred_element_type=jnp.float32) * scale[None, :]
 
-            acc = lax.fori_loop(0, qm.n_groups, body, jnp.zeros(shape, jnp.float32))
+            pairs = unpack == "pairs" and qm.bits == 4
+            acc = lax.fori_loop(0, qm.n_groups, body_pairs if pairs else body, jnp.zeros(shape, jnp.float32))
         if swap:
             acc = acc.T
 
@@ -280,8 +300,11 @@ def _gemm(stage, a, block_expert, sorted_pairs, w, *, tw=None, n_blocks, k, p, p
     inits = [] if init is None else [init]
     kernel = functools.partial(
         _kernel, stage=stage, k=k, p=p, bm=plan.block_m, bk=bk, bn=bn, n_k=n_k, qm=qm, limit=limit,
-        combine=plan.combine, swap=plan.swap, half=plan.half, interpret=interpret, n_init=len(inits))
+        combine=plan.combine, swap=plan.swap, half=plan.half, unpack=plan.unpack, interpret=interpret,
+        n_init=len(inits))
     name = f"grouped_{stage}" + ("" if qm is None else f"_int{qm.bits}") + f"_m{plan.block_m}_n{bn}"
+    if qm is not None and qm.bits == 4 and plan.unpack == "f32":
+        name += "_f32"
     if plan.swap:
         name += "_swap"
     if plan.half:
@@ -305,6 +328,8 @@ def _check_plan(plan: Plan):
         raise ValueError(f"plan.block_m must be a power of two >= 16, got {bm}")
     if plan.half and bm < 32:
         raise ValueError(f"plan.half needs block_m >= 32 (BM/2 >= 16, a dot's smallest side), got {bm}")
+    if plan.unpack not in UNPACKS:
+        raise ValueError(f"plan.unpack must be one of {UNPACKS}, got {plan.unpack!r}")
     if plan.combine not in COMBINES:
         raise ValueError(f"plan.combine must be one of {COMBINES}, got {plan.combine!r}")
 

@@ -18,7 +18,8 @@ int->float conversion, which is quarter rate), multiplies it by the contiguous s
 lane i lines up with, sums over the group and applies the group's scale once. Two inner paths:
   "fma": CUDA-core multiply-adds into one [CW, B_N] accumulator tile per row of x (M = 1..2;
          each thread owns whole columns, so the sum over K stays in its registers).
-  "mma": u - z cast to bf16 (exact) and a tensor-core dot with x padded to 16 rows (M > 2).
+  "mma": u - z in bf16 (exact; int4 two codes an instruction by `int4_pairs`, int8 the float
+         unpack cast) and a tensor-core dot with x padded to 16 rows (M > 2).
 Accumulation is float32 throughout. S = 1 writes bf16 y directly; S > 1 (split-K, so a small N
 still fills the GPU) writes float32 partials [S, M, N_pad] that one XLA fusion sums, or, inside a
 `pallas_kernels.tickets` scope, that the tile's last program sums in split order (the same launch).
@@ -45,6 +46,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import tickets
 from pallas_kernels.backend import resolve
+from pallas_kernels.int4_pairs import int4_pairs, subtrahend
 from pallas_kernels.quant import QuantizedWeight, dequantize
 
 MAX_M = 16
@@ -159,7 +161,12 @@ def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, 
         part = [jnp.zeros((rows, block_n), jnp.float32)] * 2 if mma else [
             jnp.zeros((cw, block_n), jnp.float32)] * m
         for c, words in enumerate(chunks):
-            for i, v in lanes(words, bits, zero, magic):  # v: [CW, B_N] f32 = u - z
+            if mma and bits == 4:  # two codes an instruction, bf16 (exact)
+                pairs = jnp.broadcast_to(subtrahend(jnp.broadcast_to(zero, (1, block_n))), words.shape)
+                unpacked = enumerate(int4_pairs(words, pairs))
+            else:
+                unpacked = lanes(words, bits, zero, magic)
+            for i, v in unpacked:  # v: [CW, B_N] = u - z (f32; bf16 from int4_pairs)
                 x0 = g * group_size + i * wpg + c * cw  # lane i's contiguous slice of x
                 if mma:
                     xi = pltriton.load(

@@ -22,7 +22,7 @@ T = gg.Tile
 
 
 def _weights(rng, kind):
-    """kind: "bf16", "f32", "int4" (symmetric) or "int8a" (asymmetric: zero points)."""
+    """kind: "bf16", "f32", "int4" (symmetric), "int4a" or "int8a" (asymmetric: zero points)."""
     w13 = rng.standard_normal((E, D, 2 * I)) * 0.06
     w2 = rng.standard_normal((E, I, D)) * 0.09
     if kind == "f32":
@@ -31,7 +31,7 @@ def _weights(rng, kind):
     if kind == "bf16":
         return w13, w2
     bits = 4 if kind == "int4" else 8
-    q = experts.quantize_experts(w13, w2, bits=bits, group_size=128, symmetric=kind == "int4", block_n=64)
+    q = experts.quantize_experts(w13, w2, bits=bits, group_size=128, symmetric=not kind.endswith("a"), block_n=64)
     return q.w13, q.w2
 
 
@@ -95,6 +95,8 @@ CASES = [
     (100, 1, "bf16", 0.5, gg.Plan(32, T(64, 128, 4, 2), T(64, 128, 4, 2), swap=True)),  # k = 1
     (33, 3, "f32", 1.0, gg.Plan(64, T(128, 64, 4, 2), T(64, 256, 4, 2), combine="atomic")),
     (57, 5, "int4", None, gg.Plan(16, T(0, 0, 4, 2), T(0, 0, 4, 2))),
+    (57, 5, "int4", None, gg.Plan(16, T(0, 0, 4, 2), T(0, 0, 4, 2), unpack="f32")),  # the float32 unpack
+    (23, 4, "int4a", 3.0, gg.Plan(16, T(0, 0, 4, 2), T(0, 0, 4, 2))),  # bf16 pairs with zero points
     (29, 6, "int4", 2.0, gg.Plan(64, T(0, 0, 4, 2), T(0, 0, 4, 2), swap=True, combine="atomic")),
     (21, 4, "int8a", None, gg.Plan(128, T(0, 0, 8, 2), T(0, 0, 8, 2), swap=True)),  # zero points
     (70, 2, "bf16", 7.0, None),  # plan_for's choice

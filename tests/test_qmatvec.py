@@ -21,6 +21,7 @@ CASES = [
     (2, 256, False, 16, 512, Plan("mma", 2, 4, prefetch=True)),
     (2, 32, True, 2, 256, Plan("fma", 4, 1, prefetch=True)),
     (4, 128, False, 16, 256, Plan("mma", 2, 4)),
+    (4, 128, True, 6, 256, Plan("mma", 1, 4)),  # int4's bf16 pairs, symmetric
 ]
 
 
