@@ -63,7 +63,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import tickets
 from pallas_kernels.backend import resolve
-from pallas_kernels.int4_pairs import int4_pairs, subtrahend
+from pallas_kernels.int4_pairs import dot_acc, int4_pairs, subtrahend
 from pallas_kernels.experts import (GATHER_MAX_PAIRS, SharedExpert, check_args, check_shared, expert_dims, k_groups,
                                     reference, rows_layout, swiglu)
 from pallas_kernels.moe_align import align_sizes, moe_align
@@ -210,7 +210,7 @@ def _acc_quant(qrefs, qm: QMeta, e, t, a_load, *, bm, fma, groups=None):
             unpacked = lanes(words, bits, zero_point(g), magic)
         for i, v in unpacked:  # v: [WPG, B_N] = u - z (f32; bf16 from int4_pairs)
             a = a_load(g * g_size + i * wpg, wpg)  # [BM, WPG] bf16
-            part[i % 2] = part[i % 2] + jnp.dot(a, v.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+            part[i % 2] = dot_acc(a, v.astype(jnp.bfloat16), part[i % 2])
         return acc + (part[0] + part[1]) * scale[None, :]
 
     def body_fma(g, acc):  # acc [WPG, B_N]

@@ -87,7 +87,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.backend import resolve
 from pallas_kernels.experts import check_args, expert_dims, reference, swiglu
 from pallas_kernels.fused_moe import QMeta
-from pallas_kernels.int4_pairs import int4_pairs, subtrahend
+from pallas_kernels.int4_pairs import dot_acc, int4_pairs, subtrahend
 from pallas_kernels.moe_align import align_sizes, moe_align
 from pallas_kernels.quant import QuantizedWeight
 from pallas_kernels.relaxed_atomic import relaxed_atomic_add
@@ -223,8 +223,7 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half,
                 part = [jnp.zeros(shape, jnp.float32)] * 2  # two chains: shorter dependency
                 for i, v in enumerate(int4_pairs(words, c)):  # v: [WPG, B_N] bf16 = u - z of lane i
                     a = a_load(pl.multiple_of(g * g_size + i * wpg, wpg), wpg)  # [rows, WPG]
-                    part[i % 2] = part[i % 2] + (jnp.dot(v.T, a.T, preferred_element_type=jnp.float32) if swap
-                                                 else jnp.dot(a, v, preferred_element_type=jnp.float32))
+                    part[i % 2] = dot_acc(v.T, a.T, part[i % 2]) if swap else dot_acc(a, v, part[i % 2])
                 scale = scales_ref[e, t, g, :].astype(jnp.float32)  # [B_N]
                 return acc + (part[0] + part[1]) * (scale[:, None] if swap else scale[None, :])
 

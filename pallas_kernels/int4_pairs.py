@@ -1,4 +1,6 @@
-"""`int4_pairs`: 32-bit words of eight int4 codes -> the eight exact bf16 values u - z, two codes an
+"""`int4_pairs` and `dot_acc`: the two Triton ops the tensor-core paths of the int4 kernels unpack with.
+
+`int4_pairs`: 32-bit words of eight int4 codes -> the eight exact bf16 values u - z, two codes an
 instruction, for the tensor-core (dot) paths of the low-bit kernels.
 
 Lanes j and j + 4 of a word (bits [4j, 4j + 4) and [16 + 4j, 20 + 4j)) fill the low mantissa bits of
@@ -14,6 +16,12 @@ bf16 every two.
 A primitive of its own because Pallas' `elementwise_inline_asm` lowers one result only. Its Triton
 lowering is the inline PTX; every other backend (interpret mode on the CPU) runs the same bits in
 jnp, so CI checks the kernels' logic and the GPU tests check the PTX against the same reference.
+
+`dot_acc(a, b, acc)`: acc + a @ b (bf16 [M, K] @ [K, N], fp32 acc [M, N]) as one `tt.dot` with acc
+as its accumulator. Pallas lowers `acc + jnp.dot(a, b)` to a dot from zeros and an add, which
+Triton does not fold for floats (reassociation), so the lanes' K = WPG dots would pay one FADD an
+accumulator element each; here the tensor cores accumulate. Elsewhere: acc + the float32 dot.
+
 These are jax._src internals, as in `relaxed_atomic`.
 """
 
@@ -104,3 +112,33 @@ def subtrahend(zero) -> jax.Array:
 def int4_pairs(words, c):
     """words, c uint32 [...] -> the 8 lanes' u - z, bf16 [...] each (see the module docstring)."""
     return int4_pairs_p.bind(words, c)
+
+
+dot_acc_p = jax_core.Primitive("dot_acc")
+
+
+@dot_acc_p.def_abstract_eval
+def _dot_acc_abstract_eval(a, b, acc):
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0] or acc.shape != (a.shape[0], b.shape[1]):
+        raise ValueError(f"dot_acc: a [M, K], b [K, N], acc [M, N], got {a}, {b}, {acc}")
+    if a.dtype != jnp.bfloat16 or b.dtype != jnp.bfloat16 or acc.dtype != jnp.float32:
+        raise ValueError(f"dot_acc: a and b bf16, acc float32, got {a.dtype}, {b.dtype}, {acc.dtype}")
+    return jax_core.ShapedArray(acc.shape, jnp.float32)
+
+
+def _dot_acc_jnp(a, b, acc):
+    return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+dot_acc_p.def_impl(_dot_acc_jnp)
+mlir.register_lowering(dot_acc_p, mlir.lower_fun(_dot_acc_jnp, multiple_results=False))
+
+
+@lowering.register_lowering(dot_acc_p)
+def _dot_acc_triton(ctx: lowering.LoweringRuleContext, a, b, acc):
+    return tt_dialect.dot(a, b, acc)
+
+
+def dot_acc(a, b, acc):
+    """acc + a @ b, the tensor cores accumulating into acc (see the module docstring)."""
+    return dot_acc_p.bind(a, b, acc)

@@ -12,14 +12,15 @@ x is bf16 [M, K], y is bf16 [M, N].
 Grid: 1-D, one program per (active tile, K split): n_active * S programs. Program p owns tile
 t = tiles[p // S] (tiles=None: t = p // S) and the groups [s*NG/S, (s+1)*NG/S) of its K range,
 s = p % S. It walks its groups in a fori_loop; for each it loads the [CW, B_N] word block(s)
-(unit stride), unpacks each lane i in registers with one and-or into the float32 magic number
-2^23 + u*2^off (off = the lane's bit offset) and one multiply-add to the exact integer u - z (no
-int->float conversion, which is quarter rate), multiplies it by the contiguous slice of x that
-lane i lines up with, sums over the group and applies the group's scale once. Two inner paths:
+(unit stride), multiplies each lane i by the contiguous slice of x that lane i lines up with,
+sums over the group and applies the group's scale once. No int->float conversion (quarter rate):
+codes or-ed into the mantissa of a magic float. Two inner paths:
   "fma": CUDA-core multiply-adds into one [CW, B_N] accumulator tile per row of x (M = 1..2;
-         each thread owns whole columns, so the sum over K stays in its registers).
-  "mma": u - z in bf16 (exact; int4 two codes an instruction by `int4_pairs`, int8 the float
-         unpack cast) and a tensor-core dot with x padded to 16 rows (M > 2).
+         each thread owns whole columns, so the sum over K stays in its registers): one and-or
+         and one fma a weight, the group's offsets subtracted once (`compute_group_fma`).
+  "mma": u - z in bf16, exact (int4: two codes an instruction by `int4_pairs`; int8: one and-or
+         into 2^23 + u*2^off and one multiply-add a code, `lanes`, cast), and a tensor-core dot
+         with x padded to 16 rows (M > 2), accumulated by the tensor cores (`dot_acc`).
 Accumulation is float32 throughout. S = 1 writes bf16 y directly; S > 1 (split-K, so a small N
 still fills the GPU) writes float32 partials [S, M, N_pad] that one XLA fusion sums, or, inside a
 `pallas_kernels.tickets` scope, that the tile's last program sums in split order (the same launch).
@@ -46,7 +47,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import tickets
 from pallas_kernels.backend import resolve
-from pallas_kernels.int4_pairs import int4_pairs, subtrahend
+from pallas_kernels.int4_pairs import dot_acc, int4_pairs, subtrahend
 from pallas_kernels.quant import QuantizedWeight, dequantize
 
 MAX_M = 16
@@ -117,7 +118,7 @@ def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, 
             interpret):
     refs = list(refs)
     x_ref = refs.pop(0)  # [M, K] bf16
-    magic_ref = refs.pop(0)  # [1] uint32: 0x4B000000
+    magic_ref = refs.pop(0)  # [1 + 8/b] uint32: 2^23, then 2^(23 - off_i) (fma)
     tiles_ref = refs.pop(0) if has_tiles else None  # [n_active] int32
     words_ref = refs.pop(0)  # [T, WPR, B_N] uint32
     scales_ref = refs.pop(0)  # [T, NG, B_N] bf16
@@ -137,7 +138,8 @@ def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, 
     mma = plan.path == "mma"
     rows = MMA_ROWS if mma else m
     row_ok = jnp.arange(MMA_ROWS)[:, None] < m  # [16, 1]
-    magic = magic_ref[0]
+    magic = magic_ref[0]  # 2^23: `lanes` (the mma path's int8)
+    lane_magic = [magic_ref[1 + i] for i in range(8 // bits)]  # 2^(23 - off_i), off_i = 15 + i b (fma)
     evict = "evict_first"  # weights are streamed once: keep L2 for x
 
     n_chunks = wpg // cw
@@ -155,11 +157,10 @@ def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, 
     def compute_group(g, chunks, acc):
         scale = scales_ref[t, g, :].astype(jnp.float32)  # [B_N]
         zero = 2.0 ** (bits - 1) if symmetric else zeros_ref[t, g, :].astype(jnp.float32)[None, :]
-        # Independent accumulators keep the multiply-add chains short: the mma path alternates
-        # two [16, B_N] tiles between lanes; the fma path keeps one [CW, B_N] tile per row of x
-        # (every element its own chain) and sums it over CW once per group.
-        part = [jnp.zeros((rows, block_n), jnp.float32)] * 2 if mma else [
-            jnp.zeros((cw, block_n), jnp.float32)] * m
+        if not mma:
+            return compute_group_fma(chunks, g, scale, zero, acc)
+        # Two [16, B_N] accumulator chains, alternating between lanes: shorter dependencies.
+        part = [jnp.zeros((rows, block_n), jnp.float32)] * 2
         for c, words in enumerate(chunks):
             if mma and bits == 4:  # two codes an instruction, bf16 (exact)
                 pairs = jnp.broadcast_to(subtrahend(jnp.broadcast_to(zero, (1, block_n))), words.shape)
@@ -168,20 +169,46 @@ def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, 
                 unpacked = lanes(words, bits, zero, magic)
             for i, v in unpacked:  # v: [CW, B_N] = u - z (f32; bf16 from int4_pairs)
                 x0 = g * group_size + i * wpg + c * cw  # lane i's contiguous slice of x
-                if mma:
-                    xi = pltriton.load(
-                        x_ref.at[pl.ds(0, MMA_ROWS), pl.ds(x0, cw)], mask=row_ok, other=0.0
-                    )  # [16, CW] bf16
-                    part[i % 2] = part[i % 2] + jnp.dot(
-                        xi, v.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-                else:
+                xi = pltriton.load(
+                    x_ref.at[pl.ds(0, MMA_ROWS), pl.ds(x0, cw)], mask=row_ok, other=0.0
+                )  # [16, CW] bf16
+                part[i % 2] = dot_acc(xi, v.astype(jnp.bfloat16), part[i % 2])
+        return acc + (part[0] + part[1]) * scale[None, :]
+
+    def compute_group_fma(chunks, g, scale, zero, acc):
+        """One [CW, B_N] accumulator tile per row of x (every element its own chain), summed over
+        CW once per group. No per-weight dequantisation: each byte of a word is shifted once so
+        its codes sit at mantissa offsets off = 15, 15 + b, ..; or-ing a code into the float 2^c
+        (c = 23 - off, a magic per offset) gives f = 2^c + u exactly, so one and-or and one fma a
+        weight accumulate sum_lanes (2^c + u) x; the group then subtracts sum_lanes (2^c + z) x
+        (per element of x: cheap). Exact but for fp32's rounding of terms at most (256 + 2^b) / 2^b
+        times the signal's."""
+        per_byte = 8 // bits
+        part = [jnp.zeros((cw, block_n), jnp.float32)] * m
+        corr = [jnp.zeros((cw,), jnp.float32)] * m  # sum_lanes 2^c x (+ z x when symmetric)
+        sum_x = [jnp.zeros((cw,), jnp.float32)] * m  # sum_lanes x (zero points)
+        for c, words in enumerate(chunks):
+            for byte in range(4):
+                shift = 15 - 8 * byte  # the byte's lowest code -> mantissa bit 15
+                src = words << shift if shift > 0 else words >> -shift
+                for i in range(per_byte):
+                    lane, off = byte * per_byte + i, 15 + i * bits
+                    mant = (src & jnp.uint32((2**bits - 1) << off)) | lane_magic[i]
+                    f = lax.bitcast_convert_type(mant, jnp.float32)  # 2^(23 - off) + u
+                    x0 = g * group_size + lane * wpg + c * cw  # the lane's contiguous slice of x
                     for r in range(m):
                         xr = x_ref[jnp.int32(r), pl.ds(x0, cw)].astype(jnp.float32)  # [CW]
-                        part[r] = part[r] + v * xr[:, None]  # [CW, B_N]
-        if mma:
-            return acc + (part[0] + part[1]) * scale[None, :]
-        acc_g = [jnp.sum(p, axis=0) for p in part]  # [B_N] each
-        return tuple(a + ag * scale for a, ag in zip(acc, acc_g))
+                        part[r] = part[r] + f * xr[:, None]  # [CW, B_N]
+                        if symmetric:
+                            corr[r] = corr[r] + (2.0 ** (23 - off) + zero) * xr
+                        else:
+                            corr[r] = corr[r] + 2.0 ** (23 - off) * xr
+                            sum_x[r] = sum_x[r] + xr
+        out = []
+        for r in range(m):
+            sub = corr[r][:, None] if symmetric else corr[r][:, None] + zero * sum_x[r][:, None]
+            out.append(acc[r] + jnp.sum(part[r] - sub, axis=0) * scale)  # [B_N]
+        return tuple(out)
 
     init = jnp.zeros((rows, block_n), jnp.float32) if mma else (jnp.zeros(block_n, jnp.float32),) * m
     if plan.prefetch:
@@ -275,7 +302,7 @@ def _launch(x, qw: QuantizedWeight, tiles, plan: Plan, *, interpret, init=None, 
         out_shape = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
     else:
         out_shape = partials
-    magic = jnp.array([0x4B000000], jnp.uint32)
+    magic = jnp.array([0x4B000000] + [(127 + 8 - i * qw.bits) << 23 for i in range(8 // qw.bits)], jnp.uint32)
     inputs = [x, magic] + ([] if tiles is None else [tiles]) + [qw.words, qw.scales]
     inputs += [] if qw.symmetric else [qw.zeros]
     out_shapes, inits = [out_shape], []
