@@ -19,12 +19,12 @@ loop). The pointer arguments are declared 16-byte aligned, as jax_triton declare
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import re
 import subprocess
 import tempfile
 
+from bench.sass import main_loop, opcodes
 from pallas_kernels.rows_plan import MP, RowsPlan, moe_rows_plans, rows_plan_for
 
 SHAPES = [  # (name, N, K): the projections of Ling-3.0-flash's decode step and its lm_head
@@ -77,38 +77,6 @@ def compile_sm90(plan: RowsPlan, m: int, n: int, k: int, symmetric: bool = True,
     spill = re.search(r"(\d+) bytes spill stores", ptxas)
     return dict(sass=sass, ttgir=kern.asm["ttgir"], regs=regs and int(regs.group(1)),
                 spill=spill and int(spill.group(1)), smem=kern.metadata.shared)
-
-
-def opcodes(sass: str) -> collections.Counter:
-    return collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", sass, re.M))
-
-
-def main_loop(sass: str, needs: str | None = "HGMMA") -> collections.Counter:
-    """Opcode counts of the main loop: the longest loop (the SASS from a backward branch's target to
-    the branch) that holds `needs` (the tensor cores' opcode); empty when the plan unrolls it (one
-    iteration)."""
-    pat = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)(.*)$")
-    labels, pending, body = {}, [], []
-    for line in sass.splitlines():
-        label = re.match(r"^(\.L_x_\d+):", line)
-        if label:
-            pending.append(label.group(1))
-            continue
-        m = pat.match(line)
-        if m:
-            addr = int(m.group(1), 16)
-            for name in pending:
-                labels[name] = addr
-            pending = []
-            body.append((addr, m.group(2), m.group(3)))
-    best: list = []
-    for addr, op, rest in body:
-        target = re.search(r"`\((\.L_x_\d+)\)", rest)
-        if op == "BRA" and target and labels.get(target.group(1), addr) < addr:
-            loop = [o for a, o, _ in body if labels[target.group(1)] <= a <= addr]
-            if needs is None or needs in loop:
-                best = max(best, loop, key=len)
-    return collections.Counter(best)
 
 
 def report(m: int, out: str | None, log=print, bits: int = 4) -> list[dict]:

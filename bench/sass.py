@@ -52,10 +52,43 @@ def kernel_name(ttir: str) -> str:
 KEY_OPS = ("HGMMA", "HMMA", "LDGSTS", "STS", "ATOMG", "RED", "MUFU", "BAR", "LDL", "STL")
 
 
+def opcodes(sass: str) -> collections.Counter:
+    return collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", sass, re.M))
+
+
+def main_loop(sass: str, needs: str | None = "HGMMA") -> collections.Counter:
+    """Opcode counts of the main loop: the longest loop (the SASS from a backward branch's target to
+    the branch) that holds `needs` (the tensor cores' opcode); empty when the plan unrolls it (one
+    iteration)."""
+    pat = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)(.*)$")
+    labels, pending, body = {}, [], []
+    for line in sass.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = pat.match(line)
+        if m:
+            addr = int(m.group(1), 16)
+            for name in pending:
+                labels[name] = addr
+            pending = []
+            body.append((addr, m.group(2), m.group(3)))
+    best: list = []
+    for addr, op, rest in body:
+        target = re.search(r"`\((\.L_x_\d+)\)", rest)
+        if op == "BRA" and target and labels.get(target.group(1), addr) < addr:
+            loop = [o for a, o, _ in body if labels[target.group(1)] <= a <= addr]
+            if needs is None or needs in loop:
+                best = max(best, loop, key=len)
+    return collections.Counter(best)
+
+
 def compile_report(ttir_dir: str, log=print) -> list[dict]:
     """Compiles every `*_w{warps}_s{stages}.ttir` in ttir_dir with triton for sm_90a and logs,
     per kernel: shared memory, registers, spilled bytes, SASS instructions and the opcodes in
-    KEY_OPS (tensor cores, async copies, atomics, MUFU, barriers, local memory). ok: it fits the
+    KEY_OPS (tensor cores, async copies, atomics, MUFU, barriers, local memory), and the main
+    loop's instructions (`main_loop`: a thread's share of one iteration) with its commonest opcodes. ok: it fits the
     H100/H200's shared memory. Returns the records (also written to compile.json there)."""
     import json
     import subprocess
@@ -89,11 +122,14 @@ def compile_report(ttir_dir: str, log=print) -> list[dict]:
             spill = re.search(r"(\d+) bytes spill stores", ptxas)
             ops = collections.Counter(o.split(".")[0] for o in re.findall(
                 r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M))
+            loop = main_loop(sass, needs=None)
             rec = dict(kernel=name, ok=k.metadata.shared <= 232448, smem=k.metadata.shared,
                        regs=regs and int(regs.group(1)), spill=spill and int(spill.group(1)),
-                       instructions=sum(ops.values()), ops={o: ops[o] for o in KEY_OPS if ops[o]})
+                       instructions=sum(ops.values()), ops={o: ops[o] for o in KEY_OPS if ops[o]},
+                       loop=sum(loop.values()), loop_ops=dict(loop.most_common(8)))
             log(f"{'OK  ' if rec['ok'] else 'BAD '} {name}: smem {rec['smem']} B, {rec['regs']} regs, spill "
-                f"{rec['spill']} B, {rec['instructions']} SASS instructions, {rec['ops']}")
+                f"{rec['spill']} B, {rec['instructions']} SASS instructions, {rec['ops']}; main loop "
+                f"{rec['loop']} a thread an iteration, {rec['loop_ops']}")
         except Exception as e:  # noqa: BLE001
             rec = dict(kernel=name, ok=False, error=repr(e)[:1500])
             log(f"FAIL {name}: {repr(e)[:600]}")

@@ -67,7 +67,7 @@ from pallas_kernels.int4_pairs import dot_acc, int4_pairs, subtrahend
 from pallas_kernels.experts import (GATHER_MAX_PAIRS, SharedExpert, check_args, check_shared, expert_dims, k_groups,
                                     reference, rows_layout, swiglu)
 from pallas_kernels.moe_align import align_sizes, moe_align
-from pallas_kernels.qmatvec import H200_SMS, MMA_ROWS, lanes, rows_launch
+from pallas_kernels.qmatvec import H200_SMS, MMA_ROWS, lane_magics, lanes, offset_lanes, rows_launch
 from pallas_kernels.quant import QuantizedWeight
 
 EVICT = "evict_first"  # weights stream once: keep L2 for activations
@@ -219,20 +219,14 @@ def _acc_quant(qrefs, qm: QMeta, e, t, a_load, *, bm, fma, groups=None):
         p_acc = jnp.zeros((wpg, bn), jnp.float32)
         corr = jnp.zeros((wpg,), jnp.float32)  # sum_lanes (2^c + z) x[j]  (symmetric z)
         sum_x = jnp.zeros((wpg,), jnp.float32)  # sum_lanes x[j]            (asymmetric)
-        for byte in range(4):
-            shift = 15 - 8 * byte  # the byte's lowest code -> mantissa bit 15
-            src = words << shift if shift > 0 else words >> -shift
-            for i in range(per_byte):
-                lane, off = byte * per_byte + i, 15 + i * bits
-                mant = (src & jnp.uint32((2**bits - 1) << off)) | lane_magic[i]
-                f = lax.bitcast_convert_type(mant, jnp.float32)  # 2^(23 - off) + u
-                x = a_load(g * g_size + lane * wpg, wpg)  # [WPG] f32, lane's slice of a
-                p_acc = p_acc + f * x[:, None]
-                if zeros_ref is None:
-                    corr = corr + (2.0 ** (23 - off) + z) * x
-                else:
-                    corr = corr + 2.0 ** (23 - off) * x
-                    sum_x = sum_x + x
+        for lane, base, f in offset_lanes(words, bits, lane_magic):  # f: [WPG, B_N] = 2^c + u
+            x = a_load(g * g_size + lane * wpg, wpg)  # [WPG] f32, lane's slice of a
+            p_acc = p_acc + f * x[:, None]
+            if zeros_ref is None:
+                corr = corr + (base + z) * x
+            else:
+                corr = corr + base * x
+                sum_x = sum_x + x
         corr = corr[:, None] if zeros_ref is None else corr[:, None] + z * sum_x[:, None]
         scale = scales_ref[e, t, g, :].astype(jnp.float32)[None, :]
         return acc + (p_acc - corr) * scale
@@ -271,8 +265,7 @@ def weight_operands(w, block_k: int, block_n: int, *, dot: bool, stage: str) -> 
         qm = QMeta(w.bits, w.group_size, w.symmetric, bn, k_in // w.group_size)
         # Magic floats as register operands (the and-or fuses into one LOP3, qmatvec): 2^23, then
         # 2^(23 - off) for the "fma" path's code offsets off = 15 + i * bits.
-        magic = jnp.array([0x4B000000] + [(127 + 8 - i * w.bits) << 23 for i in range(8 // w.bits)],
-                          jnp.uint32)
+        magic = jnp.array([0x4B000000] + lane_magics(w.bits), jnp.uint32)
         inputs = [magic, w.words, w.scales] + ([] if w.symmetric else [w.zeros])
         return WeightOperands(inputs, qm, None, bn, None, n_tiles)
     _, k_in, n_out = w.shape

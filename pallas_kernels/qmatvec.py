@@ -114,6 +114,28 @@ def lanes(words, bits, zero, magic):
         yield i, f * (2.0**-off) - (2.0 ** (23 - off) + zero)
 
 
+def offset_lanes(words, bits, lane_magic):
+    """Yield (lane, 2^c, f = 2^c + u as f32 [...]) for the 32/bits lanes of words uint32 [...].
+
+    Each byte of a word is shifted once (not each code) so that its codes sit at mantissa offsets
+    off = 15, 15 + b, ..; or-ing the masked code into the float 2^c (c = 23 - off; lane_magic[i]
+    holds its bits for the byte's i-th code) gives 2^c + u exactly: one and-or a code. The
+    caller subtracts sum_lanes (2^c + z) x once per group."""
+    per_byte = 8 // bits
+    for byte in range(4):
+        shift = 15 - 8 * byte  # the byte's lowest code -> mantissa bit 15
+        src = words << shift if shift > 0 else words >> -shift
+        for i in range(per_byte):
+            off = 15 + i * bits
+            mant = (src & jnp.uint32((2**bits - 1) << off)) | lane_magic[i]
+            yield byte * per_byte + i, 2.0 ** (23 - off), lax.bitcast_convert_type(mant, jnp.float32)
+
+
+def lane_magics(bits):
+    """The bits of 2^(23 - off_i), off_i = 15 + i*bits: `offset_lanes`' floats for a byte's codes."""
+    return [(127 + 8 - i * bits) << 23 for i in range(8 // bits)]
+
+
 def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, n_init, count, ticket_sums,
             interpret):
     refs = list(refs)
@@ -177,33 +199,24 @@ def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, 
 
     def compute_group_fma(chunks, g, scale, zero, acc):
         """One [CW, B_N] accumulator tile per row of x (every element its own chain), summed over
-        CW once per group. No per-weight dequantisation: each byte of a word is shifted once so
-        its codes sit at mantissa offsets off = 15, 15 + b, ..; or-ing a code into the float 2^c
-        (c = 23 - off, a magic per offset) gives f = 2^c + u exactly, so one and-or and one fma a
+        CW once per group. No per-weight dequantisation: one and-or (`offset_lanes`) and one fma a
         weight accumulate sum_lanes (2^c + u) x; the group then subtracts sum_lanes (2^c + z) x
         (per element of x: cheap). Exact but for fp32's rounding of terms at most (256 + 2^b) / 2^b
         times the signal's."""
-        per_byte = 8 // bits
         part = [jnp.zeros((cw, block_n), jnp.float32)] * m
         corr = [jnp.zeros((cw,), jnp.float32)] * m  # sum_lanes 2^c x (+ z x when symmetric)
         sum_x = [jnp.zeros((cw,), jnp.float32)] * m  # sum_lanes x (zero points)
         for c, words in enumerate(chunks):
-            for byte in range(4):
-                shift = 15 - 8 * byte  # the byte's lowest code -> mantissa bit 15
-                src = words << shift if shift > 0 else words >> -shift
-                for i in range(per_byte):
-                    lane, off = byte * per_byte + i, 15 + i * bits
-                    mant = (src & jnp.uint32((2**bits - 1) << off)) | lane_magic[i]
-                    f = lax.bitcast_convert_type(mant, jnp.float32)  # 2^(23 - off) + u
-                    x0 = g * group_size + lane * wpg + c * cw  # the lane's contiguous slice of x
-                    for r in range(m):
-                        xr = x_ref[jnp.int32(r), pl.ds(x0, cw)].astype(jnp.float32)  # [CW]
-                        part[r] = part[r] + f * xr[:, None]  # [CW, B_N]
-                        if symmetric:
-                            corr[r] = corr[r] + (2.0 ** (23 - off) + zero) * xr
-                        else:
-                            corr[r] = corr[r] + 2.0 ** (23 - off) * xr
-                            sum_x[r] = sum_x[r] + xr
+            for lane, base, f in offset_lanes(words, bits, lane_magic):  # f: [CW, B_N] = 2^c + u
+                x0 = g * group_size + lane * wpg + c * cw  # the lane's contiguous slice of x
+                for r in range(m):
+                    xr = x_ref[jnp.int32(r), pl.ds(x0, cw)].astype(jnp.float32)  # [CW]
+                    part[r] = part[r] + f * xr[:, None]  # [CW, B_N]
+                    if symmetric:
+                        corr[r] = corr[r] + (base + zero) * xr
+                    else:
+                        corr[r] = corr[r] + base * xr
+                        sum_x[r] = sum_x[r] + xr
         out = []
         for r in range(m):
             sub = corr[r][:, None] if symmetric else corr[r][:, None] + zero * sum_x[r][:, None]
@@ -302,7 +315,7 @@ def _launch(x, qw: QuantizedWeight, tiles, plan: Plan, *, interpret, init=None, 
         out_shape = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
     else:
         out_shape = partials
-    magic = jnp.array([0x4B000000] + [(127 + 8 - i * qw.bits) << 23 for i in range(8 // qw.bits)], jnp.uint32)
+    magic = jnp.array([0x4B000000] + lane_magics(qw.bits), jnp.uint32)
     inputs = [x, magic] + ([] if tiles is None else [tiles]) + [qw.words, qw.scales]
     inputs += [] if qw.symmetric else [qw.zeros]
     out_shapes, inits = [out_shape], []
