@@ -30,8 +30,8 @@ Bytes moved: n_active/T * qw.nbytes of weights (words + scales + zeros, each rea
 tiles are never addressed), x (M*K*2, L2 resident after the first programs) and y (M*N*2; plus
 S*M*N_pad*4 twice when split).
 
-Measured on the H200 (bench/history/chronicle.md): instruction-bound, not HBM-bound (~3.8 instructions per
-weight; int4 lm_head 117 µs at M = 1, 1.77 TB/s).
+Bound by instructions, not HBM (bench/RESULTS.md): the int4 main loop compiles to 3.46 SASS
+instructions a weight on the fma path and 3.34 on the mma path (`python -m bench.qmatvec_sass --pallas`).
 """
 
 from __future__ import annotations
