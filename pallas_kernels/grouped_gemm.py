@@ -239,8 +239,8 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half,
                     return acc + part * scale[:, None]
                 return acc + jnp.dot(a, v, preferred_element_type=jnp.float32) * scale[None, :]
 
-            pairs = unpack == "pairs" and qm.bits == 4
-            acc = lax.fori_loop(0, qm.n_groups, body_pairs if pairs else body, jnp.zeros(shape, jnp.float32))
+            use_pairs = unpack == "pairs" and qm.bits == 4
+            acc = lax.fori_loop(0, qm.n_groups, body_pairs if use_pairs else body, jnp.zeros(shape, jnp.float32))
         if swap:
             acc = acc.T
 
