@@ -184,7 +184,7 @@ def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, 
         # Two [16, B_N] accumulator chains, alternating between lanes: shorter dependencies.
         part = [jnp.zeros((rows, block_n), jnp.float32)] * 2
         for c, words in enumerate(chunks):
-            if mma and bits == 4:  # two codes an instruction, bf16 (exact)
+            if bits == 4:  # two codes an instruction, bf16 (exact)
                 pairs = jnp.broadcast_to(subtrahend(jnp.broadcast_to(zero, (1, block_n))), words.shape)
                 unpacked = enumerate(int4_pairs(words, pairs))
             else:
