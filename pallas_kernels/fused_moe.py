@@ -204,7 +204,7 @@ def _acc_quant(qrefs, qm: QMeta, e, t, a_load, *, bm, fma, groups=None):
         scale = scales_ref[e, t, g, :].astype(jnp.float32)  # [B_N]
         part = [jnp.zeros((bm, bn), jnp.float32)] * 2  # two chains: shorter dependency
         if bits == 4:  # two codes an instruction, bf16 (exact)
-            c = jnp.broadcast_to(subtrahend(jnp.broadcast_to(zero_point(g), (1, bn))), words.shape)
+            c = subtrahend(zero_point(g), words.shape)
             unpacked = enumerate(int4_pairs(words, c))
         else:
             unpacked = lanes(words, bits, zero_point(g), magic)

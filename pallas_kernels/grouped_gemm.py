@@ -217,9 +217,8 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half,
 
             def body_pairs(g, acc):
                 words = words_ref[e, t, pl.ds(g * wpg, wpg), :]  # [WPG, B_N]
-                zero = (jnp.full((1, qm.block_n), 2.0 ** (qm.bits - 1), jnp.float32) if zeros_ref is None
-                        else zeros_ref[e, t, g, :].astype(jnp.float32)[None, :])
-                c = jnp.broadcast_to(subtrahend(zero), words.shape)
+                zero = 2.0 ** (qm.bits - 1) if zeros_ref is None else zeros_ref[e, t, g, :].astype(jnp.float32)[None, :]
+                c = subtrahend(zero, words.shape)
                 part = [jnp.zeros(shape, jnp.float32)] * 2  # two chains: shorter dependency
                 for i, v in enumerate(int4_pairs(words, c)):  # v: [WPG, B_N] bf16 = u - z of lane i
                     a = a_load(pl.multiple_of(g * g_size + i * wpg, wpg), wpg)  # [rows, WPG]

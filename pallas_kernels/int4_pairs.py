@@ -103,9 +103,11 @@ def _triton_lowering(ctx: lowering.LoweringRuleContext, words, c):
     return by_lane
 
 
-def subtrahend(zero) -> jax.Array:
-    """c for `int4_pairs`: -(128 + z) as a bf16 pair in a uint32 (z: a float array of integers)."""
-    bits = lax.bitcast_convert_type((-(128.0 + zero)).astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
+def subtrahend(zero, shape) -> jax.Array:
+    """c for `int4_pairs`, uint32 [shape]: -(128 + z) as a bf16 pair (z: an integer, a float or a
+    float array that broadcasts to shape, e.g. a group's zero points [1, B_N])."""
+    z = jnp.broadcast_to(jnp.asarray(zero, jnp.float32), shape)
+    bits = lax.bitcast_convert_type((-(128.0 + z)).astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
     return bits | (bits << jnp.uint32(16))
 
 

@@ -183,10 +183,10 @@ def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, 
             return compute_group_fma(chunks, g, scale, zero, acc)
         # Two [16, B_N] accumulator chains, alternating between lanes: shorter dependencies.
         part = [jnp.zeros((rows, block_n), jnp.float32)] * 2
+        c_pairs = subtrahend(zero, (cw, block_n)) if bits == 4 else None
         for c, words in enumerate(chunks):
             if bits == 4:  # two codes an instruction, bf16 (exact)
-                pairs = jnp.broadcast_to(subtrahend(jnp.broadcast_to(zero, (1, block_n))), words.shape)
-                unpacked = enumerate(int4_pairs(words, pairs))
+                unpacked = enumerate(int4_pairs(words, c_pairs))
             else:
                 unpacked = lanes(words, bits, zero, magic)
             for i, v in unpacked:  # v: [CW, B_N] = u - z (f32; bf16 from int4_pairs)
