@@ -35,6 +35,7 @@ from moe.block import MoE, QExperts, SwiGLUMLP
 from moe.nn import Linear, QuantizedParams
 from pallas_kernels.backend import resolve
 from pallas_kernels.experts import quantize_experts
+from pallas_kernels.grouped_gemm import dense, dense_applies
 from pallas_kernels.qmatvec import MAX_M, qmatvec
 from pallas_kernels.quant import LAYOUTS, QuantizedWeight, check_config, dequantize, quantize, relayout
 
@@ -43,6 +44,7 @@ EXPERT_BITS = (4, 8)  # the fused MoE kernels' tested formats
 EXPERT_BLOCK_N = 64  # the fused MoE kernels' tile of output columns
 KEEP_FULL = ("kv_b_proj",)  # attribute names of Linears that stay in full precision
 CHUNKED_MAX_M = 2 * MAX_M  # rows a projection runs through `qmatvec` (in calls of MAX_M rows)
+DENSE_MAX_M = 2048  # rows a projection runs through the grouped GEMM's dense kernel
 
 
 class QLinear(QuantizedParams):
@@ -59,6 +61,8 @@ class QLinear(QuantizedParams):
         m = flat.shape[0]
         if m <= MAX_M:
             y = qmatvec(flat, self.weight, backend=self.kernels)
+        elif m <= DENSE_MAX_M and self.kernels != "reference" and dense_applies(self.weight):
+            y = dense(flat, self.weight, backend=self.kernels)  # the weight read once, on the tensor cores
         elif m <= CHUNKED_MAX_M and self.kernels != "reference":  # calls of at most MAX_M rows, as even as they split
             size = -(-m // -(-m // MAX_M))
             y = jnp.concatenate([qmatvec(flat[i:i + size], self.weight, backend=self.kernels)

@@ -89,7 +89,7 @@ from pallas_kernels.experts import check_args, expert_dims, reference, swiglu
 from pallas_kernels.fused_moe import QMeta
 from pallas_kernels.int4_pairs import dot_acc, int4_pairs, subtrahend
 from pallas_kernels.moe_align import align_sizes, moe_align
-from pallas_kernels.quant import QuantizedWeight
+from pallas_kernels.quant import QuantizedWeight, dequantize
 from pallas_kernels.relaxed_atomic import relaxed_atomic_add
 
 COMBINES = ("sum", "sum16", "atomic")
@@ -162,9 +162,9 @@ def _unpack(words, qm: QMeta, magic, zero, dtype):
 def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half, unpack, interpret, n_init):
     """Program (t, j): block j's rows times expert e_j's column tile t; see the module doc."""
     refs = list(refs)
-    a_ref = refs.pop(0)  # up: x [M, D]; down: h [NB*BM, I]
-    blk_ref = refs.pop(0)  # block_expert [NBP]
-    sorted_ref = refs.pop(0)  # sorted_pairs [S]
+    a_ref = refs.pop(0)  # up: x [M, D]; down: h [NB*BM, I]; dense: x [M, K]
+    blk_ref = refs.pop(0) if stage != "dense" else None  # block_expert [NBP]
+    sorted_ref = refs.pop(0) if stage != "dense" else None  # sorted_pairs [S]
     tw_ref = refs.pop(0) if stage == "down" else None  # topk weights [P] f32
     if qm is None:
         w_ref = refs.pop(0)  # [E, K, N]
@@ -172,24 +172,32 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half,
         magic_ref, words_ref, scales_ref = refs.pop(0), refs.pop(0), refs.pop(0)
         zeros_ref = None if qm.symmetric else refs.pop(0)
     del refs[:n_init]  # aliased initial outputs (tests poison them): only the output ref is used
-    out_ref = refs.pop(0)  # up: h; down: out [P + 1, D] ("sum") or y32 [M + 1, D] ("atomic")
+    out_ref = refs.pop(0)  # up: h; down: out [P + 1, D] ("sum") or y32 [M + 1, D] ("atomic"); dense: y [M + 1, N_pad]
 
-    t, j = pl.program_id(0), pl.program_id(1)
-    # A program's first loads, issued together: no address below depends on another load, so
-    # their latencies overlap instead of adding up before the first weight tile is asked for.
-    e = blk_ref[j]
-    pairs_bm = sorted_ref[pl.ds(j * bm, bm)]  # [BM], P = padding
-    small = (sorted_ref[j * bm + bm // 2] >= p) if half else None  # see plan.half below
+    if stage == "dense":  # one weight and no routing: block j is rows [j*BM, (j+1)*BM), blocks fastest
+        j, t = pl.program_id(0), pl.program_id(1)
+        e = 0
+        small = (j * bm + bm // 2 >= p) if half else None  # rows >= M (= p) are padding
+    else:
+        t, j = pl.program_id(0), pl.program_id(1)
+        # A program's first loads, issued together: no address below depends on another load, so
+        # their latencies overlap instead of adding up before the first weight tile is asked for.
+        e = blk_ref[j]
+        pairs_bm = sorted_ref[pl.ds(j * bm, bm)]  # [BM], P = padding
+        small = (sorted_ref[j * bm + bm // 2] >= p) if half else None  # see plan.half below
 
     def block(rows):
         """The block's first `rows` slots (static: BM, or BM/2 for plan.half): K loop, epilogue, stores."""
         # [rows]; at BM/2 a reload of the lines just loaded
-        pair = pairs_bm if rows == bm else sorted_ref[pl.ds(j * bm, rows)]
+        if stage == "dense":
+            pair = j * bm + lax.broadcasted_iota(jnp.int32, (rows,), 0)
+        else:
+            pair = pairs_bm if rows == bm else sorted_ref[pl.ds(j * bm, rows)]
         valid = pair < p
         if stage == "down":  # the routed weights: asked for now, used after the K loop
             tw = pltriton.load(tw_ref.at[jnp.where(valid, pair, 0)], mask=valid, other=0.0)  # [rows]
 
-        if stage == "up":  # x's rows gathered by token
+        if stage != "down":  # x's rows gathered by token (dense: k = 1, a pair is its row)
             tok = jnp.where(valid, pair // k, 0)[:, None]  # [rows, 1]
 
             def a_load(k0, size):
@@ -253,9 +261,9 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half,
             pltriton.store(out_ref.at[pl.ds(j * bm, rows), pl.ds(t * (bn // 2), bn // 2)], h,
                            mask=valid[:, None])
         else:
-            val = acc * tw[:, None]  # padding rows: h read as 0, tw = 0 -> 0
+            val = acc if stage == "dense" else acc * tw[:, None]  # padding rows: h read as 0, tw = 0 -> 0
             cols = (t * bn + jnp.arange(bn, dtype=jnp.int32))[None, :]
-            if combine != "atomic":  # "sum", "sum16": the pair's own row, in out's dtype
+            if stage == "dense" or combine != "atomic":  # "sum", "sum16", dense: the pair's own row, in out's dtype
                 dst = jnp.where(valid, pair, p)[:, None]  # padding goes nowhere (masked, row P)
                 pltriton.store(out_ref.at[dst, cols], val.astype(out_ref.dtype), mask=valid[:, None])
             else:
@@ -266,17 +274,22 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half,
                 mask = None if interpret else jnp.broadcast_to(valid[:, None], val.shape)
                 relaxed_atomic_add(out_ref, (dst, cols), val, mask=mask)
 
-    @pl.when(e >= 0)  # an unused block reads its slots only, and writes nothing
-    def _():
+    def run():
         if half:  # valid rows are a prefix: at most BM/2 of them iff slot BM/2 is padding
             lax.cond(small, lambda: block(bm // 2), lambda: block(bm))
         else:
             block(bm)
 
+    if stage == "dense":
+        run()
+    else:
+        pl.when(e >= 0)(run)  # an unused block reads its slots only, and writes nothing
+
 
 def _gemm(stage, a, block_expert, sorted_pairs, w, *, tw=None, n_blocks, k, p, plan: Plan,
           out_shape, limit, interpret, init=None):
-    """One grouped-GEMM pallas_call (stage "up" or "down"), grid (N / BN, n_blocks).
+    """One grouped-GEMM pallas_call: stage "up" or "down", grid (N / BN, n_blocks); "dense" (w one
+    expert, no routing arrays), grid (n_blocks, N / BN).
     init: an initial output to alias (tests poison it; the atomic combine starts from zeros)."""
     tile = plan.up if stage == "up" else plan.down
     qm = None
@@ -294,13 +307,15 @@ def _gemm(stage, a, block_expert, sorted_pairs, w, *, tw=None, n_blocks, k, p, p
                              f"GEMM's N={n_out} and K={k_in}")
         n_tiles, n_k = n_out // bn, k_in // bk
         w_inputs = [w]
-    inputs = [a, block_expert, sorted_pairs] + ([tw] if stage == "down" else []) + w_inputs
+    routing = [] if stage == "dense" else [block_expert, sorted_pairs]
+    inputs = [a] + routing + ([tw] if stage == "down" else []) + w_inputs
     inits = [] if init is None else [init]
     kernel = functools.partial(
         _kernel, stage=stage, k=k, p=p, bm=plan.block_m, bk=bk, bn=bn, n_k=n_k, qm=qm, limit=limit,
         combine=plan.combine, swap=plan.swap, half=plan.half, unpack=plan.unpack, interpret=interpret,
         n_init=len(inits))
-    name = f"grouped_{stage}" + ("" if qm is None else f"_int{qm.bits}") + f"_m{plan.block_m}_n{bn}"
+    name = (stage if stage == "dense" else f"grouped_{stage}") + ("" if qm is None else f"_int{qm.bits}")
+    name += f"_m{plan.block_m}_n{bn}"
     if qm is not None and qm.bits == 4 and plan.unpack == "f32":
         name += "_f32"
     if plan.swap:
@@ -312,7 +327,7 @@ def _gemm(stage, a, block_expert, sorted_pairs, w, *, tw=None, n_blocks, k, p, p
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(n_tiles, n_blocks),
+        grid=(n_blocks, n_tiles) if stage == "dense" else (n_tiles, n_blocks),
         input_output_aliases={len(inputs) + i: i for i in range(len(inits))},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=tile.num_warps, num_stages=tile.num_stages),
@@ -365,6 +380,52 @@ def down(h, sorted_pairs, block_expert, topk_weights, w2, *, n_blocks: int, plan
     return _gemm("down", h, block_expert, sorted_pairs, w2, tw=tw, n_blocks=n_blocks, k=k, p=m * k,
                  plan=plan, out_shape=out_shape, limit=None, interpret=backend == "interpret",
                  init=init)
+
+
+DENSE_BITS = (4, 8)  # the quantised widths the K loop is tested at
+
+
+def dense_plan(m: int) -> Plan:
+    """Row blocks of the smallest power of two >= M, from 16 up to 128 (a weight tile unpacked
+    once a block: one block up to 128 rows), 8 warps at 128."""
+    bm = min(128, max(16, 1 << (m - 1).bit_length()))
+    tile = Tile(0, 0, 8 if bm == 128 else 4, 3)
+    return Plan(bm, tile, tile)
+
+
+def dense_applies(w) -> bool:
+    """Whether `dense` takes w: one int4 or int8 weight in the tile layout whose group gives the
+    tensor cores a K of at least 16 (int4: G >= 128, a lane's words; int8: G >= 16)."""
+    return (isinstance(w, QuantizedWeight) and w.layout == "tiles" and w.bits in DENSE_BITS
+            and w.words.ndim == 3 and (w.group_size * w.bits // 32 if w.bits == 4 else w.group_size) >= 16)
+
+
+def dense(x, w: QuantizedWeight, *, plan: Plan | None = None, backend="auto"):
+    """y [M, N] = x [M, K] @ Wᵀ for one quantised weight W [N, K] (`pallas_kernels.quant`'s tile
+    layout, int4 or int8): the down kernel's K loop over one expert and no routing, float32
+    accumulation, rounded once to x's dtype (bf16). Grid (ceil(M / BM), N_pad / B_N), row blocks
+    fastest: the blocks of one column tile run together and read its words from HBM once. Bytes:
+    w.nbytes, x once a tile (L2), y. For projections at GEMM sizes (verify passes of many slots,
+    prefill chunks), where the matvec would read the weight once every 16 rows."""
+    backend = resolve(backend)
+    m, k = x.shape
+    if not dense_applies(w):
+        raise ValueError(f"dense takes one int4 (groups >= 128) or int8 (>= 16) weight in the tile layout, got "
+                         f"{w.bits} bits, groups of {w.group_size}, layout {w.layout!r}, words of rank {w.words.ndim}")
+    if k != w.shape[1]:
+        raise ValueError(f"x has {k} columns, the weight's K is {w.shape[1]}")
+    n = w.shape[0]
+    if backend == "reference":
+        return jnp.dot(x, dequantize(w).T.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    plan = plan or dense_plan(m)
+    _check_plan(plan)
+    stack = dataclasses.replace(w, words=w.words[None], scales=w.scales[None],
+                                zeros=None if w.zeros is None else w.zeros[None])
+    n_blocks = -(-m // plan.block_m)
+    out_shape = jax.ShapeDtypeStruct((m + 1, w.n_tiles * w.block_n), x.dtype)  # row M: padding, masked
+    y = _gemm("dense", x, None, None, stack, n_blocks=n_blocks, k=1, p=m, plan=plan, out_shape=out_shape,
+              limit=None, interpret=backend == "interpret")
+    return y[:m, :n]
 
 
 def _run(x, topk_ids, topk_weights, w13, w2, *, swiglu_limit, backend, plan, poison=False):

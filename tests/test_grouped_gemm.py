@@ -183,6 +183,50 @@ def test_public_entry_reference_and_errors():
         gg.grouped_moe(x, ids, w, w13, w2, backend="interpret", plan=gg.Plan(16, T(64, 96)))
 
 
+# ------------------------------------------------------------------------------ dense entry
+DENSE_CASES = [  # (M, N, bits, symmetric, plan): ragged M and N (N not a multiple of B_N)
+    (37, 200, 4, True, None),  # two row blocks of 32 rows (the last ragged), two column tiles
+    (5, 128, 4, False, None),  # zero points; one block of 16, mostly padding
+    (130, 72, 8, True, None),  # int8; two blocks of 128, the second two rows
+    (24, 256, 4, True, gg.Plan(16, T(0, 0, 4, 2), T(0, 0, 4, 2), swap=True)),
+    (40, 128, 4, True, gg.Plan(32, T(0, 0, 4, 2), T(0, 0, 4, 2), half=True, unpack="f32")),
+]
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("m,n,bits,symmetric,plan", DENSE_CASES)
+def test_dense_matches_the_dequantised_product(backend, m, n, bits, symmetric, plan):
+    """y = x @ W̃ᵀ of the dequantised weight, rounded once to bf16: every row and column written
+    (a miss would be whatever the output buffer held), within a bf16 rounding of float64."""
+    from pallas_kernels.quant import dequantize, quantize
+
+    rng = np.random.default_rng(m * n + bits)
+    w = quantize(jnp.asarray(rng.standard_normal((n, 2 * D)), jnp.float32), bits=bits, group_size=128,
+                 symmetric=symmetric)
+    x = jnp.asarray(rng.standard_normal((m, 2 * D)), jnp.bfloat16)
+    y = gg.dense(x, w, plan=plan, backend=backend)
+    exact = np.asarray(x, np.float64) @ np.asarray(dequantize(w), np.float64).T
+    assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+    _assert_close(y, exact, np.abs(exact).max(), 2.0**-8, "dense vs float64")
+    r = gg.dense(x, w, backend="reference")
+    _assert_close(r, exact, np.abs(exact).max(), 2.0**-8, "reference vs float64")
+
+
+def test_dense_refuses_what_it_cannot_run():
+    from pallas_kernels.quant import quantize
+
+    w = jnp.ones((64, 256), jnp.float32)
+    x = jnp.ones((20, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="groups of 32"):
+        gg.dense(x, quantize(w, bits=4, group_size=32), backend="interpret")
+    with pytest.raises(ValueError, match="layout 'rows'"):
+        gg.dense(x, quantize(w, bits=4, group_size=128, layout="rows"), backend="interpret")
+    with pytest.raises(ValueError, match="x has 128 columns"):
+        gg.dense(x[:, :128], quantize(w, bits=4, group_size=128), backend="interpret")
+    assert gg.dense_plan(1).block_m == 16 and gg.dense_plan(96).block_m == 128
+    assert gg.dense_plan(4096).block_m == 128 and gg.dense_plan(33).block_m == 64
+
+
 # ------------------------------------------------------------------------------------- wiring
 def _count_calls(monkeypatch):
     import moe.block

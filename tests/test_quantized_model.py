@@ -243,3 +243,23 @@ def test_a_projection_of_up_to_32_rows_runs_qmatvec_in_calls_of_16(backend, m, m
     want = np.asarray(x @ dequantize(w).T)
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
     assert calls == ([] if m > 32 else [m] if m <= 16 else [m // -(-m // 16)] * -(-m // 16))
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("m", [17, 96])
+def test_a_projection_of_17_to_2048_rows_runs_the_dense_gemm(backend, m, monkeypatch):
+    """QLinear over m rows with groups of 128 (the dense kernel's K): one call of the grouped
+    GEMM's dense entry, x @ W̃ᵀ of the dequantised weight rounded once."""
+    import ling.quantize as lq
+    from pallas_kernels import grouped_gemm as gg
+    from pallas_kernels.quant import dequantize, quantize
+
+    calls = []
+    monkeypatch.setattr(lq, "dense", lambda x, w, **kw: calls.append(x.shape[0]) or gg.dense(x, w, **kw))
+    rng = np.random.default_rng(m)
+    w = quantize(jnp.asarray(rng.standard_normal((200, 256)), jnp.float32), bits=4, group_size=128)
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+    got = np.asarray(QLinear(w, kernels=backend)(x), np.float32)
+    want = np.asarray(x.astype(jnp.float32) @ dequantize(w).T)
+    np.testing.assert_allclose(got, want, rtol=2.0**-8, atol=2.0**-8 * np.abs(want).max())
+    assert calls == [m]

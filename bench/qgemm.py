@@ -1,0 +1,140 @@
+"""GPU benchmark of the quantised projections at GEMM sizes (17-2048 rows): the grouped GEMM's
+dense entry (`pallas_kernels.grouped_gemm.dense`) against what `ling.quantize.QLinear` ran before
+it: `qmatvec` in calls of at most 16 rows, and dequantising the weight to bf16 for an XLA dot.
+
+    python -m bench.qgemm [--ms 24 32 96 288 1024] [--sweep] [--smoke]
+
+Shapes: Ling-3.0-flash's fused KDA input projection (20512 x 2560), its output projection
+(2560 x 4096) and the lm_head (157184 x 2560), int4 G = 128, symmetric, bf16 activations. Every
+timed call reads its own weight buffer (rotation over > 240 MB; L2 is 50-60 MB), many calls an
+iteration of a fori_loop in one jit (`bench.qmatvec`'s timer). Each variant is checked against
+the float32 product of the dequantised weight first. TB/s counts the int4 weight (+ scales), x
+and y once; the copy ceiling is measured in the same run. --sweep also times the dense kernel at
+every row block (16-128) and swapped. Log and JSON under $OUT (or ./bench_out); a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+from bench.common import Log, copy_ceiling_tbs
+
+SHAPES = [(20512, 2560), (2560, 4096), (157184, 2560)]
+MS = (24, 32, 64, 96, 192, 288, 512, 1024, 2048)
+SWEEP_MS = (32, 96, 288)
+ROTATE_BYTES = 240e6
+log = Log()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ms", type=int, nargs="+", default=list(MS))
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU: interpret mode, one tiny shape")
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import grouped_gemm as gg
+    from pallas_kernels.qmatvec import MAX_M, qmatvec
+    from pallas_kernels.quant import QuantizedWeight, dequantize, quantize
+
+    out_dir = os.environ.get("OUT", "bench_out")
+    os.makedirs(out_dir, exist_ok=True)
+    log.open(os.path.join(out_dir, "qgemm.log"))
+    backend = "interpret" if args.smoke else "pallas"
+    shapes = [(256, 256)] if args.smoke else SHAPES
+    ms = [24, 40] if args.smoke else args.ms
+    key = jax.random.PRNGKey(0)
+    copy = None if args.smoke else copy_ceiling_tbs()
+    log("jax", jax.__version__, jax.devices()[0].device_kind, "copy TB/s", copy)
+
+    def random_qw(n, k, count):  # random codes and scales: timing only
+        out = []
+        for i in range(count):
+            k1, k2 = jax.random.split(jax.random.fold_in(key, 1000 + i))
+            t = -(-n // 128)
+            words = jax.random.bits(k1, (t, k // 8, 128), jnp.uint32)
+            scales = (jax.random.uniform(k2, (t, k // 128, 128)) * 0.02 + 1e-3).astype(jnp.bfloat16)
+            out.append(QuantizedWeight(words, scales, None, 4, 128, True, (n, k)))
+        return jax.block_until_ready(out)
+
+    def time_calls(fn, x, bufs, iters=4):
+        def run(x, bufs):
+            def body(i, xc):
+                ys = [fn(xc, b) for b in bufs]
+                tail = sum(y[:, :1].astype(jnp.float32) for y in ys)
+                return (xc.astype(jnp.float32) + 1e-30 * tail).astype(xc.dtype)
+            return jax.lax.fori_loop(0, iters, body, x)
+
+        f = jax.jit(run)
+        jax.block_until_ready(f(x, bufs))
+        best = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(x, bufs))
+            best.append((time.perf_counter() - t0) / (iters * len(bufs)) * 1e6)
+        return min(best)
+
+    def chunked(x, w):
+        m = x.shape[0]
+        size = -(-m // -(-m // MAX_M))
+        return jnp.concatenate([qmatvec(x[i:i + size], w, backend=backend) for i in range(0, m, size)])
+
+    def dequant_dot(x, w):
+        return jnp.dot(x, dequantize(w).T.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+    rows = []
+    for n, k in shapes:
+        w = quantize(jax.random.normal(jax.random.fold_in(key, n), (n, k), jnp.bfloat16), bits=4, group_size=128)
+        probe = random_qw(n, k, 1)[0]
+        count = int(min(48, max(4, math.ceil(ROTATE_BYTES / probe.nbytes))))
+        bufs = None if args.smoke else random_qw(n, k, count)
+        for m in ms:
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
+            ref = x.astype(jnp.float32) @ dequantize(w).T
+            variants = [("dense", lambda x, b: gg.dense(x, b, backend=backend))]
+            if args.sweep and m in SWEEP_MS:
+                for bm in (16, 32, 64, 128):
+                    for swap in (False, True):
+                        t = gg.Tile(0, 0, 8 if bm == 128 else 4, 3)
+                        plan = gg.Plan(bm, t, t, swap=swap)
+                        variants.append((f"dense bm{bm}{' swap' if swap else ''}",
+                                         lambda x, b, plan=plan: gg.dense(x, b, plan=plan, backend=backend)))
+            if m <= 4 * MAX_M:
+                variants.append((f"qmatvec x{-(-m // MAX_M)}", chunked))
+            variants.append(("dequant + dot", dequant_dot))
+            for tag, fn in variants:
+                try:
+                    y = jax.jit(fn)(x, w).astype(jnp.float32)
+                    err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+                    if not err < 4e-3:
+                        raise AssertionError(f"rel err {err:.2e}")
+                    if args.smoke:
+                        us = float("nan")
+                    else:
+                        us = time_calls(fn, x, bufs)
+                    nbytes = probe.nbytes + 2 * m * (n + k)
+                    r = dict(n=n, k=k, m=m, tag=tag, us=us, tbs=nbytes / us / 1e6, err=err)
+                    rows.append(r)
+                    log(f"{n}x{k} M={m} {tag}: {us:.1f} µs {r['tbs']:.2f} TB/s err {err:.1e}")
+                except Exception as e:  # noqa: BLE001
+                    log(f"FAILED {n}x{k} M={m} {tag}: {e!r}"[:600])
+        del bufs
+
+    with open(os.path.join(out_dir, "qgemm.json"), "w") as f:
+        json.dump(dict(copy_tbs=copy, rows=rows), f, indent=1)
+    log(f"\n| N x K | M | variant | µs | TB/s | % of copy ({copy and round(copy, 2)} TB/s) |")
+    log("|---|---|---|---|---|---|")
+    for r in rows:
+        pct = f"{100 * r['tbs'] / copy:.0f}%" if copy else "-"
+        log(f"| {r['n']} x {r['k']} | {r['m']} | {r['tag']} | {r['us']:.1f} | {r['tbs']:.2f} | {pct} |")
+
+
+if __name__ == "__main__":
+    main()
