@@ -3,6 +3,8 @@ dense entry (`pallas_kernels.grouped_gemm.dense`) against what `ling.quantize.QL
 it: `qmatvec` in calls of at most 16 rows, and dequantising the weight to bf16 for an XLA dot.
 
     python -m bench.qgemm [--ms 24 32 96 288 1024] [--sweep] [--smoke]
+    python -m bench.qgemm --lower DIR     (CPU: the dense kernel's plans as Triton IR in DIR, and
+                                          compiled for sm_90a where the triton package is installed)
 
 Shapes: Ling-3.0-flash's fused KDA input projection (20512 x 2560), its output projection
 (2560 x 4096) and the lm_head (157184 x 2560), int4 G = 128, symmetric, bf16 activations. Every
@@ -10,7 +12,8 @@ timed call reads its own weight buffer (rotation over > 240 MB; L2 is 50-60 MB),
 iteration of a fori_loop in one jit (`bench.qmatvec`'s timer). Each variant is checked against
 the float32 product of the dequantised weight first. TB/s counts the int4 weight (+ scales), x
 and y once; the copy ceiling is measured in the same run. --sweep also times the dense kernel at
-every row block (16-128) and swapped. Log and JSON under $OUT (or ./bench_out); a table last.
+every row block (16-128) , swapped or not, and
+at half the layout's tile (`PLANS`). Log and JSON under $OUT (or ./bench_out); a table last.
 """
 
 from __future__ import annotations
@@ -23,19 +26,38 @@ import time
 
 from bench.common import Log, copy_ceiling_tbs
 
-SHAPES = [(20512, 2560), (2560, 4096), (157184, 2560)]
-MS = (24, 32, 64, 96, 192, 288, 512, 1024, 2048)
-SWEEP_MS = (32, 96, 288)
+SHAPES = {(20512, 2560): (6, 16, 24, 32, 64, 96, 192, 288, 512, 1024, 2048),  # rows timed per shape
+          (2560, 4096): (16, 32, 96, 288, 2048), (157184, 2560): (16, 96, 288, 2048)}
+SWEEP = {(20512, 2560): (96, 288), (157184, 2560): (96,)}  # --sweep: every plan at these
 ROTATE_BYTES = 240e6
 log = Log()
 
 
+def _plans():
+    """The sweep's plans by name: BM 16-128, swapped or not; BN 64 (half the layout's tile: twice
+    the programs) at BM 64 and 128."""
+    from pallas_kernels import grouped_gemm as gg
+
+    plans = {}
+    for bm, bn, swap in [(16, 0, False), (32, 0, False), (64, 0, False), (64, 64, False), (64, 64, True),
+                         (128, 0, False), (128, 0, True), (128, 64, False)]:
+        t = gg.Tile(0, bn, 8 if bm == 128 else 4, 3)
+        plans[f"bm{bm}{f' bn{bn}' if bn else ''}{' swap' if swap else ''}"] = gg.Plan(bm, t, t, swap=swap)
+    return plans
+
+
+PLANS = _plans()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ms", type=int, nargs="+", default=list(MS))
+    ap.add_argument("--ms", type=int, nargs="+", help="rows timed at every shape (default: SHAPES')")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU: interpret mode, one tiny shape")
+    ap.add_argument("--lower", metavar="DIR", help="CPU: Triton IR of every plan (+ sm_90a compile)")
     args = ap.parse_args(argv)
+    if args.lower:
+        return lower(args.lower)
 
     import jax
     import jax.numpy as jnp
@@ -48,8 +70,7 @@ def main(argv=None):
     os.makedirs(out_dir, exist_ok=True)
     log.open(os.path.join(out_dir, "qgemm.log"))
     backend = "interpret" if args.smoke else "pallas"
-    shapes = [(256, 256)] if args.smoke else SHAPES
-    ms = [24, 40] if args.smoke else args.ms
+    shapes = {(256, 256): (24, 40)} if args.smoke else SHAPES
     key = jax.random.PRNGKey(0)
     copy = None if args.smoke else copy_ceiling_tbs()
     log("jax", jax.__version__, jax.devices()[0].device_kind, "copy TB/s", copy)
@@ -90,7 +111,8 @@ def main(argv=None):
         return jnp.dot(x, dequantize(w).T.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
     rows = []
-    for n, k in shapes:
+    for (n, k), ms in shapes.items():
+        ms = args.ms or ms
         w = quantize(jax.random.normal(jax.random.fold_in(key, n), (n, k), jnp.bfloat16), bits=4, group_size=128)
         probe = random_qw(n, k, 1)[0]
         count = int(min(48, max(4, math.ceil(ROTATE_BYTES / probe.nbytes))))
@@ -99,13 +121,9 @@ def main(argv=None):
             x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
             ref = x.astype(jnp.float32) @ dequantize(w).T
             variants = [("dense", lambda x, b: gg.dense(x, b, backend=backend))]
-            if args.sweep and m in SWEEP_MS:
-                for bm in (16, 32, 64, 128):
-                    for swap in (False, True):
-                        t = gg.Tile(0, 0, 8 if bm == 128 else 4, 3)
-                        plan = gg.Plan(bm, t, t, swap=swap)
-                        variants.append((f"dense bm{bm}{' swap' if swap else ''}",
-                                         lambda x, b, plan=plan: gg.dense(x, b, plan=plan, backend=backend)))
+            if args.sweep and m in SWEEP.get((n, k), ()):
+                for tag, plan in PLANS.items():
+                    variants.append((f"dense {tag}", lambda x, b, plan=plan: gg.dense(x, b, plan=plan, backend=backend)))
             if m <= 4 * MAX_M:
                 variants.append((f"qmatvec x{-(-m // MAX_M)}", chunked))
             variants.append(("dequant + dot", dequant_dot))
@@ -134,6 +152,35 @@ def main(argv=None):
     for r in rows:
         pct = f"{100 * r['tbs'] / copy:.0f}%" if copy else "-"
         log(f"| {r['n']} x {r['k']} | {r['m']} | {r['tag']} | {r['us']:.1f} | {r['tbs']:.2f} | {pct} |")
+
+
+def lower(out_dir: str) -> None:
+    """Lowers `dense` at every plan of the sweep for the 20512 x 2560 projection (96 rows), writes
+    each kernel's Triton IR to out_dir and compiles them (`bench.sass.compile_report`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.sass import capture_triton, compile_report
+    from pallas_kernels import grouped_gemm as gg
+    from pallas_kernels.quant import QuantizedWeight
+
+    os.makedirs(out_dir, exist_ok=True)
+    lowered: list[str] = []
+    capture_triton(lowered)
+    n, k, m = 20512, 2560, 96
+    t = -(-n // 128)
+    w = QuantizedWeight(jax.ShapeDtypeStruct((t, k // 8, 128), jnp.uint32),
+                        jax.ShapeDtypeStruct((t, k // 128, 128), jnp.bfloat16), None, 4, 128, True, (n, k))
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    for tag, plan in PLANS.items():
+        jax.jit(lambda x, w, plan=plan: gg.dense(x, w, plan=plan, backend="pallas")).trace(x, w).lower(
+            lowering_platforms=("cuda",))
+        for text in lowered:
+            name = f"dense_{tag.replace(' ', '_')}_w{plan.down.num_warps}_s{plan.down.num_stages}.ttir"
+            with open(os.path.join(out_dir, name), "w") as f:
+                f.write(text)
+        lowered.clear()
+    compile_report(out_dir, log)
 
 
 if __name__ == "__main__":

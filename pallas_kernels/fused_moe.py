@@ -170,6 +170,7 @@ class QMeta:
     symmetric: bool
     block_n: int
     n_groups: int  # groups of K
+    subs: int = 1  # programs a layout tile is split into along N (block_n = the layout's B_N / subs)
 
 
 def _acc_quant(qrefs, qm: QMeta, e, t, a_load, *, bm, fma, groups=None):

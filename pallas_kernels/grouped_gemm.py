@@ -57,6 +57,12 @@ for BM 16 / 32 unswapped):
   dequantised tile is the dot's first operand (wgmma can take it from registers) and the rows its N.
 Rounding: h is rounded to the activation dtype between the GEMMs (as in moe.block); y once.
 
+Dense entry (`dense`): y = x @ Wᵀ for one quantised weight of `pallas_kernels.quant`'s tile layout
+(the projections at GEMM sizes), the down kernel's K loop over a one-expert stack with no routing
+arrays: block j is rows [j*BM, (j+1)*BM) of x (rows >= M masked), the epilogue stores the fp32
+accumulator rounded once; grid (NB, N_pad / B_N), row blocks fastest, so the blocks of one column
+tile run together and its words come from HBM once.
+
 FLOPs (useful) 6*P*D*I: up 2*P*D*2I, down 2*P*I*D; the padding adds (NB_used*BM - P)/P of it
 (plan.half: a block of at most BM/2 valid rows counts BM/2).
 Bytes: the U distinct experts' weights once, U*3*D*I*2 (bf16) or U*3*D*I*(b + 16/G)/8, x and y
@@ -101,7 +107,7 @@ UNPACKS = ("pairs", "f32")
 class Tile:
     """One GEMM's launch. block_k: K per loop step and block_n: output columns per program (up:
     interleaved, h gets block_n / 2), both for bf16 weights; quantised weights step one group
-    and take their layout's B_N."""
+    and take their layout's B_N (dense: block_n, a divisor of B_N, when not 0)."""
 
     block_k: int = 64
     block_n: int = 128
@@ -222,25 +228,27 @@ def _kernel(*refs, stage, k, p, bm, bk, bn, n_k, qm, limit, combine, swap, half,
         else:
             wpg, g_size = qm.group_size * qm.bits // 32, qm.group_size
             magic = magic_ref[0]  # 2^23 as a register operand: the and-or fuses into one LOP3
+            # Column tile t of BN columns is sub-tile t % subs of the layout's tile t // subs.
+            lt, cols = (t, slice(None)) if qm.subs == 1 else (t // qm.subs, pl.ds((t % qm.subs) * bn, bn))
 
             def body_pairs(g, acc):
-                words = words_ref[e, t, pl.ds(g * wpg, wpg), :]  # [WPG, B_N]
-                zero = 2.0 ** (qm.bits - 1) if zeros_ref is None else zeros_ref[e, t, g, :].astype(jnp.float32)[None, :]
+                words = words_ref[e, lt, pl.ds(g * wpg, wpg), cols]  # [WPG, BN]
+                zero = 2.0 ** (qm.bits - 1) if zeros_ref is None else zeros_ref[e, lt, g, cols].astype(jnp.float32)[None, :]
                 c = subtrahend(zero, words.shape)
                 part = [jnp.zeros(shape, jnp.float32)] * 2  # two chains: shorter dependency
                 for i, v in enumerate(int4_pairs(words, c)):  # v: [WPG, B_N] bf16 = u - z of lane i
                     a = a_load(pl.multiple_of(g * g_size + i * wpg, wpg), wpg)  # [rows, WPG]
                     part[i % 2] = dot_acc(v.T, a.T, part[i % 2]) if swap else dot_acc(a, v, part[i % 2])
-                scale = scales_ref[e, t, g, :].astype(jnp.float32)  # [B_N]
+                scale = scales_ref[e, lt, g, cols].astype(jnp.float32)  # [BN]
                 return acc + (part[0] + part[1]) * (scale[:, None] if swap else scale[None, :])
 
             def body(g, acc):
-                words = words_ref[e, t, pl.ds(g * wpg, wpg), :]  # [WPG, B_N]
+                words = words_ref[e, lt, pl.ds(g * wpg, wpg), cols]  # [WPG, BN]
                 zero = (2.0 ** (qm.bits - 1) if zeros_ref is None
-                        else zeros_ref[e, t, g, :].astype(jnp.float32)[None, :])
+                        else zeros_ref[e, lt, g, cols].astype(jnp.float32)[None, :])
                 a = a_load(pl.multiple_of(g * g_size, g_size), g_size)  # [rows, G]
                 v = _unpack(words, qm, magic, zero, a.dtype)  # [G, B_N]
-                scale = scales_ref[e, t, g, :].astype(jnp.float32)  # [B_N]
+                scale = scales_ref[e, lt, g, cols].astype(jnp.float32)  # [BN]
                 if swap:
                     part = jnp.dot(v.T, a.T, preferred_element_type=jnp.float32)
                     return acc + part * scale[:, None]
@@ -295,7 +303,14 @@ def _gemm(stage, a, block_expert, sorted_pairs, w, *, tw=None, n_blocks, k, p, p
     qm = None
     if isinstance(w, QuantizedWeight):
         (_, n_tiles, _, bn), (_, k_in) = w.words.shape, w.shape
-        qm = QMeta(w.bits, w.group_size, w.symmetric, bn, k_in // w.group_size)
+        subs = 1
+        if stage == "dense" and tile.block_n and tile.block_n != bn:  # programs of sub-tiles
+            if bn % tile.block_n or tile.block_n < 16:
+                raise ValueError(f"dense's block_n must be 0 (the layout's B_N={bn}) or a divisor >= 16 of it, "
+                                 f"got {tile.block_n}")
+            subs, bn = bn // tile.block_n, tile.block_n
+            n_tiles *= subs
+        qm = QMeta(w.bits, w.group_size, w.symmetric, bn, k_in // w.group_size, subs)
         bk = n_k = None
         magic = jnp.array([0x4B000000], jnp.uint32)
         w_inputs = [magic, w.words, w.scales] + ([] if w.symmetric else [w.zeros])
@@ -386,11 +401,12 @@ DENSE_BITS = (4, 8)  # the quantised widths the K loop is tested at
 
 
 def dense_plan(m: int) -> Plan:
-    """Row blocks of the smallest power of two >= M, from 16 up to 128 (a weight tile unpacked
-    once a block: one block up to 128 rows), 8 warps at 128."""
+    """Row blocks of the smallest power of two >= M, from 16 up to 128 (a weight tile is unpacked
+    once a block: one block up to 128 rows); BM 128 swapped, on 8 warps (sm_90a, offline: 407 SASS
+    instructions a thread and group against 495 unswapped; BM 64 swapped spills)."""
     bm = min(128, max(16, 1 << (m - 1).bit_length()))
     tile = Tile(0, 0, 8 if bm == 128 else 4, 3)
-    return Plan(bm, tile, tile)
+    return Plan(bm, tile, tile, swap=bm == 128)
 
 
 def dense_applies(w) -> bool:

@@ -190,6 +190,7 @@ DENSE_CASES = [  # (M, N, bits, symmetric, plan): ragged M and N (N not a multip
     (130, 72, 8, True, None),  # int8; two blocks of 128, the second two rows
     (24, 256, 4, True, gg.Plan(16, T(0, 0, 4, 2), T(0, 0, 4, 2), swap=True)),
     (40, 128, 4, True, gg.Plan(32, T(0, 0, 4, 2), T(0, 0, 4, 2), half=True, unpack="f32")),
+    (70, 300, 4, False, gg.Plan(128, T(0, 32, 4, 2), T(0, 32, 4, 2), swap=True)),  # sub-tiles of 32 columns
 ]
 
 
@@ -223,6 +224,8 @@ def test_dense_refuses_what_it_cannot_run():
         gg.dense(x, quantize(w, bits=4, group_size=128, layout="rows"), backend="interpret")
     with pytest.raises(ValueError, match="x has 128 columns"):
         gg.dense(x[:, :128], quantize(w, bits=4, group_size=128), backend="interpret")
+    with pytest.raises(ValueError, match="block_n must be 0"):
+        gg.dense(x, quantize(w, bits=4, group_size=128), plan=gg.Plan(32, T(0, 48), T(0, 48)), backend="interpret")
     assert gg.dense_plan(1).block_m == 16 and gg.dense_plan(96).block_m == 128
     assert gg.dense_plan(4096).block_m == 128 and gg.dense_plan(33).block_m == 64
 
