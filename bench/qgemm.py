@@ -12,8 +12,8 @@ timed call reads its own weight buffer (rotation over > 240 MB; L2 is 50-60 MB),
 iteration of a fori_loop in one jit (`bench.qmatvec`'s timer). Each variant is checked against
 the float32 product of the dequantised weight first. TB/s counts the int4 weight (+ scales), x
 and y once; the copy ceiling is measured in the same run. --sweep also times the dense kernel at
-every row block (16-128) , swapped or not, and
-at half the layout's tile (`PLANS`). Log and JSON under $OUT (or ./bench_out); a table last.
+each plan of `PLANS` (row blocks of 16-128, swapped or not, half the layout's tile). Log and JSON
+under $OUT (or ./bench_out); a table last.
 """
 
 from __future__ import annotations
