@@ -14,13 +14,13 @@ full precision, and why:
   grouped format (`moe.block.QExperts`, int4 or int8, symmetric, B_N 64), which the fused MoE
   kernels (decode, verify) and the grouped GEMM (prefill) read directly; with layout "rows" the
   row layout, which the tensor-core Triton kernels read at every size.
-Decode and verify run `qmatvec`, dequantising in registers: up to 16 rows in one call, and with
-the kernels up to 32 (a verify pass of a few slots) in two calls of at most 16 rows, which read the
-low-bit weight once a call. By bytes even four calls would win (~2.1 bytes a weight at int4,
-against ~4.5 for writing the bf16 weight and reading it back), but the int4 matvec runs at about a
-third of the copy bandwidth and the dequantising GEMM near it, so three calls or more take longer
-(bench/RESULTS.md, the mixed iteration by kernel). Longer inputs (prefill), and on the reference
-backend more than 16 rows, dequantise the weight once per call and multiply.
+Decode runs `qmatvec`, dequantising in registers (up to 16 rows in one call). From 17 to
+DENSE_MAX_M rows (verify passes of many slots, prefill chunks, mixed iterations) a projection in
+the tile layout with groups the tensor cores can take runs the grouped GEMM's dense kernel
+(`pallas_kernels.grouped_gemm.dense`): the low-bit weight read once, unpacked in registers, the
+rows on the tensor cores. Other weights run `qmatvec` in two calls up to 32 rows. Longer inputs,
+and on the reference backend more than 16 rows, dequantise the weight to bf16 once per call and
+multiply (~4.5 bytes a weight moved at int4, against ~0.5 read by the kernels).
 """
 
 from __future__ import annotations
