@@ -28,6 +28,7 @@ from bench.common import Log, copy_ceiling_tbs
 
 SHAPES = {(20512, 2560): (6, 16, 24, 32, 64, 96, 192, 288, 512, 1024, 2048),  # rows timed per shape
           (2560, 4096): (16, 32, 96, 288, 2048), (157184, 2560): (16, 96, 288, 2048)}
+MS = (24, 96, 288, 2048)  # rows at a shape outside SHAPES
 SWEEP = {(20512, 2560): (96, 288), (157184, 2560): (96,)}  # --sweep: every plan at these
 ROTATE_BYTES = 240e6
 log = Log()
@@ -52,6 +53,7 @@ PLANS = _plans()
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ms", type=int, nargs="+", help="rows timed at every shape (default: SHAPES')")
+    ap.add_argument("--shape", type=int, nargs=2, metavar=("N", "K"), help="this shape only")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU: interpret mode, one tiny shape")
     ap.add_argument("--lower", metavar="DIR", help="CPU: Triton IR of every plan (+ sm_90a compile)")
@@ -71,6 +73,8 @@ def main(argv=None):
     log.open(os.path.join(out_dir, "qgemm.log"))
     backend = "interpret" if args.smoke else "pallas"
     shapes = {(256, 256): (24, 40)} if args.smoke else SHAPES
+    if args.shape:
+        shapes = {tuple(args.shape): shapes.get(tuple(args.shape), MS)}
     key = jax.random.PRNGKey(0)
     copy = None if args.smoke else copy_ceiling_tbs()
     log("jax", jax.__version__, jax.devices()[0].device_kind, "copy TB/s", copy)
