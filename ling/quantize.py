@@ -15,12 +15,13 @@ full precision, and why:
   kernels (decode, verify) and the grouped GEMM (prefill) read directly; with layout "rows" the
   row layout, which the tensor-core Triton kernels read at every size.
 Decode runs `qmatvec`, dequantising in registers (up to 16 rows in one call). From 17 to
-DENSE_MAX_M rows (verify passes of many slots, prefill chunks, mixed iterations) a projection in
-the tile layout with groups the tensor cores can take runs the grouped GEMM's dense kernel
-(`pallas_kernels.grouped_gemm.dense`): the low-bit weight read once, unpacked in registers, the
-rows on the tensor cores. Other weights run `qmatvec` in two calls up to 32 rows. Longer inputs,
-and on the reference backend more than 16 rows, dequantise the weight to bf16 once per call and
-multiply (~4.5 bytes a weight moved at int4, against ~0.5 read by the kernels).
+DENSE_MAX_M = 96 rows (verify passes of 3-16 slots) a projection in the tile layout with groups
+the tensor cores can take runs the grouped GEMM's dense kernel (`pallas_kernels.grouped_gemm.dense`):
+the low-bit weight read once, unpacked in registers, the rows on the tensor cores. Beyond 96 rows
+it is slower than dequantising (latency-bound: too few programs for its K loop; `python -m
+bench.qgemm` times the three paths). Other weights run `qmatvec` in two calls up to 32 rows. Longer inputs, and on the reference backend more than 16 rows, dequantise the weight
+to bf16 once per call and multiply (~4.5 bytes a weight moved at int4, against ~0.5 read by the
+kernels).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ EXPERT_BITS = (4, 8)  # the fused MoE kernels' tested formats
 EXPERT_BLOCK_N = 64  # the fused MoE kernels' tile of output columns
 KEEP_FULL = ("kv_b_proj",)  # attribute names of Linears that stay in full precision
 CHUNKED_MAX_M = 2 * MAX_M  # rows a projection runs through `qmatvec` (in calls of MAX_M rows)
-DENSE_MAX_M = 2048  # rows a projection runs through the grouped GEMM's dense kernel
+DENSE_MAX_M = 96  # rows a projection runs through the grouped GEMM's dense kernel (where it was measured faster)
 
 
 class QLinear(QuantizedParams):

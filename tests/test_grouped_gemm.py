@@ -226,8 +226,7 @@ def test_dense_refuses_what_it_cannot_run():
         gg.dense(x[:, :128], quantize(w, bits=4, group_size=128), backend="interpret")
     with pytest.raises(ValueError, match="block_n must be 0"):
         gg.dense(x, quantize(w, bits=4, group_size=128), plan=gg.Plan(32, T(0, 48), T(0, 48)), backend="interpret")
-    assert gg.dense_plan(1).block_m == 16 and gg.dense_plan(96).block_m == 128
-    assert gg.dense_plan(4096).block_m == 128 and gg.dense_plan(33).block_m == 64
+    assert gg.dense_plan(16).block_m == 16 and gg.dense_plan(17).block_m == gg.dense_plan(96).block_m == 32
 
 
 # ------------------------------------------------------------------------------------- wiring
