@@ -421,8 +421,9 @@ def dense(x, w: QuantizedWeight, *, plan: Plan | None = None, backend="auto"):
     layout, int4 or int8): the down kernel's K loop over one expert and no routing, float32
     accumulation, rounded once to x's dtype (bf16). Grid (ceil(M / BM), N_pad / B_N), row blocks
     fastest: the blocks of one column tile run together and read its words from HBM once. Bytes:
-    w.nbytes, x once a tile (L2), y. For projections at GEMM sizes (verify passes of many slots,
-    prefill chunks), where the matvec would read the weight once every 16 rows."""
+    w.nbytes, x once a tile (L2), y. For projections of a few dozen rows (verify passes of several
+    slots), where the matvec would read the weight once every 16 rows; with hundreds of rows the
+    K loop's latency over too few programs makes it slower than a dequantised weight's GEMM."""
     backend = resolve(backend)
     m, k = x.shape
     if not dense_applies(w):
