@@ -1,5 +1,5 @@
 """The benchmarks' shared harness: the log, the task loop under a time budget, the copy ceiling,
-the queued-dispatch timer, torch's CUDA-graph timer, one relative error, and the experts' random
+the queued-dispatch timer, the rotating-buffer timer, torch's CUDA-graph timer, one relative error, and the experts' random
 weights. Device traces are in bench/trace.py, the offline Triton compile in bench/sass.py, the
 peers (XLA's MoE forms, torch's grouped GEMM) in bench/peers.py.
 """
@@ -86,6 +86,31 @@ def copy_ceiling_tbs(n_bytes: int = 1 << 30) -> float:
     f = jax.jit(lambda a: a ^ jnp.uint32(1))
     jax.block_until_ready(f(a))
     return 2 * n * 4 / queued_us(f, a, hi=10, lo=2, tries=3) / 1e6
+
+
+def rotating_us(fn, x, bufs, iters: int = 8) -> float:
+    """µs per call of fn(x, buf): len(bufs) distinct calls an iteration of a fori_loop, one
+    dispatch, the fastest of 3 runs. Each iteration's x depends (by 1e-30 x its outputs' first
+    column) on the previous iteration's outputs, so nothing is hoisted or dropped and the host's
+    dispatch is paid once a loop; distinct buffers (weights) keep each call's reads out of L2."""
+    import jax
+    import jax.numpy as jnp
+
+    def run(x, bufs):
+        def body(i, xc):
+            ys = [fn(xc, b) for b in bufs]
+            tail = sum(y[:, :1].astype(jnp.float32) for y in ys)  # [M, 1]
+            return (xc.astype(jnp.float32) + 1e-30 * tail).astype(xc.dtype)
+        return jax.lax.fori_loop(0, iters, body, x)
+
+    f = jax.jit(run)
+    jax.block_until_ready(f(x, bufs))
+    best = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x, bufs))
+        best.append((time.perf_counter() - t0) / (iters * len(bufs)) * 1e6)
+    return min(best)
 
 
 def rel_err(a, b) -> float:

@@ -9,7 +9,7 @@ it: `qmatvec` in calls of at most 16 rows, and dequantising the weight to bf16 f
 Shapes: Ling-3.0-flash's fused KDA input projection (20512 x 2560), its output projection
 (2560 x 4096) and the lm_head (157184 x 2560), int4 G = 128, symmetric, bf16 activations. Every
 timed call reads its own weight buffer (rotation over > 240 MB; L2 is 50-60 MB), many calls an
-iteration of a fori_loop in one jit (`bench.qmatvec`'s timer). Each variant is checked against
+iteration of a fori_loop in one jit (`bench.common.rotating_us`). Each variant is checked against
 the float32 product of the dequantised weight first. TB/s counts the int4 weight (+ scales), x
 and y once; the copy ceiling is measured in the same run. --sweep also times the dense kernel at
 each plan of `PLANS` (row blocks of 16-128, swapped or not, half the layout's tile). Log and JSON
@@ -22,9 +22,8 @@ import argparse
 import json
 import math
 import os
-import time
 
-from bench.common import Log, copy_ceiling_tbs
+from bench.common import Log, copy_ceiling_tbs, rotating_us
 
 SHAPES = {(20512, 2560): (6, 16, 24, 32, 64, 96, 192, 288, 512, 1024, 2048),  # rows timed per shape
           (2560, 4096): (16, 32, 96, 288, 2048), (157184, 2560): (16, 96, 288, 2048)}
@@ -89,23 +88,6 @@ def main(argv=None):
             out.append(QuantizedWeight(words, scales, None, 4, 128, True, (n, k)))
         return jax.block_until_ready(out)
 
-    def time_calls(fn, x, bufs, iters=4):
-        def run(x, bufs):
-            def body(i, xc):
-                ys = [fn(xc, b) for b in bufs]
-                tail = sum(y[:, :1].astype(jnp.float32) for y in ys)
-                return (xc.astype(jnp.float32) + 1e-30 * tail).astype(xc.dtype)
-            return jax.lax.fori_loop(0, iters, body, x)
-
-        f = jax.jit(run)
-        jax.block_until_ready(f(x, bufs))
-        best = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(x, bufs))
-            best.append((time.perf_counter() - t0) / (iters * len(bufs)) * 1e6)
-        return min(best)
-
     def chunked(x, w):
         m = x.shape[0]
         size = -(-m // -(-m // MAX_M))
@@ -140,7 +122,7 @@ def main(argv=None):
                     if args.smoke:
                         us = float("nan")
                     else:
-                        us = time_calls(fn, x, bufs)
+                        us = rotating_us(fn, x, bufs, iters=4)
                     nbytes = probe.nbytes + 2 * m * (n + k)
                     r = dict(n=n, k=k, m=m, tag=tag, us=us, tbs=nbytes / us / 1e6, err=err)
                     rows.append(r)

@@ -32,7 +32,7 @@ import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
 
-from bench.common import Log
+from bench.common import Log, rotating_us
 from bench.qmatvec_peers import torch_part
 from bench.qmatvec_table import qmatvec_table
 
@@ -84,28 +84,6 @@ def jax_part(shapes, args, peers):
                                        "tiles" if block_n else "rows"))
         return jax.block_until_ready(out)
 
-    def time_calls(fn, x, bufs, iters=8):
-        """µs per call: len(bufs) distinct calls per iteration of a fori_loop, one dispatch.
-
-        Each iteration's x depends (by 1e-30 x its outputs) on the previous iteration's outputs,
-        so nothing is hoisted or dropped and the host's dispatch cost is paid once per loop.
-        """
-        def run(x, bufs):
-            def body(i, xc):
-                ys = [fn(xc, b) for b in bufs]
-                tail = sum(y[:, :1].astype(jnp.float32) for y in ys)  # [M, 1]
-                return (xc.astype(jnp.float32) + 1e-30 * tail).astype(xc.dtype)
-            return jax.lax.fori_loop(0, iters, body, x)
-
-        f = jax.jit(run)
-        jax.block_until_ready(f(x, bufs))
-        best = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(x, bufs))
-            best.append((time.perf_counter() - t0) / (iters * len(bufs)) * 1e6)
-        return min(best)
-
     def check(x, qw, plan):
         """Relative error of the kernel against the reference on a real quantised weight."""
         y = qmatvec(x, qw, backend=BACKEND, plan=plan).astype(jnp.float32)
@@ -133,7 +111,7 @@ def jax_part(shapes, args, peers):
             probe = random_qw(key, n, k, bits, block_n, 1)[0]
             nb = probe.nbytes + (m * k + m * n) * 2
             bufs = random_qw(key, n, k, bits, block_n, n_calls(probe.nbytes))
-            us = time_calls(lambda x, b: qmatvec(x, b, backend=BACKEND, plan=plan), x, bufs)
+            us = rotating_us(lambda x, b: qmatvec(x, b, backend=BACKEND, plan=plan), x, bufs)
             del bufs
             return dict(n=n, k=k, m=m, bits=bits, block_n=block_n, plan=str(plan), tag=tag,
                         us=us, tbs=nb / us / 1e6, err=err)
@@ -151,7 +129,7 @@ def jax_part(shapes, args, peers):
             nb = n * k * 2
             ws = [jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.bfloat16)
                   for i in range(n_calls(nb))]
-            xla[(n, k, m)] = time_calls(lambda x, w: jnp.dot(x, w.T), x, ws)
+            xla[(n, k, m)] = rotating_us(lambda x, w: jnp.dot(x, w.T), x, ws)
             del ws
             log(f"XLA bf16 {n}x{k} M={m}: {xla[(n, k, m)]:.2f} µs")
 
