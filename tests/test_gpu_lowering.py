@@ -48,6 +48,14 @@ def test_the_served_step_lowers_for_the_gpu(fmt, speculative, tickets):
     assert text.count("__gpu$xla.gpu.triton") >= 6 * 3  # a layer's matvec, router and MoE launches at least
 
 
+def test_a_verify_of_many_slots_lowers_its_projections_to_the_dense_gemm(model):
+    """6 slots x 4 positions: the verify's 24 rows run the int4 projections and the lm_head through
+    the grouped GEMM's dense kernel (`ling.quantize.QLinear` from 17 rows)."""
+    stepper = Stepper(model, new_slots(model, 6, 1024, 64), speculative=True, num_steps=3, tickets=True)
+    text = stepper.lower(platforms=("cuda",)).as_text()
+    assert "dense_int4_m32_n128" in text
+
+
 def test_the_prefill_chunk_and_the_mixed_iteration_lower_for_the_gpu(model, monkeypatch):
     """A 256-token chunk (the GPU's default) over both slots, and beside a speculative step over
     slot 0 (the tile-scheduled MoE). The MLA prefill's cuDNN attention is not Triton, and cannot
