@@ -19,9 +19,9 @@ DENSE_MAX_M = 96 rows (verify passes of 3-16 slots) a projection in the tile lay
 the tensor cores can take runs the grouped GEMM's dense kernel (`pallas_kernels.grouped_gemm.dense`):
 the low-bit weight read once, unpacked in registers, the rows on the tensor cores. Beyond 96 rows
 it is slower than dequantising (latency-bound: too few programs for its K loop; `python -m
-bench.qgemm` times the three paths). Other weights run `qmatvec` in two calls up to 32 rows. Longer inputs, and on the reference backend more than 16 rows, dequantise the weight
-to bf16 once per call and multiply (~4.5 bytes a weight moved at int4, against ~0.5 read by the
-kernels).
+bench.qgemm` times the three paths). Other weights run `qmatvec` in two calls up to 32 rows.
+Longer inputs, and on the reference backend more than 16 rows, dequantise the weight to bf16
+once per call and multiply (~4.5 bytes a weight moved at int4, against ~0.5 read by the kernels).
 """
 
 from __future__ import annotations
