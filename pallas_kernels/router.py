@@ -86,6 +86,43 @@ def _select(logits, bias, *, top_k, topk_group, scale, norm):
     return ws * scale, ids
 
 
+def _select_rows(logits, bias, *, top_k, topk_group, scale, norm):
+    """R tokens' selections at once, as `_select` each: logits [R, G, E/G], bias [G, E/G] fp32 ->
+    (weights [R, k], ids [R, k]). Every reduction runs along the last axis for all rows together,
+    so R tokens cost the barriers of one; a pick's score is reduced in its round (a [R, k, E]
+    mask would not fit in registers)."""
+    scores = jax.nn.sigmoid(logits)  # [R, G, E/G]
+    choice = scores + bias[None]
+    r, g, eg = choice.shape
+    col = jax.lax.broadcasted_iota(jnp.int32, (r, g, eg), 2)
+    if g > 1:
+        best = jnp.max(choice, axis=2)  # [R, G]
+        first = jnp.min(jnp.where(choice == best[..., None], col, eg), axis=2)
+        second = jnp.max(jnp.where(col == first[..., None], -jnp.inf, choice), axis=2)
+        group_scores = best + second
+        this = jax.lax.broadcasted_iota(jnp.int32, (r, g, g), 1)
+        other = jax.lax.broadcasted_iota(jnp.int32, (r, g, g), 2)
+        gs_this, gs_other = group_scores[:, :, None], group_scores[:, None, :]
+        above = (gs_other > gs_this) | ((gs_other == gs_this) & (other < this))
+        keep = jnp.sum(above.astype(jnp.int32), axis=2) < topk_group  # [R, G]
+        choice = jnp.where(keep[..., None], choice, -jnp.inf)
+    e = g * eg
+    choice, scores = choice.reshape(r, e), scores.reshape(r, e)
+    expert = jax.lax.broadcasted_iota(jnp.int32, (r, e), 1)
+    slot = jax.lax.broadcasted_iota(jnp.int32, (r, top_k), 1)
+    ids = jnp.zeros((r, top_k), jnp.int32)
+    ws = jnp.zeros((r, top_k), jnp.float32)
+    for j in range(top_k):
+        idx = jnp.argmax(choice, axis=1).astype(jnp.int32)  # [R]
+        hit = expert == idx[:, None]
+        ids = jnp.where(slot == j, idx[:, None], ids)
+        ws = jnp.where(slot == j, jnp.sum(jnp.where(hit, scores, 0.0), axis=1)[:, None], ws)
+        choice = jnp.where(hit, -jnp.inf, choice)
+    if norm:
+        ws = ws / (jnp.sum(ws, axis=1, keepdims=True) + 1e-20)
+    return ws * scale, ids
+
+
 def _select_kernel(logits_ref, bias_ref, w_ref, ids_ref, *, top_k, topk_group, scale, norm):
     w_ref[...], ids_ref[...] = _select(logits_ref[...], bias_ref[...], top_k=top_k, topk_group=topk_group,
                                        scale=scale, norm=norm)
@@ -98,12 +135,13 @@ GATE_CHUNK = 512  # columns of D a load covers at most (the largest power of two
 def _route_kernel(x_ref, gate_ref, bias_ref, counters_ref_in, logits_ref, w_ref, ids_ref, counters_ref, *,
                   m, n_group, top_k, topk_group, scale, norm, chunk, interpret):
     """Program i: the logits of experts [4i, 4i + 4) for every token (fp32 dot over D in chunks,
-    every chunk's loads issued before the sums), stored; then a ticket; the last program reads all
-    logits back and selects (`_select`), token by token."""
+    every chunk's loads issued before the sums), stored (logits_ref holds R = pow2(M) rows, those
+    past M zero); then a ticket; the last program reads all logits back and selects: one token by
+    `_select`, several all at once by `_select_rows`, stored masked to the M rows."""
     del counters_ref_in  # aliased: the output ref is used
     i = pl.program_id(0)
     d = x_ref.shape[1]
-    e = logits_ref.shape[1]
+    r_pad, e = logits_ref.shape
     rows = pl.ds(i * GATE_ROWS, GATE_ROWS)
     chunks = [pl.ds(c * chunk, chunk) for c in range(d // chunk)]
     ws = [gate_ref[rows, c] for c in chunks]  # [4, CHUNK] fp32 each
@@ -111,6 +149,8 @@ def _route_kernel(x_ref, gate_ref, bias_ref, counters_ref_in, logits_ref, w_ref,
         xs = [x_ref[r, c].astype(jnp.float32) for c in chunks]
         acc = sum(w * xc[None, :] for w, xc in zip(ws, xs))  # [4, CHUNK]: the chunks added elementwise first
         logits_ref[r, rows] = jnp.sum(acc, axis=1)
+    for r in range(m, r_pad):
+        logits_ref[r, rows] = jnp.zeros((GATE_ROWS,), jnp.float32)
 
     def barrier():  # the program's threads; the interpreter runs a program as one
         if not interpret:
@@ -123,11 +163,16 @@ def _route_kernel(x_ref, gate_ref, bias_ref, counters_ref_in, logits_ref, w_ref,
     @pl.when(ticket == pl.num_programs(0) - 1)
     def _():
         bias = bias_ref[...].reshape(n_group, e // n_group)
-        for r in range(m):
-            w, ids = _select(logits_ref[r, :].reshape(n_group, e // n_group), bias, top_k=top_k,
-                             topk_group=topk_group, scale=scale, norm=norm)
-            w_ref[r, :] = w
-            ids_ref[r, :] = ids
+        opts = dict(top_k=top_k, topk_group=topk_group, scale=scale, norm=norm)
+        if m == 1:
+            w, ids = _select(logits_ref[0, :].reshape(n_group, e // n_group), bias, **opts)
+            w_ref[0, :] = w
+            ids_ref[0, :] = ids
+        else:
+            w, ids = _select_rows(logits_ref[...].reshape(r_pad, n_group, e // n_group), bias, **opts)
+            live = jax.lax.broadcasted_iota(jnp.int32, (r_pad, top_k), 0) < m
+            pltriton.store(w_ref.at[pl.ds(0, r_pad), :], w, mask=live)
+            pltriton.store(ids_ref.at[pl.ds(0, r_pad), :], ids, mask=live)
         counters_ref[jnp.int32(0)] = jnp.int32(0)  # zero again for the next ticket kernel
 
 
@@ -160,12 +205,13 @@ def _route_pallas(x, gate, expert_bias, counters, *, top_k, n_group, topk_group,
     kernel = functools.partial(_route_kernel, m=m, n_group=n_group, top_k=top_k, topk_group=topk_group,
                                scale=scale, norm=norm, chunk=min(GATE_CHUNK, d & -d), interpret=interpret)
     whole = lambda *shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
+    r_pad = 1 << (m - 1).bit_length()  # the selection's rows: a power of two
     _, w, ids, counters = pl.pallas_call(
         kernel,
         grid=(e // GATE_ROWS,),
         in_specs=[whole(m, d), whole(e, d), whole(e), whole(*counters.shape)],
-        out_specs=[whole(m, e), whole(m, top_k), whole(m, top_k), whole(*counters.shape)],
-        out_shape=[jax.ShapeDtypeStruct((m, e), jnp.float32), jax.ShapeDtypeStruct((m, top_k), jnp.float32),
+        out_specs=[whole(r_pad, e), whole(m, top_k), whole(m, top_k), whole(*counters.shape)],
+        out_shape=[jax.ShapeDtypeStruct((r_pad, e), jnp.float32), jax.ShapeDtypeStruct((m, top_k), jnp.float32),
                    jax.ShapeDtypeStruct((m, top_k), jnp.int32), jax.ShapeDtypeStruct(counters.shape, jnp.int32)],
         input_output_aliases={3: 3},
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),

@@ -65,12 +65,13 @@ def test_bad_groups_are_named():
 
 
 @pytest.mark.parametrize("backend", KERNELS)
-@pytest.mark.parametrize("m,d,e,k,n_group,topk_group", [(1, 2560, 512, 8, 8, 4), (6, 512, 64, 4, 8, 3),
-                                                         (2, 1024, 128, 2, 1, 1)])
+@pytest.mark.parametrize("m,d,e,k,n_group,topk_group", [(1, 2560, 512, 8, 8, 4), (6, 2560, 512, 8, 8, 4),
+                                                         (3, 512, 64, 4, 8, 3), (2, 1024, 128, 2, 1, 1)])
 def test_gate_and_select_in_one_launch(backend, m, d, e, k, n_group, topk_group):
     """The fused router (gate logits by every program, the selection by the last ticket) picks the
     experts of the gate matmul followed by the selection kernel, with the same weights, and leaves
-    its counter zero; `route` takes it inside a tickets scope."""
+    its counter zero; `route` takes it inside a tickets scope. Ling's decode (1) and verify (6)
+    tokens; 3 tokens select in 4 rows, the last masked."""
     import jax
 
     from pallas_kernels import tickets
