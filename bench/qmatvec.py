@@ -158,24 +158,21 @@ def jax_part(shapes, args, peers):
             rows = [(0, RowsPlan(128, 1, 2)), (0, RowsPlan(64, 1, 4)), (0, RowsPlan(256, 1, 4, 8))]
             rows_split = [(0, RowsPlan(128, 2, 2)), (0, RowsPlan(128, 4, 1)), (0, RowsPlan(64, 10, 2)),
                           (0, RowsPlan(128, 10, 2))]
-        variants = {  # (shape N, M): [(block_n, Plan)]
-            (157184, 1): rows + [(128, Plan("fma", 2, 1, chunk_words=16)),
+        variants = {  # (shape N, M): [(block_n, Plan)], the tile layout's first
+            (157184, 1): [(128, Plan("mma", 1, 4, num_stages=3)),
+                          (128, Plan("mma", 2, 4, num_stages=3)),
+                          (128, Plan("mma", 1, 4, num_stages=4)),
                           (128, Plan("fma", 2, 1, chunk_words=8, prefetch=True)),
-                          (128, Plan("fma", 4, 1, chunk_words=8)),
-                          (128, Plan("fma", 4, 1, chunk_words=8, prefetch=True)),
-                          (256, Plan("fma", 2, 2, chunk_words=8, prefetch=True)),
-                          (128, Plan("mma", 1, 4, num_stages=3))],
-            (157184, 6): rows + [(128, Plan("mma", 2, 4, num_stages=3)),
-                          (128, Plan("mma", 1, 4, num_stages=2)),
-                          (256, Plan("mma", 1, 4, num_stages=3)),
-                          (128, Plan("mma", 1, 2, num_stages=3))],
-            (20480, 1): rows_split + [(128, Plan("fma", 10, 1, chunk_words=8, prefetch=True)),
-                         (128, Plan("fma", 20, 1, chunk_words=8)),
-                         (128, Plan("fma", 10, 1, chunk_words=16)),
-                         (256, Plan("fma", 20, 2, chunk_words=8, prefetch=True))],
-            (20480, 6): rows_split + [(128, Plan("mma", 10, 4, num_stages=3)),
-                         (128, Plan("mma", 4, 2, num_stages=2)),
-                         (128, Plan("mma", 4, 4, num_stages=2))],
+                          (128, Plan("fma", 4, 1, chunk_words=8))] + rows,
+            (157184, 6): [(128, Plan("mma", 2, 4, num_stages=3)),
+                          (128, Plan("mma", 1, 4, num_stages=4))] + rows,
+            (20480, 1): [(128, Plan("mma", 4, 4, num_stages=3)),
+                         (128, Plan("mma", 2, 4, num_stages=3)),
+                         (128, Plan("mma", 10, 4, num_stages=3)),
+                         (128, Plan("mma", 4, 4, num_stages=4)),
+                         (128, Plan("fma", 20, 1, chunk_words=8))] + rows_split,
+            (20480, 6): [(128, Plan("mma", 10, 4, num_stages=3)),
+                         (128, Plan("mma", 2, 4, num_stages=3))] + rows_split,
         }
         for (n, m), plans in variants.items():
             if (n, 2560) not in shapes and not args.smoke:
