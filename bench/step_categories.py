@@ -40,7 +40,7 @@ PALLAS = (  # our kernels are custom calls, whose HLO names are not the kernels'
     (r"moe_align|fused_moe", "fused MoE: routed, shared, dense MLP"),
     (r"expert_tiles", "tile-scheduled MoE (decode and prefill tokens)"),
     (r"grouped_(up|down|gemm)", "grouped GEMM MoE (prefill)"),
-    (r"router_select", "router"),
+    (r"^router", "router"),  # the fused gate and selection ("router"), or the selection alone
     (r"qmatvec", "low-bit matvec (projections, lm_head)"),
     (r"rows_kernel", "low-bit matvec and MoE GEMMs, row layout"),
     (r"rms_norm", "norms"),

@@ -4,7 +4,7 @@ buffers it makes, from a program compiled here."""
 import jax
 import jax.numpy as jnp
 
-from bench.step_categories import big_copies
+from bench.step_categories import big_copies, category
 
 
 def test_big_copies_finds_a_buffer_that_could_not_be_updated_in_place():
@@ -25,3 +25,12 @@ def test_big_copies_finds_a_buffer_that_could_not_be_updated_in_place():
              "metadata={op_name=\"jit(run)/commit/transpose\"}\n}\n")
     assert big_copies(fused) == [dict(name="wrapped_copy", shape="f32[4096,1024]", bytes=4096 * 1024 * 4,
                                       op_name="jit(run)/commit/transpose")]
+
+
+def test_the_routers_kernels_count_as_the_router():
+    """The fused router ("router", and XLA's numbered copies of a kernel's name) and the selection
+    kernel alone are the router's time, not other glue; the router's XLA ops go by their scope."""
+    for name in ("router", "router__1", "router_select"):
+        assert category(name, {}) == "router (Pallas)"
+    assert category("loop_select_fusion_3", {"loop_select_fusion": "jit(run)/router/sigmoid"}) == "router"
+    assert category("loop_select_fusion_3", {}) == "other glue"
