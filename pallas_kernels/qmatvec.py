@@ -30,8 +30,10 @@ Bytes moved: n_active/T * qw.nbytes of weights (words + scales + zeros, each rea
 tiles are never addressed), x (M*K*2, L2 resident after the first programs) and y (M*N*2; plus
 S*M*N_pad*4 twice when split).
 
-Bound by instructions, not HBM (bench/RESULTS.md): the int4 main loop compiles to 3.46 SASS
-instructions a weight on the fma path and 3.34 on the mma path (`python -m bench.qmatvec_sass --pallas`).
+Bound by the latency of the weight loads, neither by HBM nor by issue (bench/RESULTS.md): the int4
+main loop compiles to 3.46 SASS instructions a weight on the fma path and 3.34 on the mma path
+(`python -m bench.qmatvec_sass --pallas`), and on the fma path ptxas spreads a group's loads through
+the loop, each shortly before its use, so a warp has few in flight.
 """
 
 from __future__ import annotations
