@@ -1,0 +1,69 @@
+"""`l2_prefetch(ref, idx)`: ask L2 for the lines of ref[idx] ahead of their loads (PTX `prefetch.global.L2`).
+
+A weight-streaming kernel's loads wait on HBM. Where the compiler places each load shortly before
+its use (ptxas spreads a loop's loads through its body to keep registers free), a warp has few in
+flight. A prefetch holds no register, so it stays where it is issued: a program that prefetches its
+whole K range as it starts has every line of it on its way at once, and its loads then wait on L2.
+
+    ref[idx]: any block of a kernel ref; each element's address is prefetched, so index one element
+    a 128-byte line (e.g. a strided `pl.ds(0, n // 32, stride=32)` over a uint32 row) to issue one
+    prefetch a line.
+
+Only a hint: it reads nothing into the kernel and changes no memory, so interpret mode (the CPU)
+discharges it to nothing. The Triton lowering is the inline PTX over the block's pointers. These are
+jax._src internals, as in `relaxed_atomic`.
+"""
+
+from __future__ import annotations
+
+from jax._src import core as jax_core
+from jax._src import state
+from jax._src import tree_util
+from jax._src.lib.mlir import ir
+from jax._src.lib.triton import dialect as tt_dialect
+from jax._src.pallas.triton import lowering
+from jax._src.state import discharge as state_discharge
+from jax._src.state import indexing
+from jax._src.state import primitives as state_primitives
+
+l2_prefetch_p = jax_core.Primitive("l2_prefetch")
+l2_prefetch_p.multiple_results = True
+
+
+@l2_prefetch_p.def_effectful_abstract_eval
+def _abstract_eval(*avals_flat, args_tree):
+    del avals_flat, args_tree
+    return [], {state.WriteEffect(0)}  # a read with no result would be dead code to jax: kept as a write
+
+
+@state_discharge.register_discharge_rule(l2_prefetch_p)
+def _discharge(in_avals, out_avals, *args_flat, args_tree):
+    del out_avals, args_flat, args_tree
+    return [None] * len(in_avals), []
+
+
+@lowering.register_lowering(l2_prefetch_p)
+def _lowering(ctx: lowering.LoweringRuleContext, *args_flat, args_tree):
+    block_info, *_ = ctx.block_infos
+    ptr, indexers = args_tree.unflatten(args_flat)
+    indexers = list(indexers)
+    if not indexers or not isinstance(indexers[-1], indexing.NDIndexer):
+        ref_aval = state.transform_type(indexers, ctx.avals_in[0])
+        indexers.append(indexing.NDIndexer.make_trivial_indexer(ref_aval.shape))
+    if len(indexers) != 1:
+        raise NotImplementedError("l2_prefetch: only a single indexer is supported")
+    ptrs = lowering._compute_pointers_from_indices(ptr, block_info, indexers[0])
+    shape = ir.RankedTensorType(ptrs.type).shape if isinstance(ptrs.type, ir.RankedTensorType) else []
+    i32 = ir.IntegerType.get_signless(32)
+    result = ir.RankedTensorType.get(shape, i32) if shape else i32
+    # The result is a dummy (an elementwise asm op has one); pure=False keeps the op without a use.
+    tt_dialect.ElementwiseInlineAsmOp([result], "mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", constraints="=r,l",
+                                      pure=False, packed_element=1, args=[ptrs])
+    return []
+
+
+def l2_prefetch(ref, idx=()) -> None:
+    """Prefetch into L2 the lines that hold ref[idx] (see the module docstring)."""
+    x_ref, transforms = state_primitives.get_ref_and_transforms(ref, idx, "l2_prefetch")
+    args_flat, args_tree = tree_util.tree_flatten((x_ref, transforms))
+    l2_prefetch_p.bind(*args_flat, args_tree=args_tree)
