@@ -23,8 +23,9 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas.triton import lowering
 from jax._src.state import discharge as state_discharge
-from jax._src.state import indexing
 from jax._src.state import primitives as state_primitives
+
+from pallas_kernels.ref_pointers import block_pointers
 
 l2_prefetch_p = jax_core.Primitive("l2_prefetch")
 l2_prefetch_p.multiple_results = True
@@ -44,15 +45,8 @@ def _discharge(in_avals, out_avals, *args_flat, args_tree):
 
 @lowering.register_lowering(l2_prefetch_p)
 def _lowering(ctx: lowering.LoweringRuleContext, *args_flat, args_tree):
-    block_info, *_ = ctx.block_infos
     ptr, indexers = args_tree.unflatten(args_flat)
-    indexers = list(indexers)
-    if not indexers or not isinstance(indexers[-1], indexing.NDIndexer):
-        ref_aval = state.transform_type(indexers, ctx.avals_in[0])
-        indexers.append(indexing.NDIndexer.make_trivial_indexer(ref_aval.shape))
-    if len(indexers) != 1:
-        raise NotImplementedError("l2_prefetch: only a single indexer is supported")
-    ptrs = lowering._compute_pointers_from_indices(ptr, block_info, indexers[0])
+    ptrs = block_pointers(ctx, ptr, indexers, "l2_prefetch")
     shape = ir.RankedTensorType(ptrs.type).shape if isinstance(ptrs.type, ir.RankedTensorType) else []
     i32 = ir.IntegerType.get_signless(32)
     result = ir.RankedTensorType.get(shape, i32) if shape else i32

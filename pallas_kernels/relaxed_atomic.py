@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax._src import core as jax_core
-from jax._src import state
 from jax._src import tree_util
 from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas.triton import lowering
 from jax._src.pallas.triton import primitives as tprim
 from jax._src.state import discharge as state_discharge
-from jax._src.state import indexing
 from jax._src.state import primitives as state_primitives
+
+from pallas_kernels.ref_pointers import block_pointers
 
 relaxed_atomic_add_p = jax_core.Primitive("relaxed_atomic_add")
 relaxed_atomic_add_p.def_effectful_abstract_eval(tprim._atomic_abstract_eval)
@@ -35,16 +35,9 @@ state_discharge.register_discharge_rule(relaxed_atomic_add_p)(tprim._atomic_rmw_
 @lowering.register_lowering(relaxed_atomic_add_p)
 def _lowering(ctx: lowering.LoweringRuleContext, *args_flat, args_tree, atomic_type):
     del atomic_type  # always ADD
-    block_info, *_ = ctx.block_infos
     ptr, indexers, val, mask = args_tree.unflatten(args_flat)
     *_, value_aval, mask_aval = args_tree.unflatten(ctx.avals_in)
-    indexers = list(indexers)
-    if not indexers or not isinstance(indexers[-1], indexing.NDIndexer):
-        ref_aval = state.transform_type(indexers, ctx.avals_in[0])
-        indexers.append(indexing.NDIndexer.make_trivial_indexer(ref_aval.shape))
-    if len(indexers) != 1:
-        raise NotImplementedError("relaxed_atomic_add: only a single indexer is supported")
-    ptr = lowering._compute_pointers_from_indices(ptr, block_info, indexers[0])
+    ptr = block_pointers(ctx, ptr, indexers, "relaxed_atomic_add")
     val = lowering._ensure_ir_value(val, value_aval)
     if mask is not None:
         mask = lowering._ensure_ir_value(mask, mask_aval)
