@@ -1,9 +1,10 @@
 """`l2_prefetch(ref, idx)`: ask L2 for the lines of ref[idx] ahead of their loads (PTX `prefetch.global.L2`).
 
-A weight-streaming kernel's loads wait on HBM. Where the compiler places each load shortly before
-its use (ptxas spreads a loop's loads through its body to keep registers free), a warp has few in
-flight. A prefetch holds no register, so it stays where it is issued: a program that prefetches its
-whole K range as it starts has every line of it on its way at once, and its loads then wait on L2.
+A weight-streaming kernel's loads wait on HBM. Where ptxas places each load shortly before its use
+(it spreads a loop's loads through the body to keep registers free), a warp has few in flight. A
+prefetch holds no register and has side effects, so it stays where it is issued, and ptxas does not
+sink the loads issued before it past it: a loop step that loads its group and then asks for a later
+group's lines issues all of its group's loads together, with the later group on its way to L2.
 
     ref[idx]: any block of a kernel ref; each element's address is prefetched, so index one element
     a 128-byte line (e.g. a strided `pl.ds(0, n // 32, stride=32)` over a uint32 row) to issue one
