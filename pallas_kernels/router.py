@@ -50,23 +50,32 @@ def reference(logits, expert_bias, *, top_k: int, n_group: int, topk_group: int,
     return w * scale, ids.astype(jnp.int32)
 
 
+def _kept_groups(choice, topk_group):
+    """choice [..., G, E/G] with the experts of every group outside the topk_group best set to -inf
+    (a group's score: the sum of its top 2, a tied second included; equal scores rank by lower
+    group index). Reductions along the last axis, for every leading index together."""
+    *lead, g, eg = choice.shape
+    if g == 1:
+        return choice
+    lead = tuple(lead)
+    col = jax.lax.broadcasted_iota(jnp.int32, choice.shape, len(lead) + 1)
+    best = jnp.max(choice, axis=-1)  # [..., G]
+    first = jnp.min(jnp.where(choice == best[..., None], col, eg), axis=-1)
+    second = jnp.max(jnp.where(col == first[..., None], -jnp.inf, choice), axis=-1)
+    group_scores = best + second
+    this = jax.lax.broadcasted_iota(jnp.int32, lead + (g, g), len(lead))
+    other = jax.lax.broadcasted_iota(jnp.int32, lead + (g, g), len(lead) + 1)
+    gs_this, gs_other = group_scores[..., :, None], group_scores[..., None, :]
+    above = (gs_other > gs_this) | ((gs_other == gs_this) & (other < this))
+    keep = jnp.sum(above.astype(jnp.int32), axis=-1) < topk_group  # [..., G]
+    return jnp.where(keep[..., None], choice, -jnp.inf)
+
+
 def _select(logits, bias, *, top_k, topk_group, scale, norm):
     """One token's selection in a program: logits, bias [G, E/G] fp32 -> (weights, ids) [k]."""
     scores = jax.nn.sigmoid(logits)  # [G, E/G]
-    choice = scores + bias
+    choice = _kept_groups(scores + bias, topk_group)
     g, eg = choice.shape
-    col = jax.lax.broadcasted_iota(jnp.int32, (g, eg), 1)
-    if g > 1:
-        best = jnp.max(choice, axis=1)  # [G]
-        first = jnp.min(jnp.where(choice == best[:, None], col, eg), axis=1)
-        second = jnp.max(jnp.where(col == first[:, None], -jnp.inf, choice), axis=1)
-        group_scores = best + second
-        this = jax.lax.broadcasted_iota(jnp.int32, (g, g), 0)
-        other = jax.lax.broadcasted_iota(jnp.int32, (g, g), 1)
-        gs_this, gs_other = group_scores[:, None], group_scores[None, :]
-        above = (gs_other > gs_this) | ((gs_other == gs_this) & (other < this))
-        keep = jnp.sum(above.astype(jnp.int32), axis=1) < topk_group  # [G]
-        choice = jnp.where(keep[:, None], choice, -jnp.inf)
     # The top k: k rounds of one argmax over the flattened choice (a (value, index) reduction
     # that keeps the lower index of equal values, as lax.top_k), each pick masked for the next
     # round; then every pick's score in one [k, E] reduction.
@@ -92,20 +101,8 @@ def _select_rows(logits, bias, *, top_k, topk_group, scale, norm):
     so R tokens cost the barriers of one; a pick's score is reduced in its round (a [R, k, E]
     mask would not fit in registers)."""
     scores = jax.nn.sigmoid(logits)  # [R, G, E/G]
-    choice = scores + bias[None]
+    choice = _kept_groups(scores + bias[None], topk_group)
     r, g, eg = choice.shape
-    col = jax.lax.broadcasted_iota(jnp.int32, (r, g, eg), 2)
-    if g > 1:
-        best = jnp.max(choice, axis=2)  # [R, G]
-        first = jnp.min(jnp.where(choice == best[..., None], col, eg), axis=2)
-        second = jnp.max(jnp.where(col == first[..., None], -jnp.inf, choice), axis=2)
-        group_scores = best + second
-        this = jax.lax.broadcasted_iota(jnp.int32, (r, g, g), 1)
-        other = jax.lax.broadcasted_iota(jnp.int32, (r, g, g), 2)
-        gs_this, gs_other = group_scores[:, :, None], group_scores[:, None, :]
-        above = (gs_other > gs_this) | ((gs_other == gs_this) & (other < this))
-        keep = jnp.sum(above.astype(jnp.int32), axis=2) < topk_group  # [R, G]
-        choice = jnp.where(keep[..., None], choice, -jnp.inf)
     e = g * eg
     choice, scores = choice.reshape(r, e), scores.reshape(r, e)
     expert = jax.lax.broadcasted_iota(jnp.int32, (r, e), 1)
