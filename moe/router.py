@@ -19,8 +19,8 @@ def route(x, weight, expert_bias, *, top_k: int, n_group: int, topk_group: int,
     The bias only steers the choice; the weights are the unbiased sigmoid scores, renormalised over
     the chosen experts and multiplied by the routed scaling factor. Two launches: the gate matmul
     (XLA, fp32) and the selection (`pallas_kernels.router`; its reference on backend "reference",
-    which has a gradient: training passes it); one inside a `pallas_kernels.tickets` scope
-    (`gate_and_select`).
+    which has a gradient: training passes it); for one token inside a `pallas_kernels.tickets`
+    scope, one launch (`gate_and_select`).
     """
     opts = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, scale=routed_scaling_factor,
                 norm=norm_topk_prob, backend=backend)

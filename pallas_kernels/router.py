@@ -95,31 +95,6 @@ def _select(logits, bias, *, top_k, topk_group, scale, norm):
     return ws * scale, ids
 
 
-def _select_rows(logits, bias, *, top_k, topk_group, scale, norm):
-    """R tokens' selections at once, as `_select` each: logits [R, G, E/G], bias [G, E/G] fp32 ->
-    (weights [R, k], ids [R, k]). Every reduction runs along the last axis for all rows together,
-    so R tokens cost the barriers of one; a pick's score is reduced in its round (a [R, k, E]
-    mask would not fit in registers)."""
-    scores = jax.nn.sigmoid(logits)  # [R, G, E/G]
-    choice = _kept_groups(scores + bias[None], topk_group)
-    r, g, eg = choice.shape
-    e = g * eg
-    choice, scores = choice.reshape(r, e), scores.reshape(r, e)
-    expert = jax.lax.broadcasted_iota(jnp.int32, (r, e), 1)
-    slot = jax.lax.broadcasted_iota(jnp.int32, (r, top_k), 1)
-    ids = jnp.zeros((r, top_k), jnp.int32)
-    ws = jnp.zeros((r, top_k), jnp.float32)
-    for j in range(top_k):
-        idx = jnp.argmax(choice, axis=1).astype(jnp.int32)  # [R]
-        hit = expert == idx[:, None]
-        ids = jnp.where(slot == j, idx[:, None], ids)
-        ws = jnp.where(slot == j, jnp.sum(jnp.where(hit, scores, 0.0), axis=1)[:, None], ws)
-        choice = jnp.where(hit, -jnp.inf, choice)
-    if norm:
-        ws = ws / (jnp.sum(ws, axis=1, keepdims=True) + 1e-20)
-    return ws * scale, ids
-
-
 def _select_kernel(logits_ref, bias_ref, w_ref, ids_ref, *, top_k, topk_group, scale, norm):
     w_ref[...], ids_ref[...] = _select(logits_ref[...], bias_ref[...], top_k=top_k, topk_group=topk_group,
                                        scale=scale, norm=norm)
@@ -130,24 +105,20 @@ GATE_CHUNK = 512  # columns of D a load covers at most (the largest power of two
 
 
 def _route_kernel(x_ref, gate_ref, bias_ref, counters_ref_in, logits_ref, w_ref, ids_ref, counters_ref, *,
-                  m, n_group, top_k, topk_group, scale, norm, chunk, interpret):
-    """Program i: the logits of experts [4i, 4i + 4) for every token (fp32 dot over D in chunks,
-    every chunk's loads issued before the sums), stored (logits_ref holds R = pow2(M) rows, those
-    past M zero); then a ticket; the last program reads all logits back and selects: one token by
-    `_select`, several all at once by `_select_rows`, stored masked to the M rows."""
+                  n_group, top_k, topk_group, scale, norm, chunk, interpret):
+    """Program i: the token's logits of experts [4i, 4i + 4) (fp32 dot over D in chunks, every
+    chunk's loads issued before the sums), stored; then a ticket; the last program reads all E
+    logits back and selects (`_select`)."""
     del counters_ref_in  # aliased: the output ref is used
     i = pl.program_id(0)
     d = x_ref.shape[1]
-    r_pad, e = logits_ref.shape
+    e = logits_ref.shape[1]
     rows = pl.ds(i * GATE_ROWS, GATE_ROWS)
     chunks = [pl.ds(c * chunk, chunk) for c in range(d // chunk)]
     ws = [gate_ref[rows, c] for c in chunks]  # [4, CHUNK] fp32 each
-    for r in range(m):
-        xs = [x_ref[r, c].astype(jnp.float32) for c in chunks]
-        acc = sum(w * xc[None, :] for w, xc in zip(ws, xs))  # [4, CHUNK]: the chunks added elementwise first
-        logits_ref[r, rows] = jnp.sum(acc, axis=1)
-    for r in range(m, r_pad):
-        logits_ref[r, rows] = jnp.zeros((GATE_ROWS,), jnp.float32)
+    xs = [x_ref[0, c].astype(jnp.float32) for c in chunks]
+    acc = sum(w * xc[None, :] for w, xc in zip(ws, xs))  # [4, CHUNK]: the chunks added elementwise first
+    logits_ref[0, rows] = jnp.sum(acc, axis=1)
 
     def barrier():  # the program's threads; the interpreter runs a program as one
         if not interpret:
@@ -159,17 +130,10 @@ def _route_kernel(x_ref, gate_ref, bias_ref, counters_ref_in, logits_ref, w_ref,
 
     @pl.when(ticket == pl.num_programs(0) - 1)
     def _():
-        bias = bias_ref[...].reshape(n_group, e // n_group)
-        opts = dict(top_k=top_k, topk_group=topk_group, scale=scale, norm=norm)
-        if m == 1:
-            w, ids = _select(logits_ref[0, :].reshape(n_group, e // n_group), bias, **opts)
-            w_ref[0, :] = w
-            ids_ref[0, :] = ids
-        else:
-            w, ids = _select_rows(logits_ref[...].reshape(r_pad, n_group, e // n_group), bias, **opts)
-            live = jax.lax.broadcasted_iota(jnp.int32, (r_pad, top_k), 0) < m
-            pltriton.store(w_ref.at[pl.ds(0, r_pad), :], w, mask=live)
-            pltriton.store(ids_ref.at[pl.ds(0, r_pad), :], ids, mask=live)
+        w, ids = _select(logits_ref[0, :].reshape(n_group, e // n_group), bias_ref[...].reshape(n_group, e // n_group),
+                         top_k=top_k, topk_group=topk_group, scale=scale, norm=norm)
+        w_ref[0, :] = w
+        ids_ref[0, :] = ids
         counters_ref[jnp.int32(0)] = jnp.int32(0)  # zero again for the next ticket kernel
 
 
@@ -197,19 +161,18 @@ def _pow2(n: int) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("top_k", "n_group", "topk_group", "scale", "norm", "interpret"))
 def _route_pallas(x, gate, expert_bias, counters, *, top_k, n_group, topk_group, scale, norm, interpret):
-    m, d = x.shape
+    d = x.shape[1]
     e = gate.shape[0]
-    kernel = functools.partial(_route_kernel, m=m, n_group=n_group, top_k=top_k, topk_group=topk_group,
+    kernel = functools.partial(_route_kernel, n_group=n_group, top_k=top_k, topk_group=topk_group,
                                scale=scale, norm=norm, chunk=min(GATE_CHUNK, d & -d), interpret=interpret)
     whole = lambda *shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
-    r_pad = 1 << (m - 1).bit_length()  # the selection's rows: a power of two
     _, w, ids, counters = pl.pallas_call(
         kernel,
         grid=(e // GATE_ROWS,),
-        in_specs=[whole(m, d), whole(e, d), whole(e), whole(*counters.shape)],
-        out_specs=[whole(r_pad, e), whole(m, top_k), whole(m, top_k), whole(*counters.shape)],
-        out_shape=[jax.ShapeDtypeStruct((r_pad, e), jnp.float32), jax.ShapeDtypeStruct((m, top_k), jnp.float32),
-                   jax.ShapeDtypeStruct((m, top_k), jnp.int32), jax.ShapeDtypeStruct(counters.shape, jnp.int32)],
+        in_specs=[whole(1, d), whole(e, d), whole(e), whole(*counters.shape)],
+        out_specs=[whole(1, e), whole(1, top_k), whole(1, top_k), whole(*counters.shape)],
+        out_shape=[jax.ShapeDtypeStruct((1, e), jnp.float32), jax.ShapeDtypeStruct((1, top_k), jnp.float32),
+                   jax.ShapeDtypeStruct((1, top_k), jnp.int32), jax.ShapeDtypeStruct(counters.shape, jnp.int32)],
         input_output_aliases={3: 3},
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
@@ -220,15 +183,16 @@ def _route_pallas(x, gate, expert_bias, counters, *, top_k, n_group, topk_group,
 
 def gate_and_select(x, gate, expert_bias, counters, *, top_k: int, n_group: int, topk_group: int,
                     scale: float = 1.0, norm: bool = True, backend: str = "auto"):
-    """The gate's logits (x [M, D] @ gate [E, D]ᵀ in fp32) and the selection in one launch, by a
-    ticket (`pallas_kernels.tickets`): (weights [M, k], ids [M, k], the counters after it), or
-    None where it does not apply (the reference backend; G, E/G or k not a power of two; D
-    without a power-of-two factor of 16; more than 16 tokens). The logits are fp32 dots summed in
-    their own order, so a near-tie may choose otherwise than XLA's dot would."""
+    """One token's gate logits (x [1, D] @ gate [E, D]ᵀ in fp32) and selection in one launch, by a
+    ticket (`pallas_kernels.tickets`): (weights [1, k], ids [1, k], the counters after it), or None
+    where it does not apply (the reference backend; G, E/G or k not a power of two; D without a
+    power-of-two factor of 16; more than one token: there the last program would select every
+    token alone, while `select_experts` gives each token a program of its own). The logits are
+    fp32 dots summed in their own order, so a near-tie may choose otherwise than XLA's dot would."""
     m, d = x.shape
     e = gate.shape[0]
     backend = resolve(backend)
-    if (backend == "reference" or m > 16 or (d & -d) < 16 or e % GATE_ROWS
+    if (backend == "reference" or m != 1 or (d & -d) < 16 or e % GATE_ROWS
             or not all(map(_pow2, (n_group, e // n_group, top_k)))):
         return None
     return _route_pallas(x, gate, expert_bias, counters, top_k=top_k, n_group=n_group, topk_group=topk_group,
