@@ -23,13 +23,12 @@ def fused_moe_sweep(d: int, i: int, g: int) -> dict:
     # D / G = 20 and I / G = 6 groups at Ling's shapes
     ku, kd = d // g, i // g
     split = lambda n, per: split_groups(n, per) if per else 1  # noqa: E731
-    q = lambda w, pu=0, pd=0, l2=0: fma(GP(0, 0, w, 1, split=split(ku, pu), l2_ahead=l2),  # noqa: E731
-                                        GP(0, 0, w, 1, split=split(kd, pd), l2_ahead=l2))
+    q = lambda w, pu=0, pd=0: fma(GP(0, 0, w, 1, split=split(ku, pu)), GP(0, 0, w, 1, split=split(kd, pd)))  # noqa: E731
     qdot = lambda pu=0, pd=0: dot(GP(0, 0, 4, 4, split=split(ku, pu)), GP(0, 0, 4, 4, split=split(kd, pd)))  # noqa: E731
     return {("bf16", 1): m1, ("bf16", 6): tiles, ("bf16", 16): tiles[:1],
             ("bf16", 64): [dot(GP(64, 128, 4, 6), GP(64, 128, 4, 5))],
-            ("int4", 1): [q(4, 2, 1, l2=1), q(4, 4, 2, l2=1), q(4, 0, 0, l2=1), q(8, 1, 1), qdot(2, 1)],
-            ("int4", 6): [q(4, 0, 0, l2=1), q(4, 10, 3, l2=1), q(4, 2, 2), qdot()],
+            ("int4", 1): [q(4, 2, 1), q(8, 1, 1), qdot(2, 1)],
+            ("int4", 6): [q(4, 10, 3), q(4, 2, 2), qdot()],
             ("int4", 16): [q(4, 10, 3), qdot(), qdot(10, 0), qdot(10, 3)],
             ("int4", 64): [qdot(10, 3), q(4)]}
 

@@ -159,21 +159,11 @@ def jax_part(shapes, args, peers):
             rows_split = [(0, RowsPlan(128, 2, 2)), (0, RowsPlan(128, 4, 1)), (0, RowsPlan(64, 10, 2)),
                           (0, RowsPlan(128, 10, 2))]
         variants = {  # (shape N, M): [(block_n, Plan)], the tile layout's first
-            (157184, 1): [(128, Plan("fma", 2, 1, chunk_words=8, l2_ahead=1)),
-                          (128, Plan("fma", 2, 1, chunk_words=8, l2_ahead=2)),
-                          (128, Plan("fma", 4, 1, chunk_words=8, l2_ahead=1)),
-                          (128, Plan("fma", 2, 1, chunk_words=16, l2_ahead=1)),
-                          (128, Plan("fma", 4, 1, chunk_words=8)),
+            (157184, 1): [(128, Plan("fma", 4, 1, chunk_words=8)),
                           (128, Plan("mma", 2, 4, num_stages=3))] + rows,
-            (157184, 6): [(128, Plan("mma", 1, 4, num_stages=3, l2_ahead=1)),
-                          (128, Plan("mma", 2, 4, num_stages=3))] + rows,
-            (20480, 1): [(128, Plan("fma", 10, 1, chunk_words=8, l2_ahead=1)),
-                         (128, Plan("fma", 20, 1, chunk_words=8, l2_ahead=1)),
-                         (128, Plan("fma", 5, 1, chunk_words=8, l2_ahead=1)),
-                         (128, Plan("fma", 10, 1, chunk_words=16, l2_ahead=1)),
-                         (128, Plan("fma", 20, 1, chunk_words=8))] + rows_split,
-            (20480, 6): [(128, Plan("mma", 4, 4, num_stages=3, l2_ahead=1)),
-                         (128, Plan("mma", 2, 4, num_stages=3))] + rows_split,
+            (157184, 6): [(128, Plan("mma", 2, 4, num_stages=3))] + rows,
+            (20480, 1): [(128, Plan("fma", 20, 1, chunk_words=8))] + rows_split,
+            (20480, 6): [(128, Plan("mma", 2, 4, num_stages=3))] + rows_split,
         }
         for (n, m), plans in variants.items():
             if (n, 2560) not in shapes and not args.smoke:

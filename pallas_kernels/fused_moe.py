@@ -64,7 +64,6 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import tickets
 from pallas_kernels.backend import resolve
 from pallas_kernels.int4_pairs import dot_acc, int4_pairs, subtrahend
-from pallas_kernels.l2_prefetch import l2_prefetch
 from pallas_kernels.experts import (GATHER_MAX_PAIRS, SharedExpert, check_args, check_shared, expert_dims, k_groups,
                                     reference, rows_layout, swiglu)
 from pallas_kernels.moe_align import align_sizes, moe_align
@@ -89,7 +88,6 @@ class GemmPlan:
     num_warps: int = 4
     num_stages: int = 4
     split: int = 1
-    l2_ahead: int = 0  # quantised "fma": > 0 prefetches into L2 this many groups ahead (`l2_prefetch`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,10 +173,9 @@ class QMeta:
     subs: int = 1  # programs a layout tile is split into along N (block_n = the layout's B_N / subs)
 
 
-def _acc_quant(qrefs, qm: QMeta, e, t, a_load, *, bm, fma, groups=None, l2_ahead=0):
+def _acc_quant(qrefs, qm: QMeta, e, t, a_load, *, bm, fma, groups=None):
     """The same for quantised weights, one group of G input rows per loop step; groups = (first,
-    count) of K's groups to sum (default: all). l2_ahead > 0 ("fma"): the first l2_ahead groups'
-    words are prefetched into L2 before the loop, and each step asks for the group l2_ahead on.
+    count) of K's groups to sum (default: all).
 
     "dot": the exact u - z in bf16 (int4: two codes an instruction by `int4_pairs`; int8:
     qmatvec's `lanes` float unpack, cast), tensor-core dot with lane i's [BM, WPG] slice of a; the
@@ -237,17 +234,7 @@ def _acc_quant(qrefs, qm: QMeta, e, t, a_load, *, bm, fma, groups=None, l2_ahead
 
     g0, n_g = (0, qm.n_groups) if groups is None else groups
     if fma:
-        def ask_l2(first, count):  # one prefetch a 128-byte line of the groups' words
-            l2_prefetch(words_ref, (e, t, pl.ds(first * wpg, count * wpg), pl.ds(0, max(1, bn // 32), stride=32)))
-
-        def body_l2(g, acc):  # the group l2_ahead on, then this one
-            ask_l2(jnp.minimum(g + l2_ahead, g0 + n_g - 1), 1)
-            return body_fma(g, acc)
-
-        if l2_ahead:
-            ask_l2(g0, min(l2_ahead, n_g))
-        body = body_l2 if 0 < l2_ahead < n_g else body_fma
-        acc = lax.fori_loop(g0, g0 + n_g, body, jnp.zeros((wpg, bn), jnp.float32))
+        acc = lax.fori_loop(g0, g0 + n_g, body_fma, jnp.zeros((wpg, bn), jnp.float32))
         return jnp.sum(acc, axis=0)
     return lax.fori_loop(g0, g0 + n_g, body_dot, jnp.zeros((bm, bn), jnp.float32))
 
@@ -300,14 +287,14 @@ def pop_weight_refs(refs: list, qm: QMeta | None):
     return refs.pop(0), refs.pop(0), refs.pop(0), None if qm.symmetric else refs.pop(0)
 
 
-def expert_tile(wrefs, qm: QMeta | None, e, t, a_load, *, n_k, bk, bn, bm, fma, groups=None, l2_ahead=0):
+def expert_tile(wrefs, qm: QMeta | None, e, t, a_load, *, n_k, bk, bn, bm, fma, groups=None):
     """a @ W_e[:, tile t] in fp32 for either weight format: [BM, BN] ("dot") or [BN] ("fma").
     a_load(k0, size) gives the rows' columns [k0, k0 + size): [BM, size] in the activation dtype
     ("dot") or [size] fp32 ("fma"). groups: (first, count) of K's groups (quantised weights) or of
-    its n_k steps of BK (bf16). l2_ahead: `_acc_quant`'s."""
+    its n_k steps of BK (bf16)."""
     if qm is None:
         return _acc_dense(wrefs, e, t * bn, a_load, n_k=n_k, bk=bk, bn=bn, bm=bm, fma=fma, steps=groups)
-    return _acc_quant(wrefs, qm, e, t, a_load, bm=bm, fma=fma, groups=groups, l2_ahead=l2_ahead)
+    return _acc_quant(wrefs, qm, e, t, a_load, bm=bm, fma=fma, groups=groups)
 
 
 def swiglu_columns(acc, limit):
@@ -323,7 +310,7 @@ def swiglu_columns(acc, limit):
 
 
 def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, limit, n_init, shared,
-                 ticket_sums=False, n_tiles=1, l2_ahead=0, interpret=False):
+                 ticket_sums=False, n_tiles=1, interpret=False):
     """Program (j, t, s): block j's rows times expert e_j's weight tile t, over the s-th of split
     shares of K; see the module doc. shared: None, or (E, its SwiGLU limit): expert id E names
     the shared expert, whose weights follow the routed experts' refs. ticket_sums ("fma" only): the
@@ -378,8 +365,7 @@ def _gemm_kernel(*refs, stage, direct, k, p, bm, fma, n_k, bk, bn, qm, split, li
     def block(wrefs, e, limit):  # an unused block (e < 0) reads and writes nothing
         per = (n_k if qm is None else qm.n_groups) // split
         share = None if split == 1 else (s * per, per)
-        acc = expert_tile(wrefs, qm, e, t, a_load, n_k=n_k, bk=bk, bn=bn, bm=bm, fma=fma, groups=share,
-                          l2_ahead=l2_ahead)
+        acc = expert_tile(wrefs, qm, e, t, a_load, n_k=n_k, bk=bk, bn=bn, bm=bm, fma=fma, groups=share)
         if stage == "up" and split > 1:  # raw (gate, up) partial sums: SwiGLU after their sum
             if fma:
                 part_ref[s, j, pl.ds(t * bn, bn)] = acc
@@ -480,7 +466,7 @@ def _gemm(stage, a, route, sorted_pairs, w, *, n_blocks, k, p, plan: Plan, gp: G
         _gemm_kernel, stage=stage, direct=direct, k=k, p=p, bm=plan.block_m,
         fma=plan.path == "fma", n_k=n_k, bk=bk, bn=bn, qm=qm, split=gp.split, limit=limit,
         n_init=len(inits) - ticket_sums, shared=shared, ticket_sums=ticket_sums, n_tiles=n_tiles,
-        l2_ahead=gp.l2_ahead, interpret=interpret)
+        interpret=interpret)
     bits = "" if qm is None else f"_int{qm.bits}"
     return pl.pallas_call(
         kernel,

@@ -50,7 +50,6 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import tickets
 from pallas_kernels.backend import resolve
 from pallas_kernels.int4_pairs import dot_acc, int4_pairs, subtrahend
-from pallas_kernels.l2_prefetch import l2_prefetch
 from pallas_kernels.quant import QuantizedWeight, dequantize
 
 MAX_M = 16
@@ -68,7 +67,6 @@ class Plan:
     num_stages: int = 2
     chunk_words: int = 32  # CW: most words of one group loaded at once (registers)
     prefetch: bool = False  # load the next group's words before computing this one
-    l2_ahead: int = 0  # > 0: prefetch into L2 this many groups ahead of the one computed (`l2_prefetch`)
 
 
 def plan_for(m: int, qw: QuantizedWeight, n_active: int) -> Plan:
@@ -227,32 +225,21 @@ def _kernel(*refs, m, n, bits, group_size, symmetric, block_n, plan, has_tiles, 
             out.append(acc[r] + jnp.sum(part[r] - sub, axis=0) * scale)  # [B_N]
         return tuple(out)
 
-    def ask_l2(first, count):  # groups [first, first + count) of the tile's words into L2: one prefetch a line
-        l2_prefetch(words_ref, (t, pl.ds(first * wpg, count * wpg), pl.ds(0, max(1, block_n // 32), stride=32)))
-
-    last_group = g_first + groups_per_prog - 1
-    if plan.l2_ahead:  # the first l2_ahead groups now, then each step asks for the group l2_ahead on
-        ask_l2(g_first, min(plan.l2_ahead, groups_per_prog))
-
-    def computed(g, chunks, acc):
-        if plan.l2_ahead and plan.l2_ahead < groups_per_prog:
-            ask_l2(jnp.minimum(g + plan.l2_ahead, last_group), 1)
-        return compute_group(g, chunks, acc)
-
     init = jnp.zeros((rows, block_n), jnp.float32) if mma else (jnp.zeros(block_n, jnp.float32),) * m
     if plan.prefetch:
         # Software pipelining by hand: group j+1's words are in flight while group j is computed.
         def step(j, carry):
             acc, chunks = carry
             nxt = load_group(g_first + j + 1)
-            return computed(g_first + j, chunks, acc), nxt
+            return compute_group(g_first + j, chunks, acc), nxt
 
+        last = g_first + groups_per_prog - 1
         acc, chunks = lax.fori_loop(0, groups_per_prog - 1, step, (init, load_group(g_first)))
-        acc = computed(last_group, chunks, acc)
+        acc = compute_group(last, chunks, acc)
     else:
         def step(j, acc):
             g = g_first + j
-            return computed(g, load_group(g), acc)
+            return compute_group(g, load_group(g), acc)
 
         acc = lax.fori_loop(0, groups_per_prog, step, init)
 

@@ -1,7 +1,7 @@
 """`block_pointers`: in a Pallas Triton lowering rule, the pointers of a kernel ref's indexed block.
 
 For primitives of this package that take a ref and an index as Pallas' own loads do
-(`relaxed_atomic`, `l2_prefetch`): the index's transforms end in one NDIndexer (a trivial one is
+(`relaxed_atomic`): the index's transforms end in one NDIndexer (a trivial one is
 made for a bare ref), whose offsets Pallas' pointer arithmetic turns into a tensor of pointers of
 the block's shape. These are jax._src internals, as in `relaxed_atomic`.
 """

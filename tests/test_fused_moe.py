@@ -97,10 +97,6 @@ SPLIT_CASES = [
     (6, 8, 4, "skewed", 0.5, fm.Plan("fma", 1, fm.GemmPlan(0, 0, 2, 1, split=2), fm.GemmPlan(0, 0, 2, 1))),
     (3, 4, 8, "random", 1.0, fm.Plan("fma", 1, fm.GemmPlan(0, 0, 2, 1), fm.GemmPlan(0, 0, 2, 1, split=2))),
     (5, 8, 8, "one", None, fm.Plan("dot", 16, fm.GemmPlan(0, 0, 4, 2, split=2), fm.GemmPlan(0, 0, 4, 2, split=2))),
-    # L2 prefetches (no-ops in interpret mode; the GPU run checks their lowering): a group ahead of
-    # 2 an up program; all of the down GEMM's groups at the start
-    (1, 8, 4, "random", 0.5, fm.Plan("fma", 1, fm.GemmPlan(0, 0, 2, 1, split=2, l2_ahead=1),
-                                      fm.GemmPlan(0, 0, 2, 1, l2_ahead=4))),
 ]
 
 

@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 
 from pallas_kernels.qmatvec import Plan, _finish, _launch, qmatvec, reference
-from pallas_kernels.quant import QuantizedWeight, dequantize, quantize
+from pallas_kernels.quant import dequantize, quantize
 from backends import KERNELS
 
 N, BN = 100, 32  # 4 tiles, the last one ragged (4 valid rows)
 
 # (bits, group_size, symmetric, M, K, plan): every bit width, several group sizes, both paths,
-# split-K, the hand-pipelined loop and L2 prefetches (no-ops in interpret mode: the GPU run checks
-# their lowering).
+# split-K and the hand-pipelined loop.
 CASES = [
     (4, 128, True, 1, 512, Plan("fma", 1, 1)),
     (4, 64, False, 3, 512, Plan("fma", 2, 1, prefetch=True)),
@@ -23,9 +22,6 @@ CASES = [
     (2, 32, True, 2, 256, Plan("fma", 4, 1, prefetch=True)),
     (4, 128, False, 16, 256, Plan("mma", 2, 4)),
     (4, 128, True, 6, 256, Plan("mma", 1, 4)),  # int4's bf16 pairs, symmetric
-    (4, 128, True, 1, 512, Plan("fma", 2, 1, l2_ahead=1)),  # L2 prefetches, a group ahead
-    (4, 64, False, 2, 512, Plan("fma", 1, 1, prefetch=True, l2_ahead=3)),
-    (4, 128, True, 6, 512, Plan("mma", 1, 4, l2_ahead=4)),  # the whole K range at the start
 ]
 
 
@@ -137,19 +133,3 @@ def test_split_k_summed_by_tickets_in_the_launch(backend, case):
     assert not np.asarray(counters).any()
     ops = [e.primitive.name for e in jax.make_jaxpr(twice)(x, tickets.zeros()).jaxpr.eqns]
     assert ops.count("pallas_call") == 2 and "reduce_sum" not in ops  # no XLA sum after the launches
-
-
-def test_l2_prefetches_reach_the_kernels_triton_ir():
-    """Lowered for CUDA (on the CPU), a plan with l2_ahead carries `prefetch.global.L2` in its Triton IR
-    (the first groups', and one a step in the group loop); without it, none. The GPU tests run them."""
-    n, k = 20480, 2560
-    t = n // 128
-    qw = QuantizedWeight(jax.ShapeDtypeStruct((t, k // 8, 128), jnp.uint32),
-                         jax.ShapeDtypeStruct((t, k // 128, 128), jnp.bfloat16), None, 4, 128, True, (n, k))
-
-    def lowered(plan):
-        fn = jax.jit(lambda x, w: qmatvec(x, w, backend="pallas", plan=plan))
-        return fn.trace(jax.ShapeDtypeStruct((1, k), jnp.bfloat16), qw).lower(lowering_platforms=("cuda",)).as_text()
-
-    assert "prefetch.global.L2" in lowered(Plan("fma", 10, 1, chunk_words=8, l2_ahead=1))
-    assert "prefetch.global.L2" not in lowered(Plan("fma", 10, 1, chunk_words=8))
