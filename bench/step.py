@@ -17,6 +17,8 @@ whole speculative step; beside each, what the device did (JAX profiler), and the
     python -m bench.step --tile-model PATH --from-json step.json   # the same from an earlier run
     python -m bench.step ... --modes mixed --mixed-moe tiles   # the tile-scheduled launch (default: grouped GEMM)
     python -m bench.step ... --modes mixed --chunk 16 256 --mixed-moe tiles grouped   # each pair
+    python -m bench.step ... --modes spec --draft-vocab 0 32768   # drafts over the whole vocabulary,
+                                     # then over 32768 tokens (`ling.draft_vocab`)
 
 Random weights, batch 1 (`--batch B`: B slots, all live; `--slots N` holds N slots, the first B
 live and stepped in a batch bucket of B rows, as the server steps them), a prompt of --context tokens prefilled
@@ -82,7 +84,7 @@ def build_model(args):
     return model
 
 
-def floors(cfg, args, bw: float, chunk: int) -> dict:
+def floors(cfg, args, bw: float, chunk: int, draft_vocab: int = 0) -> dict:
     from ling.roofline import step_bytes
 
     bits = {None: 16, "int8": 8, "int4": 4}[args.quantize]
@@ -97,7 +99,10 @@ def floors(cfg, args, bw: float, chunk: int) -> dict:
         return q.total
 
     nextn_only = lambda t: nbytes(t, nextn=True) - nbytes(t)  # noqa: E731
-    lm_head = cfg.vocab_size * cfg.hidden_size * (2 if bits == 16 else (bits + 16 / 128) / 8)
+    # a draft step's lm_head: the draft vocabulary's rows (and its [V] int32 slot map), or all V
+    rows = draft_vocab or cfg.vocab_size
+    lm_head = rows * cfg.hidden_size * (2 if bits == 16 else (bits + 16 / 128) / 8)
+    lm_head += 4 * cfg.vocab_size if draft_vocab else 0
     drafting = s * (nextn_only(1) + lm_head) + nextn_only(s + 1)
     width = s + 1 if s > 0 else 1  # the mixed iteration's step: speculative with S > 0
     return {"decode": nbytes(1) / bw, "verify": nbytes(s + 1) / bw, "spec": (nbytes(s + 1) + drafting) / bw,
@@ -193,6 +198,9 @@ def main():
                          "step_overhead_us), and print the model's MoE time a layer against the measured one")
     ap.add_argument("--from-json", metavar="STEP_JSON", help="with --tile-model: take the mixed iteration from "
                     "this step.json (a run with mode mixed) instead of measuring")
+    ap.add_argument("--draft-vocab", type=int, nargs="+", default=[0], metavar="N",
+                    help="drafts over N tokens (`ling.draft_vocab`: N random ids, for timing; 0: the whole "
+                         "vocabulary); several: each, for modes spec and mixed")
     ap.add_argument("--mem-fraction", type=float, default=0.92,
                     help="share of the GPU's memory JAX takes, as serve.run's (XLA_PYTHON_CLIENT_MEM_FRACTION wins "
                          "when set): the whole model in int4 needs ~73 GB while it is built")
@@ -228,6 +236,8 @@ def main():
         ap.error("--tile-model takes its overhead from mode mixed: add it to --modes")
     if chunked and args.slots <= args.batch:
         ap.error(f"modes {', '.join(sorted(chunked))} prefill slot --batch beside the live ones: give --slots > --batch")
+    if any(not 0 <= n for n in args.draft_vocab):
+        ap.error(f"--draft-vocab must be 0 (the whole vocabulary) or a token count, got {args.draft_vocab}")
     if not 0 < args.mem_fraction <= 1:
         ap.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(args.mem_fraction))  # read when JAX starts
@@ -298,19 +308,24 @@ def main():
                       f, indent=1)
 
     single = ("verify", "chunk")  # no Stepper of their own: one program a call, timed through one()
-    # (mode, ticket sums, steps a call, chunk width, mixed launch) of each measurement
-    runs = [(mode, t, n, c, launch) for mode in args.modes
+    # (mode, ticket sums, steps a call, chunk width, mixed launch, draft vocabulary) of each measurement
+    drafting = ("spec", "mixed") if s > 0 else ("spec",)
+    runs = [(mode, t, n, c, launch, dv) for mode in args.modes
             for t, n in ([(False, 1)] if mode in single else [(t, 1) for t in dict(variants)] if mode == "mixed"
                          else variants)
             for c in (args.chunk if mode in ("chunk", "mixed") else [None])
-            for launch in (args.mixed_moe if mode == "mixed" else [None])]
-    for mode, tickets, per_step, width, launch in runs:  # per_step: steps a call
+            for launch in (args.mixed_moe if mode == "mixed" else [None])
+            for dv in (args.draft_vocab if mode in drafting else [0])]
+    for mode, tickets, per_step, width, launch, dv in runs:  # per_step: steps a call
+        model.attach_draft_vocab(np.sort(rng.choice(cfg.vocab_size, dv, replace=False)) if dv else None)
         name = mode if mode in single else label(mode, tickets, per_step)
         if width is not None and len(args.chunk) > 1:
             name += f" {width}"
         if launch is not None and len(args.mixed_moe) > 1:
             name += f" {launch}"
-        fl = floors(cfg, args, bw, width or 0)
+        if mode in drafting and len(args.draft_vocab) > 1:
+            name += f" vocab {dv or cfg.vocab_size}"
+        fl = floors(cfg, args, bw, width or 0, dv)
         if mode == "chunk":
             holder = {"slots": fresh()}
 
@@ -396,7 +411,7 @@ def main():
         results[name] = dict(served_us=served * 1e6, dispatch_us=dispatch * 1e6, span_us=alone.get("span_us"),
                              stream=stream, host=host[:40], sequence=alone.get("sequence"),
                              floor_us=fl[mode] * 1e6, tokens_per_step=produced, walls_us=[w * 1e6 for w in walls],
-                             chunk=width, mixed_moe=launch)
+                             chunk=width, mixed_moe=launch, draft_vocab=dv)
         hlo = lowered.compile().as_text()
         cats = by_category(stream["kernels"], hlo_scopes(hlo))
         copies = results[name]["big_copies"] = big_copies(hlo)

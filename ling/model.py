@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling.config import DENSE, KDA, ModelConfig
+from ling.draft_vocab import DraftVocab
 from ling.kda import KDAttention
 from ling.layers import RMSNorm
 from ling.mla import MLAttention
@@ -260,6 +261,7 @@ class LingModel(nnx.Module):
         with_nextn = cfg.num_nextn_layers > 0 if nextn is None else nextn
         self.nextn = finish(NextN(cfg, dtype=dtype, rngs=rngs, mesh=mesh, kernels=kernels)) if with_nextn else None
         self.dspark = nnx.data(None)  # the DSpark block drafter (`ling.dspark`), attached by `attach_dspark`
+        self.draft_vocab = nnx.data(None)  # the drafters' reduced vocabulary (`ling.draft_vocab`), if attached
 
     def attach_dspark(self, drafter) -> LingModel:
         """Attaches a block drafter (`ling.dspark.DSparkDrafter`) for this target; returns the model."""
@@ -272,6 +274,12 @@ class LingModel(nnx.Module):
         self.dspark = drafter
         return self
 
+    def attach_draft_vocab(self, ids) -> LingModel:
+        """Drafts over the tokens `ids` only (`ling.draft_vocab.DraftVocab`, from the lm_head as it is
+        now: attach after quantising); ids None detaches. Returns the model."""
+        self.draft_vocab = None if ids is None else DraftVocab(self, ids)
+        return self
+
     def embed(self, tokens):
         return jnp.take(self.embed_tokens[...], tokens, axis=0)
 
@@ -282,6 +290,11 @@ class LingModel(nnx.Module):
             return self.lm_head(hidden).astype(jnp.float32)
         w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         return jnp.dot(hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+    def draft_logits(self, hidden):
+        """The drafters' logits [B, T, V] fp32 for hidden [B, T, D]: the lm_head's, or with a draft
+        vocabulary its rows alone (-inf for the other tokens)."""
+        return self.logits(hidden) if self.draft_vocab is None else self.draft_vocab(hidden)
 
     def __call__(self, tokens, state: State, *, valid=None, form: str = "auto", logits: bool = True,
                  taps: tuple[int, ...] = ()):
@@ -328,8 +341,8 @@ class LingModel(nnx.Module):
         return results
 
     def draft(self, hidden, next_tokens, cache: MLACache, lengths, *, form: str = "auto", logits: bool = True):
-        """One NEXTN step: logits [B, T, V] for the tokens two positions after `hidden`'s (None with
-        logits=False), the draft hidden states and the new NEXTN cache."""
+        """One NEXTN step: logits [B, T, V] (`draft_logits`) for the tokens two positions after
+        `hidden`'s (None with logits=False), the draft hidden states and the new NEXTN cache."""
         (result,) = self.draft_forward([DraftBatch(hidden, next_tokens, cache, lengths, form, logits)])
         return result
 
@@ -341,7 +354,7 @@ class LingModel(nnx.Module):
         out = self.nextn.grouped([b.hidden for b in batches], [self.embed(b.next_tokens) for b in batches],
                                  [b.cache for b in batches], [b.lengths for b in batches],
                                  forms=[b.form for b in batches])
-        return [((self.logits(h) if b.logits else None), h, cache) for b, (h, cache) in zip(batches, out)]
+        return [((self.draft_logits(h) if b.logits else None), h, cache) for b, (h, cache) in zip(batches, out)]
 
 
 def use_kernels(model: nnx.Module, kernels: str) -> nnx.Module:

@@ -260,6 +260,40 @@ def relayout(qw: QuantizedWeight, layout: str, block_n: int = 128) -> QuantizedW
     return QuantizedWeight(words, scales, zeros, qw.bits, qw.group_size, qw.symmetric, qw.shape, layout)
 
 
+def take_rows(qw: QuantizedWeight, rows) -> QuantizedWeight:
+    """The weight's rows `rows` (int [R], each in [0, N)) as a QuantizedWeight [R, K] in the same
+    layout, exactly: a row's words, scales and zeros are its own in both layouts, so they are
+    gathered, never unpacked. Tiles: the R rows re-tiled with qw's B_N, padded as `quantize` pads
+    (zero weights)."""
+    rows = jnp.asarray(rows, jnp.int32)
+    if rows.ndim != 1:
+        raise ValueError(f"rows must be 1-D, got shape {rows.shape}")
+    return _take_rows(qw, rows)
+
+
+@jax.jit
+def _take_rows(qw: QuantizedWeight, rows) -> QuantizedWeight:
+    n, k = qw.shape
+    r = rows.shape[0]
+    if qw.layout == "rows":
+        zeros = None if qw.zeros is None else qw.zeros[rows]
+        return dataclasses.replace(qw, words=qw.words[rows], scales=qw.scales[rows], zeros=zeros, shape=(r, k))
+    bn = qw.block_n
+    pad = -r % bn
+    vpw = 32 // qw.bits
+    code = 2 ** (qw.bits - 1) if qw.symmetric else 0  # a padded row's code: a zero weight
+    pad_word = sum(code << (i * qw.bits) for i in range(vpw))
+
+    def gather(a, fill):  # [T, X, B_N] -> the rows' [T', X, B_N]
+        flat = a.transpose(0, 2, 1).reshape(-1, a.shape[1])[rows]  # [R, X]
+        flat = jnp.concatenate([flat, jnp.full((pad, a.shape[1]), fill, a.dtype)])
+        return flat.reshape(-1, bn, a.shape[1]).transpose(0, 2, 1)
+
+    zeros = None if qw.zeros is None else gather(qw.zeros, 0)
+    return dataclasses.replace(qw, words=gather(qw.words, np.uint32(pad_word)), scales=gather(qw.scales, 1),
+                               zeros=zeros, shape=(r, k))
+
+
 @jax.jit
 def dequantize(qw: QuantizedWeight) -> jax.Array:
     """W' = (u - z) * s as float32 [N, K]; exact (an 8-bit integer times a bf16 scale)."""

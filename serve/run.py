@@ -86,6 +86,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "--speculative-num-steps for nextn, the drafter's trained block for dspark)")
     ap.add_argument("--speculative-draft-model-path", default=None,
                     help="directory of the DSpark drafter (dspark.json; default: the model directory)")
+    ap.add_argument("--speculative-token-map", default=None, metavar="PATH",
+                    help="draft over these tokens only: a file of token ids (.npy, .json or .txt; `python -m "
+                    "offline.token_map` counts a corpus into one); a draft step then reads their rows of the "
+                    "lm_head instead of all of it. Output is unchanged; acceptance may fall (default: the whole "
+                    "vocabulary)")
     ap.add_argument("--speculative-confidence-threshold", type=float, default=None,
                     help="dspark: verify only the drafts whose estimated survival (confidence head) is at least "
                     "this, chosen on the device each step (default: verify the whole block)")
@@ -321,6 +326,24 @@ def _attach_dspark(args, model, steps):
     return BlockDrafter(scheduled=scheduled, threshold=threshold or 0.0, budget=budget or 0), block
 
 
+def _attach_token_map(args, model, steps, bar) -> None:
+    """--speculative-token-map: the drafters' reduced vocabulary (`ling.draft_vocab`), placed as the
+    model is. StartupError when the file is unusable or does not fit the model's vocabulary."""
+    from ling.build import place
+    from ling.draft_vocab import load_token_map
+
+    if not steps:
+        bar.write("warning: --speculative-token-map without speculative decoding: ignored", file=sys.stderr)
+        return
+    try:
+        ids = load_token_map(args.speculative_token_map, model.cfg.vocab_size)
+    except (OSError, ValueError) as e:
+        raise StartupError(f"--speculative-token-map: {e}") from None
+    place(model.attach_draft_vocab(ids).draft_vocab, model.mesh)
+    bar.write(f"draft vocabulary: {ids.size} of {model.cfg.vocab_size} tokens ({args.speculative_token_map}), "
+              f"{model.draft_vocab.nbytes / 1e6:.0f} MB", file=sys.stderr)
+
+
 def _load_model(args):
     import ling
 
@@ -435,6 +458,8 @@ def start(args, bar) -> Loaded:
     elif steps > 0 and model.nextn is None:
         bar.write("warning: the model has no NEXTN layer: speculative decoding is off", file=sys.stderr)
         steps = 0
+    if args.speculative_token_map is not None:
+        _attach_token_map(args, model, steps, bar)
     mixed = args.mixed_iteration == "on" or (args.mixed_iteration == "auto" and model.kernels != "reference")
     sizer = chunk_sizer(args, cfg, mixed)
     memory = memory_plan(model, max_seq_len=max_seq_len, speculative_steps=steps,

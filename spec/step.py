@@ -340,7 +340,7 @@ class BlockDrafter:
     def __call__(self, model: LingModel, slots: Slots, num_steps: int, *, sampling: bool):
         d = model.dspark
         h = d.block(model.embed, slots.model.dspark, slots.model.lengths, slots.last_token, num_steps)  # [B, S, D]
-        base = model.logits(h)  # [B, S, V]
+        base = model.draft_logits(h)  # [B, S, V]
         prev, drafts, qs, conf = slots.last_token, [], [], []
         for j in range(num_steps):
             logits = base[:, j] + d.markov_bias(h[:, j], prev) if self.sequential else base[:, j]

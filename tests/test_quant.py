@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.quant import ROW_ORDERS, QuantizedWeight, codes, dequantize, group_params, quantize, relayout
+from pallas_kernels.quant import (ROW_ORDERS, QuantizedWeight, codes, dequantize, group_params, quantize, relayout,
+                                  take_rows)
 
 CONFIGS = [(b, g, sym) for b in (2, 4, 8) for g in (32, 128) for sym in (True, False)]
 # Every bit width and both modes, each with one of the group sizes (keeps compile time down).
@@ -157,3 +158,25 @@ def test_row_layout_errors_name_the_argument(kwargs, name):
     w = jnp.ones((8, 256), jnp.bfloat16)
     with pytest.raises(ValueError, match=name):
         quantize(w, **{"layout": "rows", **kwargs})
+
+
+@pytest.mark.parametrize("bits,symmetric,layout", [(4, True, "tiles"), (2, False, "tiles"), (8, True, "rows"),
+                                                   (4, False, "rows")])
+def test_take_rows_is_quantising_those_rows(bits, symmetric, layout):
+    """A row subset (unsorted, a repeat, the last padded tile's rows) equals quantising those rows
+    of W: words, scales and zeros leaf for leaf, the tile layout's padding included."""
+    rng = np.random.default_rng(bits)
+    n, k = 70, 256
+    w = _weights(rng, n, k, offset=0.0 if symmetric else 0.5)
+    kw = dict(bits=bits, group_size=128, symmetric=symmetric, layout=layout)
+    if layout == "tiles":
+        kw["block_n"] = 32
+    ids = np.array([69, 3, 40, 3, 0, 65, 12])
+    got = take_rows(quantize(w, **kw), ids)
+    want = quantize(w[ids], **kw)
+    assert got.shape == (len(ids), k) and got.layout == layout
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="rows"):
+        take_rows(quantize(w, **kw), ids[None])

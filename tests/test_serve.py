@@ -29,9 +29,13 @@ def running(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     # Mixed iterations on (off by default on CPU): every HTTP test below runs through them too. One
     # batch bucket, a third of the programs to compile: the engine's tests cross the buckets' edges.
+    # Drafts over half the vocabulary (--speculative-token-map): every greedy output below must still
+    # be the model's own.
+    np.save(tmp / "token_map.npy", np.arange(0, 4096, 2))
     s = Server(["--max-batch", str(BATCH), "--max-seq-len", str(CONTEXT), "--prefill-chunk", str(CHUNK), "--dtype",
                 "float32", "--speculative-num-steps", "3", "--api-key", KEY, "--profile-dir", str(tmp / "profiles"),
-                "--mixed-iteration", "on", "--batch-buckets", "off"], tmp)
+                "--mixed-iteration", "on", "--batch-buckets", "off",
+                "--speculative-token-map", str(tmp / "token_map.npy")], tmp)
     try:
         yield s
     finally:
@@ -105,6 +109,21 @@ def metric(client, name, labels=None):
 
 
 # -- generation ---------------------------------------------------------------------------------
+
+
+def test_a_token_map_the_model_cannot_use_stops_the_start(running, tmp_path):
+    """The running server drafts over its map; a map with an id past the vocabulary stops the start
+    with the reason."""
+    import subprocess
+    import sys
+
+    assert "draft vocabulary: 2048 of 4096 tokens" in running.log()
+    (tmp_path / "bad.json").write_text("[1, 2, 4096]")
+    r = subprocess.run([sys.executable, "-m", "serve.run", "--port", "0", "--speculative-token-map",
+                        str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 2
+    assert "--speculative-token-map: token map" in r.stderr and "id 4096 is outside" in r.stderr
 
 
 def test_health_and_models(client):
