@@ -45,6 +45,22 @@ def test_greedy_block_drafting_equals_plain_greedy(model, block):
         assert out == plain
 
 
+def test_block_drafting_over_a_token_map_equals_plain_greedy(model):
+    """The block drafter's base logits go through the model's draft vocabulary too
+    (`ling.draft_vocab`): its drafts stay in the map, and the output is plain greedy's."""
+    ps = prompts(4, (40, 9), model.cfg.vocab_size)
+    plain = generate_batch(model, ps, 32, speculative=False)
+    ids = np.arange(0, model.cfg.vocab_size, 3)
+    try:
+        out, slots = generate_batch(model.attach_draft_vocab(ids), ps, 32, speculative=True, num_steps=8,
+                                    drafter=BlockDrafter(), return_slots=True)
+        drafts = BlockDrafter()(model, slots, 8, sampling=False)[0]
+    finally:
+        model.attach_draft_vocab(None)
+    assert out == plain
+    assert np.isin(np.asarray(drafts), ids).all()
+
+
 def test_the_block_drafter_depends_on_its_context(model):
     """The drafts of a slot come from its own cached context: two prompts with the same last token
     draft differently, and a slot's first block equals the drafter run over a fresh cache."""
